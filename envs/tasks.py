@@ -1,0 +1,46 @@
+"""Task-id arithmetic shared by the envs, the curriculum and evaluation (no heavy imports)."""
+from __future__ import annotations
+
+import hashlib
+
+# The Affine game env's fixed game order; task_id // 100_000_000 indexes it modulo 22.
+AVAILABLE_GAMES: list[str] = [
+    "goofspiel", "liars_dice", "leduc_poker", "gin_rummy", "othello", "backgammon", "hex",
+    "clobber", "hearts", "euchre", "dots_and_boxes", "go", "chess", "checkers", "quoridor",
+    "blackjack", "phantom_ttt", "2048", "solitaire", "bridge", "amazons", "oware",
+]
+GAME_ID_STRIDE = 100_000_000
+
+# Embedded trace tasks: difficulty level L (1 = easy .. 3 = hard) owns ids [(L-1)*R, L*R).
+TRACE_LEVEL_STRIDE = 1_000_000
+TRACE_LEVELS = (1, 2, 3)
+
+
+def game_task_id(game_name: str, config_id: int = 0) -> int:
+    """Task id of `game_name` with parameter variant `config_id`."""
+    if game_name not in AVAILABLE_GAMES:
+        raise ValueError(f"unknown game {game_name!r}; expected one of {AVAILABLE_GAMES}")
+    if not 0 <= config_id < GAME_ID_STRIDE:
+        raise ValueError(f"config_id must be in [0, {GAME_ID_STRIDE}), got {config_id}")
+    return AVAILABLE_GAMES.index(game_name) * GAME_ID_STRIDE + config_id
+
+
+def game_name_of(task_id: int) -> str:
+    return AVAILABLE_GAMES[(task_id // GAME_ID_STRIDE) % len(AVAILABLE_GAMES)]
+
+
+def trace_level_range(level: int) -> tuple[int, int]:
+    """Half-open task-id range of embedded trace tasks at difficulty `level`."""
+    if level not in TRACE_LEVELS:
+        raise ValueError(f"trace difficulty must be one of {TRACE_LEVELS}, got {level}")
+    return ((level - 1) * TRACE_LEVEL_STRIDE, level * TRACE_LEVEL_STRIDE)
+
+
+def trace_level_of(task_id: int) -> int:
+    return TRACE_LEVELS[(task_id // TRACE_LEVEL_STRIDE) % len(TRACE_LEVELS)]
+
+
+def validator_seed(env_name: str, task_id: int) -> int:
+    """The seed Affine validators derive when none is given: sha256("<env>:<task_id>") mod 2**32."""
+    digest = hashlib.sha256(f"{env_name}:{task_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 2**32
