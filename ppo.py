@@ -1,0 +1,286 @@
+"""PPO math on token tensors: log-probs, masked statistics, GAE, group baselines, losses, KL.
+
+Pure functions of tensors (no I/O, no model). Conventions shared by every function:
+- Batches are `[B, T]`: row = one episode's tokens, `mask` is 1 (or True) on the generated
+  tokens that are trained on and 0 elsewhere. Masks are 0/1, not weights.
+- Means over tokens are means over all valid tokens of the batch (token-level, not per row).
+- An empty mask never produces NaN: means and variances are 0 there.
+- Log-softmax, entropies and losses are computed in fp32 whatever the logits' dtype.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# A chunk of rows holds about this many logits (128 MiB in fp32), so the fp32 temporaries of
+# log-softmax never cover the whole vocabulary of the whole batch at once.
+CHUNK_ELEMENTS = 2**25
+# Log-ratios beyond this are clamped before exp: e^20 is already a meaningless ratio.
+LOG_RATIO_LIMIT = 20.0
+WHITEN_EPS = 1e-8
+KL_KINDS = ("k1", "k2", "k3", "abs")
+
+
+def _map_row_chunks(
+    fn: Callable[..., torch.Tensor], logits: torch.Tensor, *per_row: torch.Tensor, chunk_size: int | None
+) -> torch.Tensor:
+    """Apply `fn(logits_rows, *per_row_rows) -> [n]` over chunks of the flattened rows of `logits`."""
+    vocab = logits.shape[-1]
+    rows = chunk_size or max(1, CHUNK_ELEMENTS // vocab)
+    flat_logits = logits.reshape(-1, vocab)  # [B*T, V]
+    flat_per_row = [t.reshape(-1) for t in per_row]  # [B*T] each
+    # Without checkpointing, autograd would keep each chunk's fp32 copy / softmax until backward,
+    # i.e. the full-vocab tensor we avoid here; recomputing one chunk in backward is cheap.
+    recompute = torch.is_grad_enabled() and logits.requires_grad
+    outputs = []
+    for start in range(0, flat_logits.shape[0], rows):
+        args = (flat_logits[start : start + rows], *(t[start : start + rows] for t in flat_per_row))
+        outputs.append(checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args))
+    if not outputs:
+        return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
+    return torch.cat(outputs).view(logits.shape[:-1])
+
+
+def _label_logprob(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()  # [n, V]
+    label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # [n]
+    return label_logits - torch.logsumexp(logits, dim=-1)
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()  # [n, V]
+    log_partition = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1]
+    probs = (logits - log_partition).exp_()
+    # H = log Z - sum_v p_v z_v; vecdot avoids another [n, V] product tensor
+    return log_partition.squeeze(-1) - torch.linalg.vecdot(probs, logits)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, *, chunk_size: int | None = None
+) -> torch.Tensor:
+    """fp32 log-probability of each label: logits [B, T, V], labels [B, T] -> [B, T].
+
+    `chunk_size` is rows per chunk (default: about CHUNK_ELEMENTS logits per chunk).
+    """
+    return _map_row_chunks(_label_logprob, logits, labels, chunk_size=chunk_size)
+
+
+def entropy_from_logits(
+    logits: torch.Tensor, mask: torch.Tensor, *, chunk_size: int | None = None
+) -> torch.Tensor:
+    """Masked mean entropy (nats) of softmax(logits) over valid tokens: [B, T, V], [B, T] -> 0-dim."""
+    token_entropy = _map_row_chunks(_entropy, logits, chunk_size=chunk_size)  # [B, T]
+    return masked_mean(token_entropy, mask)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `x` over positions where `mask` is set (along `dim`, or all); 0 where none is set."""
+    valid = mask.bool()
+    # where, not x * mask: padding may hold inf/NaN, and 0 * inf is NaN
+    total = torch.where(valid, x, 0).sum(dim=dim)
+    count = valid.sum(dim=dim)
+    return total / count.clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the valid entries of `x` (0-dim); 0 when there are fewer than 2 (unbiased) or none."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        count = mask.bool().sum()
+        var = torch.where(count > 1, var * count / (count - 1).clamp(min=1), 0)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Scale the valid entries to unit (unbiased) variance and, with `shift_mean`, zero mean.
+
+    Without `shift_mean` the valid entries keep their mean. Masked positions are 0 in the output.
+    """
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + WHITEN_EPS)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, 0)
+
+
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimates and returns (= advantages + values), each [B, T].
+
+    Each row is one episode's generated tokens in order (across turns). Masked positions are
+    skipped: padding after the last valid token, and any gap (e.g. prompt tokens between turns),
+    so the last valid token bootstraps from 0 and a gap neither breaks nor discounts the chain.
+    Masked positions get advantage 0 and return 0. A nonzero reward on a masked position raises
+    ValueError, since it would be silently lost: put each turn's reward on its last generated token.
+    No whitening here.
+    """
+    valid = mask.bool()  # [B, T]
+    if torch.any(torch.where(valid, 0, rewards) != 0):
+        raise ValueError(
+            "compute_gae: nonzero reward on a masked position would be lost; "
+            "place each turn's reward on its last generated (mask=1) token"
+        )
+    # returns are regression targets: no gradient may flow back into the value head through them
+    values = values.detach()
+    rewards = rewards.detach()
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])  # [B], value of the next valid token; 0 after the episode
+    next_advantage = torch.zeros_like(values[:, 0])  # [B]
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(valid[:, t], advantage, 0)
+        next_advantage = torch.where(valid[:, t], advantage, next_advantage)
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+    returns = torch.where(valid, advantages + values, 0)
+    return advantages, returns
+
+
+def group_advantages(
+    returns: torch.Tensor, group_ids: torch.Tensor | Sequence[int], eps: float = 1e-6
+) -> torch.Tensor:
+    """(R - group mean) / (group sample std + eps) per episode, [N] -> [N].
+
+    Episodes with equal `group_ids` form a group. A group of one, or whose returns are all
+    equal, gets advantage 0 (no learning signal, and no NaN).
+    """
+    ids = torch.as_tensor(group_ids, device=returns.device)
+    if returns.dim() != 1 or ids.shape != returns.shape:
+        raise ValueError(
+            f"group_advantages expects 1-D returns and group_ids of the same length, "
+            f"got shapes {tuple(returns.shape)} and {tuple(ids.shape)}"
+        )
+    _, group_of, counts = torch.unique(ids, return_inverse=True, return_counts=True)  # [N], [G]
+    n_groups = counts.numel()
+    x = returns.detach().double()  # [N]; float64 so the group statistics don't round away small spreads
+    group_sum = x.new_zeros(n_groups).index_add_(0, group_of, x)
+    centered = x - (group_sum / counts)[group_of]
+    squares = x.new_zeros(n_groups).index_add_(0, group_of, centered**2)
+    std = torch.sqrt(squares / (counts - 1).clamp(min=1))  # [G], sample std
+    # exact test for "all equal" (covers singletons): rounding could leave centered ~1e-17, not 0
+    group_max = x.new_full((n_groups,), -torch.inf).scatter_reduce_(0, group_of, x, "amax")
+    group_min = x.new_full((n_groups,), torch.inf).scatter_reduce_(0, group_of, x, "amin")
+    constant = (group_max == group_min)[group_of]
+    advantages = torch.where(constant, 0.0, centered / (std[group_of] + eps))
+    return advantages.to(returns.dtype)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped-surrogate PPO loss, mean over valid tokens of the batch; all inputs [B, T]."""
+    log_ratio = logprobs - old_logprobs  # [B, T]
+    clamped_log_ratio = torch.clamp(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = torch.exp(clamped_log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    # where, not maximum: on ties the gradient goes whole to the unclipped term
+    clip_selected = clipped > unclipped
+    loss = masked_mean(torch.where(clip_selected, clipped, unclipped), mask)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean(clip_selected.float(), mask).item(),
+            "approx_kl_k1": masked_mean(-log_ratio, mask).item(),
+            "approx_kl_k3": masked_mean((ratio - 1.0) - clamped_log_ratio, mask).item(),
+            "ratio_mean": masked_mean(ratio, mask).item(),
+            # ratios are > 0, so a 0 at padding never wins; an empty mask gives 0
+            "ratio_max": torch.where(mask.bool(), ratio, 0).max().item() if ratio.numel() else 0.0,
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """0.5 * masked mean of max((V - R)^2, (V_clipped - R)^2), V_clipped within ±c of the old value."""
+    clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    unclipped_error = (values - returns) ** 2  # [B, T]
+    clipped_error = (clipped_values - returns) ** 2
+    clip_selected = clipped_error > unclipped_error
+    loss = 0.5 * masked_mean(torch.where(clip_selected, clipped_error, unclipped_error), mask)
+    with torch.no_grad():
+        stats = {
+            "vf_clipfrac": masked_mean(clip_selected.float(), mask).item(),
+            "value_mean": masked_mean(values, mask).item(),
+        }
+    return loss, stats
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var[R - V] / Var[R] over valid tokens; 0.0 when Var[R] is 0 (undefined)."""
+    with torch.no_grad():
+        returns_var = masked_var(returns, mask)
+        if returns_var.item() == 0.0:
+            return 0.0
+        return (1.0 - masked_var(returns - values, mask) / returns_var).item()
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate from sampled tokens' log-probs, [B, T] -> [B, T].
+
+    k1 = logp - ref, k2 = 0.5 (logp - ref)^2, k3 = exp(ref - logp) - 1 - (ref - logp), abs = |logp - ref|.
+    """
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        ref_over_policy = torch.clamp(-log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        return torch.exp(ref_over_policy) - 1.0 - ref_over_policy
+    if kind == "abs":
+        return log_ratio.abs()
+    raise ValueError(f"unknown KL penalty kind {kind!r}; expected one of {KL_KINDS}")
+
+
+class AdaptiveKLController:
+    """KL coefficient that moves the measured KL towards `target` (proportional control, ±20% error cap)."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        if init_kl_coef < 0 or target <= 0 or horizon <= 0:
+            raise ValueError(
+                f"AdaptiveKLController needs init_kl_coef >= 0, target > 0 and horizon > 0, "
+                f"got {init_kl_coef}, {target}, {horizon}"
+            )
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Scale the coefficient by 1 + clip(KL/target - 1, ±0.2) * n_steps / horizon."""
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class FixedKLController:
+    """Constant KL coefficient with the adaptive controller's interface."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op: the coefficient is fixed."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])

@@ -1,0 +1,342 @@
+"""ppo.py against numbers computed by hand (the derivations are in the comments)."""
+import math
+
+import pytest
+import torch
+
+from ppo import (
+    AdaptiveKLController,
+    FixedKLController,
+    compute_gae,
+    entropy_from_logits,
+    explained_variance,
+    group_advantages,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    policy_loss,
+    value_loss,
+)
+
+
+def close(actual, expected, atol=1e-6):
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64),
+                               torch.as_tensor(expected, dtype=torch.float64), atol=atol, rtol=0)
+
+
+# ---------------------------------------------------------------- log-probs and entropy
+def test_logprobs_match_hand_softmax():
+    # log p(label) = z_label - logsumexp(z)
+    # [1, 2, 3], label 2: 3 - (3 + log(1 + e^-1 + e^-2)) = -0.4076060
+    # [0, 0, 0], label 0: log(1/3) = -1.0986123
+    # [2, 0, -1], label 1: 0 - (2 + log(1 + e^-2 + e^-3)) = -2.1698460
+    logits = torch.tensor([[[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]], [[2.0, 0.0, -1.0], [0.0, 0.0, 0.0]]])
+    labels = torch.tensor([[2, 0], [1, 0]])
+    close(logprobs_from_logits(logits, labels), [[-0.4076060, -1.0986123], [-2.1698460, -1.0986123]])
+
+
+def test_logprobs_stable_for_large_logits():
+    # a naive softmax overflows at e^1000; log-softmax gives 0 and -1000
+    logits = torch.tensor([[[1000.0, 0.0], [1000.0, 0.0]]])
+    close(logprobs_from_logits(logits, torch.tensor([[0, 1]])), [[0.0, -1000.0]])
+
+
+def test_logprobs_are_fp32_for_bf16_logits():
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0]]], dtype=torch.bfloat16)
+    logprobs = logprobs_from_logits(logits, torch.tensor([[3]]))
+    assert logprobs.dtype == torch.float32
+    close(logprobs, [[-1.3862944]])  # log(1/4)
+
+
+def test_logprobs_chunking_matches_values_and_gradients():
+    # d log p(label) / d z = onehot(label) - softmax(z); for z = [0, 0, 0], label 0: [2/3, -1/3, -1/3]
+    zeros = torch.zeros(1, 3, 3)
+    for chunk_size in (1, 2, None):
+        logits = zeros.clone().requires_grad_(True)
+        logprobs = logprobs_from_logits(logits, torch.tensor([[0, 1, 2]]), chunk_size=chunk_size)
+        logprobs[0, 0].backward()
+        close(logprobs.detach(), [[-1.0986123] * 3])
+        close(logits.grad, [[[2 / 3, -1 / 3, -1 / 3], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
+
+
+def test_entropy_is_masked_mean_over_tokens():
+    # softmax([1, 2, 3]) = [0.0900306, 0.2447285, 0.6652410], H = -sum p log p = 0.8323956
+    # uniform over 3: H = log 3 = 1.0986123; the padded third token is ignored
+    # mean = (0.8323956 + 1.0986123) / 2 = 0.9655039
+    logits = torch.tensor([[[1.0, 2.0, 3.0], [0.0, 0.0, 0.0], [100.0, 0.0, 0.0]]])
+    mask = torch.tensor([[1, 1, 0]])
+    close(entropy_from_logits(logits, mask), 0.9655039)
+    close(entropy_from_logits(logits, mask, chunk_size=1), 0.9655039)
+
+
+def test_entropy_gradient_through_chunks():
+    # H(z) = log Z - sum p z; at uniform z the gradient of H is 0 in every direction
+    logits = torch.zeros(1, 2, 4, requires_grad=True)
+    entropy_from_logits(logits, torch.ones(1, 2), chunk_size=1).backward()
+    close(logits.grad, torch.zeros(1, 2, 4))
+
+
+# ---------------------------------------------------------------- masked statistics
+def test_masked_mean_ignores_padding_even_nan():
+    x = torch.tensor([[1.0, 2.0, float("nan")], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    close(masked_mean(x, mask), 1.5)
+    close(masked_mean(x, mask, dim=1), [1.5, 0.0])  # an empty row gives 0, not NaN
+
+
+def test_masked_mean_of_empty_mask_is_zero():
+    close(masked_mean(torch.tensor([3.0, 4.0]), torch.tensor([0, 0])), 0.0)
+
+
+def test_masked_var_unbiased_and_biased():
+    # valid [1, 2, 3, 4]: mean 2.5, squared deviations sum to 5 -> 5/3 unbiased, 5/4 biased
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0, 99.0])
+    mask = torch.tensor([1, 1, 1, 1, 0])
+    close(masked_var(x, mask), 5 / 3)
+    close(masked_var(x, mask, unbiased=False), 1.25)
+
+
+def test_masked_var_of_one_element_is_zero():
+    close(masked_var(torch.tensor([7.0, 1.0]), torch.tensor([1, 0])), 0.0)
+
+
+def test_masked_whiten_zero_mean_unit_variance_padding_zero():
+    # (x - 2.5) / sqrt(5/3) = [-1.1618950, -0.3872983, 0.3872983, 1.1618950]
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    whitened = masked_whiten(x, mask)
+    close(whitened, [[-1.1618950, -0.3872983, 0.3872983], [1.1618950, 0.0, 0.0]])
+    close(masked_mean(whitened, mask), 0.0)
+    close(masked_var(whitened, mask), 1.0)
+
+
+def test_masked_whiten_without_shift_keeps_mean():
+    # the whitened values + 2.5: [1.3381050, 2.1127017, 2.8872983, 3.6618950]; padding still 0
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0, 99.0])
+    mask = torch.tensor([1, 1, 1, 1, 0])
+    close(masked_whiten(x, mask, shift_mean=False), [1.3381050, 2.1127017, 2.8872983, 3.6618950, 0.0])
+
+
+def test_masked_whiten_empty_mask_is_all_zero():
+    close(masked_whiten(torch.tensor([1.0, 2.0]), torch.tensor([0, 0])), [0.0, 0.0])
+
+
+# ---------------------------------------------------------------- GAE
+def test_gae_right_padding_does_not_leak():
+    # gamma 0.9, lam 0.8 (gamma*lam = 0.72)
+    # row 1, r [0, 0, 1], V [0.5, 0.6, 0.7]:
+    #   delta = [0.9*0.6-0.5, 0.9*0.7-0.6, 1-0.7] = [0.04, 0.03, 0.3]
+    #   A2 = 0.3, A1 = 0.03 + 0.72*0.3 = 0.246, A0 = 0.04 + 0.72*0.246 = 0.21712
+    # row 2, r [0, 2, pad], V [0.4, 0.3, pad 9.0]: the value after the last valid token is 0, not 9
+    #   delta1 = 2 + 0 - 0.3 = 1.7, delta0 = 0.9*0.3 - 0.4 = -0.13
+    #   A1 = 1.7, A0 = -0.13 + 0.72*1.7 = 1.094
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7], [0.4, 0.3, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    advantages, returns = compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    close(advantages, [[0.21712, 0.246, 0.3], [1.094, 1.7, 0.0]])
+    close(returns, [[0.71712, 0.846, 1.0], [1.494, 2.0, 0.0]])
+
+
+# a two-turn episode: turn 1 = tokens 0-1 ending in an illegal-move penalty, turn 2 = tokens 2-4
+# ending in the final score
+TURNS_REWARDS = [0.0, -0.1, 0.0, 0.0, 1.0]
+TURNS_VALUES = [0.2, 0.3, 0.4, 0.5, 0.6]
+
+
+def test_gae_across_turn_boundary_gamma_1_lam_095():
+    # delta = [0.3-0.2, -0.1+0.4-0.3, 0.5-0.4, 0.6-0.5, 1-0.6] = [0.1, 0.0, 0.1, 0.1, 0.4]
+    # A4 = 0.4, A3 = 0.1 + 0.95*0.4 = 0.48, A2 = 0.1 + 0.95*0.48 = 0.556,
+    # A1 = 0 + 0.95*0.556 = 0.5282, A0 = 0.1 + 0.95*0.5282 = 0.60179
+    advantages, returns = compute_gae(torch.tensor([TURNS_REWARDS]), torch.tensor([TURNS_VALUES]),
+                                      torch.ones(1, 5), gamma=1.0, lam=0.95)
+    close(advantages, [[0.60179, 0.5282, 0.556, 0.48, 0.4]])
+    close(returns, [[0.80179, 0.8282, 0.956, 0.98, 1.0]])
+
+
+def test_gae_across_turn_boundary_gamma_09_lam_05():
+    # delta = [0.9*0.3-0.2, -0.1+0.9*0.4-0.3, 0.9*0.5-0.4, 0.9*0.6-0.5, 1-0.6]
+    #       = [0.07, -0.04, 0.05, 0.04, 0.4];  gamma*lam = 0.45
+    # A4 = 0.4, A3 = 0.04 + 0.45*0.4 = 0.22, A2 = 0.05 + 0.45*0.22 = 0.149,
+    # A1 = -0.04 + 0.45*0.149 = 0.02705, A0 = 0.07 + 0.45*0.02705 = 0.0821725
+    advantages, returns = compute_gae(torch.tensor([TURNS_REWARDS]), torch.tensor([TURNS_VALUES]),
+                                      torch.ones(1, 5), gamma=0.9, lam=0.5)
+    close(advantages, [[0.0821725, 0.02705, 0.149, 0.22, 0.4]])
+    close(returns, [[0.2821725, 0.32705, 0.549, 0.72, 1.0]])
+
+
+def test_gae_gamma_lam_1_returns_are_reward_to_go():
+    # Monte Carlo: return_t = sum of rewards from t on = [0.9, 0.9, 1, 1, 1]
+    _, returns = compute_gae(torch.tensor([TURNS_REWARDS]), torch.tensor([TURNS_VALUES]),
+                             torch.ones(1, 5), gamma=1.0, lam=1.0)
+    close(returns, [[0.9, 0.9, 1.0, 1.0, 1.0]])
+
+
+def test_gae_skips_masked_gap_between_turns():
+    # the same episode with two unmasked prompt tokens (junk values) between the turns
+    # gives the gamma 0.9 / lam 0.5 numbers above on the generated tokens, 0 on the gap
+    rewards = torch.tensor([[0.0, -0.1, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.2, 0.3, 5.0, 5.0, 0.4, 0.5, 0.6]])
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1]])
+    advantages, returns = compute_gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    close(advantages, [[0.0821725, 0.02705, 0.0, 0.0, 0.149, 0.22, 0.4]])
+    close(returns, [[0.2821725, 0.32705, 0.0, 0.0, 0.549, 0.72, 1.0]])
+
+
+def test_gae_rejects_reward_on_masked_position():
+    with pytest.raises(ValueError, match="masked position"):
+        compute_gae(torch.tensor([[0.0, 1.0]]), torch.zeros(1, 2), torch.tensor([[1, 0]]), 1.0, 1.0)
+
+
+def test_gae_returns_carry_no_gradient():
+    values = torch.tensor([[0.5, 0.5]], requires_grad=True)
+    advantages, returns = compute_gae(torch.tensor([[0.0, 1.0]]), values, torch.ones(1, 2), 1.0, 1.0)
+    assert not advantages.requires_grad and not returns.requires_grad
+
+
+# ---------------------------------------------------------------- group advantages
+def test_group_advantages_singleton_and_zero_variance_groups():
+    # group 7: [1, 0, 0.5], mean 0.5, sample std sqrt((0.25+0.25+0)/2) = 0.5
+    #   -> [0.5, -0.5, 0] / (0.5 + 1e-6) = [0.999998, -0.999998, 0]
+    # group 3: one episode -> 0;  group 11: [0.3, 0.3, 0.3] -> 0
+    # group 5: [2, 4], mean 3, std sqrt(2) -> [-1, 1] / (1.4142136 + 1e-6) = [-0.7071063, 0.7071063]
+    returns = torch.tensor([1.0, 0.7, 0.0, 0.3, 0.5, 0.3, 2.0, 0.3, 4.0])
+    group_ids = [7, 3, 7, 11, 7, 11, 5, 11, 5]
+    close(group_advantages(returns, group_ids),
+          [0.999998, 0.0, -0.999998, 0.0, 0.0, 0.0, -0.7071063, 0.0, 0.7071063])
+
+
+def test_group_advantages_zero_variance_is_exactly_zero():
+    # 0.1 + 0.1 + 0.1 rounds away from 0.3, so mean-subtraction alone would leave ~1e-17 / 1e-6
+    advantages = group_advantages(torch.tensor([0.1, 0.1, 0.1], dtype=torch.float64), torch.tensor([0, 0, 0]))
+    assert advantages.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_group_advantages_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match="same length"):
+        group_advantages(torch.tensor([1.0, 2.0]), [0])
+
+
+# ---------------------------------------------------------------- policy loss
+def test_policy_loss_clipping_both_signs_values_and_gradients():
+    # cliprange 0.2, old logprobs 0, so ratio = exp(logp)
+    # t0: A=+1, ratio 1.5: -1.5 vs clipped -1.2 -> clipped (-1.2), gradient 0
+    # t1: A=-1, ratio 0.5:  0.5 vs clipped  0.8 -> clipped ( 0.8), gradient 0
+    # t2: A=+1, ratio 0.6: -0.6 vs clipped -0.8 -> unclipped (-0.6), d/dlogp = -A*ratio/4 = -0.15
+    # t3: A=-1, ratio 1.5:  1.5 vs clipped  1.2 -> unclipped ( 1.5), d/dlogp = -A*ratio/4 = 0.375
+    # t4: padding (ratio e^3, A=5) -> ignored
+    # loss = (-1.2 + 0.8 - 0.6 + 1.5) / 4 = 0.125
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 0.6, 1.5, math.e**3]])).requires_grad_(True)
+    advantages = torch.tensor([[1.0, -1.0, 1.0, -1.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    loss, stats = policy_loss(logprobs, torch.zeros(1, 5), advantages, mask, cliprange=0.2)
+    loss.backward()
+    close(loss.detach(), 0.125)
+    close(logprobs.grad, [[0.0, 0.0, -0.15, 0.375, 0.0]])
+    close(stats["clipfrac"], 0.5)
+
+
+def test_policy_loss_kl_and_ratio_stats():
+    # ratios [1.5, 0.5, 0.6, 1.5]
+    # k1 = mean(-log r) = -(0.4054651 - 0.6931472 - 0.5108256 + 0.4054651) / 4 = 0.0982606
+    # k3 = mean((r - 1) - log r) = mean(r - 1) + k1 = 0.025 + 0.0982606 = 0.1232606
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 0.6, 1.5, math.e**3]]))
+    _, stats = policy_loss(logprobs, torch.zeros(1, 5), torch.ones(1, 5), torch.tensor([[1, 1, 1, 1, 0]]), 0.2)
+    assert all(isinstance(value, float) for value in stats.values())
+    close(stats["approx_kl_k1"], 0.0982606)
+    close(stats["approx_kl_k3"], 0.1232606)
+    close(stats["ratio_mean"], 1.025)
+    close(stats["ratio_max"], 1.5)
+
+
+def test_policy_loss_clamps_log_ratio_before_exp():
+    # log-ratio 50 is clamped to 20: ratio e^20 = 485165195.41, loss -A*ratio stays finite
+    loss, stats = policy_loss(torch.tensor([[50.0]]), torch.zeros(1, 1), torch.tensor([[-1.0]]), torch.ones(1, 1), 0.2)
+    assert math.isfinite(loss.item())
+    close(stats["ratio_max"], 485165195.41, atol=100.0)
+
+
+# ---------------------------------------------------------------- value loss
+def test_value_loss_clipping_values_and_gradients():
+    # cliprange_value 0.2, old values 0.5, returns 1.0
+    # t0: V 1.0 -> clipped 0.7: errors 0 vs 0.09 -> clipped 0.09 selected, gradient 0
+    # t1: V 0.6 -> inside the range: both 0.16, unclipped, d/dV = (V - R)/3 = -0.1333333
+    # t2: V 0.0 -> clipped 0.3: errors 1.0 vs 0.49 -> unclipped 1.0, d/dV = (0 - 1)/3 = -0.3333333
+    # t3: padding
+    # loss = 0.5 * (0.09 + 0.16 + 1.0) / 3 = 0.2083333
+    values = torch.tensor([[1.0, 0.6, 0.0, 7.0]], requires_grad=True)
+    old_values = torch.tensor([[0.5, 0.5, 0.5, 0.0]])
+    returns = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    loss, stats = value_loss(values, old_values, returns, torch.tensor([[1, 1, 1, 0]]), cliprange_value=0.2)
+    loss.backward()
+    close(loss.detach(), 0.2083333)
+    close(values.grad, [[0.0, -0.1333333, -0.3333333, 0.0]])
+    close(stats["vf_clipfrac"], 1 / 3)
+    close(stats["value_mean"], 0.5333333)  # (1.0 + 0.6 + 0.0) / 3
+
+
+def test_explained_variance():
+    # R [1, 2, 3, 4] (Var 5/3), R - V [0, 0, 1, -1] (Var 2/3) -> 1 - (2/3)/(5/3) = 0.6
+    values = torch.tensor([1.0, 2.0, 2.0, 5.0, 100.0])
+    returns = torch.tensor([1.0, 2.0, 3.0, 4.0, -100.0])
+    close(explained_variance(values, returns, torch.tensor([1, 1, 1, 1, 0])), 0.6)
+
+
+def test_explained_variance_constant_returns_is_zero_not_nan():
+    assert explained_variance(torch.tensor([0.0, 1.0]), torch.tensor([1.0, 1.0]), torch.ones(2)) == 0.0
+
+
+# ---------------------------------------------------------------- KL penalty and controllers
+def test_kl_penalty_kinds():
+    # logp - ref = [0.5, -1.0]
+    # k3 with d = ref - logp = [-0.5, 1.0]: e^-0.5 - 1 + 0.5 = 0.1065307, e^1 - 1 - 1 = 0.7182818
+    logprobs = torch.tensor([[-1.0, -2.0]])
+    ref_logprobs = torch.tensor([[-1.5, -1.0]])
+    close(kl_penalty(logprobs, ref_logprobs, "k1"), [[0.5, -1.0]])
+    close(kl_penalty(logprobs, ref_logprobs, "k2"), [[0.125, 0.5]])
+    close(kl_penalty(logprobs, ref_logprobs, "k3"), [[0.1065307, 0.7182818]])
+    close(kl_penalty(logprobs, ref_logprobs, "abs"), [[0.5, 1.0]])
+
+
+def test_kl_penalty_unknown_kind_names_accepted_kinds():
+    with pytest.raises(ValueError, match="k1.*k2.*k3.*abs"):
+        kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
+
+
+def test_adaptive_kl_controller_trajectory_long_horizon():
+    # n_steps/horizon = 8/10000 = 0.0008; errors clip to +0.2, -0.2, 0, -0.2
+    # 0.2 * 1.00016 = 0.200032; * 0.99984 = 0.19999999488; * 1 = same; * 0.99984 = 0.1999679948808
+    controller = AdaptiveKLController(init_kl_coef=0.2, target=6.0, horizon=10000)
+    trajectory = []
+    for kl in [12.0, 3.0, 6.0, 0.0]:
+        controller.update(kl, n_steps=8)
+        trajectory.append(controller.value)
+    close(trajectory, [0.200032, 0.19999999488, 0.19999999488, 0.1999679948808], atol=1e-12)
+
+
+def test_adaptive_kl_controller_trajectory_short_horizon():
+    # n_steps/horizon = 0.1; KL 6.6 -> error 0.1 (inside the clip)
+    # 0.2 * 1.02 = 0.204; * 0.98 = 0.19992; * 1 = 0.19992; * 0.98 = 0.1959216; * 1.01 = 0.197880816
+    controller = AdaptiveKLController(0.2, 6.0, 100)
+    trajectory = []
+    for kl in [12.0, 3.0, 6.0, 0.0, 6.6]:
+        controller.update(kl, n_steps=10)
+        trajectory.append(controller.value)
+    close(trajectory, [0.204, 0.19992, 0.19992, 0.1959216, 0.197880816], atol=1e-12)
+
+
+def test_kl_controllers_state_round_trip():
+    controller = AdaptiveKLController(0.2, 6.0, 100)
+    controller.update(12.0, 10)
+    restored = AdaptiveKLController(0.5, 6.0, 100)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.value == controller.value
+    close(restored.value, 0.204, atol=1e-12)
+    fixed = FixedKLController(0.05)
+    fixed.update(100.0, 10)
+    assert fixed.value == 0.05
+    other = FixedKLController(1.0)
+    other.load_state_dict(fixed.state_dict())
+    assert other.value == 0.05
