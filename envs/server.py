@@ -1,0 +1,172 @@
+"""Serve an embedded env over HTTP in the affinetes function_based format, so env work can move to other machines.
+
+    python -m envs.server --env openspiel --host 0.0.0.0 --port 8765
+    python -m envs.server --env trace --port 8766
+
+Clients connect with `affinetes.load_env(mode="url", base_url="http://HOST:PORT")` (GET /methods
+answers, so affinetes picks function_based) or with `mode: "url"` in the trainer's env config.
+This is our own small app rather than affinetes' template server, because the template exposes
+every public callable of the served module and answers `/call` for underscore names as well
+(specs/affinetes-protocol.md B.4); this one answers exactly reset/step/state/stop. It runs one
+process with one worker: episodes live in this process's memory.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import socket
+import sys
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from envs.base import Env
+
+log = logging.getLogger("envs.server")
+
+METHODS = ("reset", "step", "state", "stop")
+GRACEFUL_SHUTDOWN_S = 5  # in-flight calls may finish; a stuck one does not hold the exit
+
+
+def create_app(env: Env, env_name: str, url: str = "(in process)") -> FastAPI:
+    """The HTTP app for one env: GET /health, GET /methods, POST /call and POST /<method> for METHODS only."""
+    methods = {name: getattr(env, name) for name in METHODS}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # Said once uvicorn handles signals: a client that reacts to this line may stop us at once.
+        log.info("serving %s env at %s (methods: %s; one worker; Ctrl-C stops)", env_name, url, ", ".join(METHODS))
+        yield
+        await env.close()
+        log.info("%s env closed; server stopped", env_name)
+
+    # No OpenAPI or docs routes: the methods below are the whole surface.
+    app = FastAPI(title=f"{env_name} env", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+
+    async def invoke(name: str, args: Any, kwargs: Any) -> JSONResponse:
+        method = methods.get(name) if isinstance(name, str) else None
+        if method is None:
+            return JSONResponse({"detail": f"Method not found: {name}"}, status_code=404)
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            return JSONResponse({"detail": "'args' must be a list and 'kwargs' an object"}, status_code=422)
+        try:
+            inspect.signature(method).bind(*args, **kwargs)
+        except TypeError as exc:
+            return JSONResponse({"detail": f"bad arguments for {name}: {exc}"}, status_code=422)
+        try:
+            result = await method(*args, **kwargs)
+        except Exception as exc:  # the env's bug answers this call with a 500 and keeps the server up
+            log.exception("%s(%s) failed", name, kwargs)
+            return JSONResponse({"detail": f"{name} failed: {type(exc).__name__}: {exc}"}, status_code=500)
+        return JSONResponse({"status": "success", "result": result, "error": None})
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok", "env": env_name}
+
+    @app.get("/methods")
+    async def list_methods() -> dict[str, Any]:
+        return {"methods": [
+            {"name": name, "signature": str(inspect.signature(methods[name])), "source": "Actor",
+             "endpoint": f"POST /{name}"} for name in METHODS
+        ]}
+
+    @app.post("/call")
+    async def call(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        if not isinstance(body, dict) or "method" not in body:
+            return JSONResponse({"detail": 'expected {"method": str, "args": list, "kwargs": object}'},
+                                status_code=422)
+        return await invoke(body["method"], body.get("args", []), body.get("kwargs", {}))
+
+    def method_route(name: str):
+        async def route(request: Request) -> JSONResponse:
+            body = await _json_body(request)
+            # affinetes' convention: {"args", "kwargs"} when either key is present, else flat kwargs
+            if isinstance(body, dict) and ("args" in body or "kwargs" in body):
+                return await invoke(name, body.get("args", []), body.get("kwargs", {}))
+            return await invoke(name, [], body if isinstance(body, dict) else {})
+        return route
+
+    for name in METHODS:
+        app.add_api_route(f"/{name}", method_route(name), methods=["POST"])
+    return app
+
+
+async def _json_body(request: Request) -> Any:
+    """The request's JSON, or None for an empty or invalid body."""
+    raw = await request.body()
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return None
+
+
+def build_env(args: argparse.Namespace) -> Env:
+    if args.env == "openspiel":
+        from envs.openspiel_env import OpenSpielEnv
+
+        return OpenSpielEnv(observation_format=args.format, seed=args.seed, mcts_simulations=args.mcts_simulations)
+    from envs.trace_env import TraceEnv
+
+    return TraceEnv(source=args.source, skip_degenerate=args.skip_degenerate, timeout=args.execution_timeout,
+                    seed=args.seed)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m envs.server", description=__doc__.split("\n")[0])
+    parser.add_argument("--env", required=True, choices=("openspiel", "trace"), help="which embedded env to serve")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
+    parser.add_argument("--port", type=int, default=8765, help="TCP port; 0 picks a free one (logged at start)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the env's own random choices")
+    parser.add_argument("--format", choices=("evaluate", "openenv"),
+                        help="openspiel: the validators' conversation (default) or the reset/step text")
+    parser.add_argument("--mcts-simulations", type=int, help="openspiel: override the MCTS opponent's simulations")
+    parser.add_argument("--source", choices=("embedded", "hf"), help="trace: task source (default embedded)")
+    parser.add_argument("--skip-degenerate", action="store_true",
+                        help="trace: skip tasks whose expected output is empty")
+    parser.add_argument("--execution-timeout", type=float, help="trace: seconds per program run (default 10)")
+    args = parser.parse_args(argv)
+    foreign = (["--source", "--skip-degenerate", "--execution-timeout"] if args.env == "openspiel"
+               else ["--format", "--mcts-simulations"])
+    given = [flag for flag in foreign if getattr(args, flag[2:].replace("-", "_")) not in (None, False)]
+    if given:
+        parser.error(f"{', '.join(given)} do not apply to --env {args.env}")
+    if args.mcts_simulations is not None and args.mcts_simulations < 1:
+        parser.error(f"--mcts-simulations must be >= 1, got {args.mcts_simulations}")
+    if args.execution_timeout is not None and args.execution_timeout <= 0:
+        parser.error(f"--execution-timeout must be > 0, got {args.execution_timeout}")
+    args.format = args.format or "evaluate"
+    args.source = args.source or "embedded"
+    args.execution_timeout = args.execution_timeout or 10.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    env = build_env(args)
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    # Binding here (not in uvicorn) lets --port 0 work and the start line name the real port.
+    sock = socket.create_server((args.host, args.port), family=family)
+    port = sock.getsockname()[1]
+    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    app = create_app(env, args.env, url=f"http://{host}:{port}")
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (the lifespan closes the env), then
+    # raises the signal again so the exit status tells how the server ended.
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,541 @@
+"""AffinetesEnv: episodes over affinetes' url/docker modes, and the faults that must not stop a run."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+import pytest
+
+from envs.affinetes_env import AffinetesEnv
+from envs.tasks import game_task_id
+from test_env_server import ServerProcess
+
+FAST = {"call_timeout": 5.0, "max_retries": 2, "backoff_base": 0.01}
+Reply = tuple[int, bytes]
+
+
+def success(result: Any) -> Reply:
+    return 200, json.dumps({"status": "success", "result": result, "error": None}).encode()
+
+
+def openenv(observation: str, reward: float = 0.0, done: bool = False, truncated: bool = False,
+            episode_id: str | None = None, **info: Any) -> dict[str, Any]:
+    return {"observation": observation, "reward": reward, "done": done, "truncated": truncated,
+            "episode_id": episode_id, "info": info}
+
+
+class FakeServer:
+    """A stdlib HTTP server speaking affinetes' function_based wire format on 127.0.0.1.
+
+    `respond(method, kwargs)` returns (status, body) and may sleep to play a slow server. It runs in
+    a thread so that it answers while the test's event loop awaits the client under test.
+    """
+
+    def __init__(self, respond: Callable[[str, dict[str, Any]], Reply]):
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path == "/health":
+                    self._send(200, b'{"status": "ok"}')
+                elif self.path == "/methods":
+                    self._send(200, b'{"methods": []}')
+                else:
+                    self._send(404, b'{"detail": "not found"}')
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.calls.append((body["method"], body["kwargs"]))
+                self._send(*server.respond(body["method"], body["kwargs"]))
+
+            def _send(self, status: int, payload: bytes):
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up waiting (timeout tests)
+
+            def log_message(self, *args):
+                pass
+
+        self.respond = respond
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> "FakeServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def methods_called(self) -> list[str]:
+        return [method for method, _ in self.calls]
+
+
+class AffineGame:
+    """Answers like the real Affine game image: its own info keys, no prompts, score only as the final reward.
+
+    The only legal action is "1"; anything else is an invalid action (reward -0.01, state unchanged).
+    `trace=True` answers like the trace image instead (no game_name; one step ends the task).
+    """
+
+    def __init__(self, final_reward: float = 1.0, trace: bool = False):
+        self.final_reward = final_reward
+        self.trace = trace
+        self.live: set[str] = set()
+        self.created: list[str] = []
+
+    def __call__(self, method: str, kwargs: dict[str, Any]) -> Reply:
+        info = {"task_id": 5, "seed": 1} if self.trace else {"task_id": 5, "seed": 1, "game_name": "leduc_poker",
+                                                              "llm_player_id": 0, "step_count": 0}
+        if method == "reset":
+            episode_id = uuid.uuid4().hex
+            self.live.add(episode_id)
+            self.created.append(episode_id)
+            return success(openenv("Game: leduc\nLegal Actions:\n  1 -> Call", episode_id=episode_id, **info))
+        episode_id = kwargs["episode_id"]
+        if method == "stop":
+            self.live.discard(episode_id)
+            return success({"status": "ok", "stopped": True, "episode_id": episode_id})
+        if episode_id not in self.live:
+            error = {"type": "episode_not_found", "message": "gone", "retryable": False}
+            return success(openenv("Episode not found", done=True, truncated=True, episode_id=episode_id,
+                                   error=error, **info))
+        if kwargs["action"] != "1" and not self.trace:
+            error = {"type": "invalid_action", "message": "not legal", "retryable": False}
+            return success(openenv("Invalid action. Game: leduc\nLegal Actions:\n  1 -> Call", reward=-0.01,
+                                   episode_id=episode_id, error=error, **info))
+        return success(openenv("Final score", reward=self.final_reward, done=True, episode_id=episode_id, **info))
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def url_env(url: str | list[str], **options: Any) -> AffinetesEnv:
+    return AffinetesEnv(mode="url", base_url=url, **{**FAST, **options})
+
+
+# ------------------------------------------------------------------ info translation
+def test_real_affine_game_info_is_mapped_to_the_trainer_keys():
+    with FakeServer(AffineGame(final_reward=1.0)) as server:
+        env = url_env(server.url)
+
+        async def play():
+            first = await env.reset(task_id=5, seed=1, opponent="mcts")
+            invalid = await env.step("9", first["episode_id"])
+            final = await env.step("1", first["episode_id"])
+            await env.close()
+            return first, invalid, final
+
+        first, invalid, final = run(play())
+    assert server.calls[0] == ("reset", {"task_id": 5, "seed": 1, "opponent": "mcts"})
+    assert first["info"]["system_prompt"] is None
+    assert first["info"]["turn_prompt"] == first["observation"]
+    assert first["info"]["parse_error"] is False
+    assert invalid["info"]["parse_error"] is True and invalid["reward"] == -0.01
+    # the pending decision is still the first one; the new observation only adds feedback
+    assert invalid["info"]["turn_prompt"] == first["observation"]
+    assert final["done"] and final["info"]["score"] == 1.0 and final["info"]["success"] is True
+    assert "score" not in first["info"]
+
+
+@pytest.mark.parametrize("reward, success_expected", [(0.5, False), (0.54, True)])
+def test_game_success_means_a_score_above_one_half(reward, success_expected):
+    with FakeServer(AffineGame(final_reward=reward)) as server:
+        env = url_env(server.url)
+
+        async def play():
+            first = await env.reset(task_id=5, seed=1)
+            return await env.step("1", first["episode_id"])
+
+        final = run(play())
+        run(env.close())
+    assert final["info"]["score"] == reward and final["info"]["success"] is success_expected
+
+
+@pytest.mark.parametrize("reward, success_expected", [(0.0, False), (1.0, True)])
+def test_trace_success_means_a_positive_score(reward, success_expected):
+    with FakeServer(AffineGame(final_reward=reward, trace=True)) as server:
+        env = url_env(server.url)
+
+        async def play():
+            first = await env.reset(task_id=5, seed=1)
+            return await env.step("whatever the program prints", first["episode_id"])
+
+        final = run(play())
+        run(env.close())
+    assert final["info"]["score"] == reward and final["info"]["success"] is success_expected
+
+
+def test_our_servers_info_passes_through_unchanged():
+    ours = openenv("prompt", episode_id="e1", system_prompt="rules", turn_prompt="state", parse_error=False,
+                   legal_actions=[0, 1], game_name="hex")
+    with FakeServer(lambda method, kwargs: success(ours)) as server:
+        env = url_env(server.url)
+        result = run(env.reset(task_id=1, seed=2))
+        run(env.close())
+    assert result == ours
+
+
+# ------------------------------------------------------------------ episode bookkeeping
+def test_a_finished_episode_is_stopped_on_its_server():
+    game = AffineGame()
+    with FakeServer(game) as server:
+        env = url_env(server.url)
+
+        async def play():
+            first = await env.reset(task_id=5, seed=1)
+            await env.step("1", first["episode_id"])
+            return first["episode_id"], await env.stop(first["episode_id"])
+
+        episode_id, late_stop = run(play())
+        run(env.close())
+    assert server.methods_called() == ["reset", "step", "stop"]
+    assert game.live == set()
+    assert late_stop["stopped"] is False  # the trainer's own stop after the end is a no-op
+
+
+def test_episodes_stay_on_the_server_that_reset_them():
+    game_a, game_b = AffineGame(), AffineGame()
+    with FakeServer(game_a) as server_a, FakeServer(game_b) as server_b:
+        env = url_env([server_a.url, server_b.url])
+
+        async def play():
+            firsts = [await env.reset(task_id=5, seed=s) for s in range(4)]
+            for first in reversed(firsts):
+                await env.step("1", first["episode_id"])
+            return [first["episode_id"] for first in firsts]
+
+        episode_ids = run(play())
+        run(env.close())
+    for server, game in ((server_a, game_a), (server_b, game_b)):
+        assert len(game.created) == 2  # the least busy server takes each reset
+        assert {kwargs["episode_id"] for method, kwargs in server.calls if method != "reset"} == set(game.created)
+    assert sorted(game_a.created + game_b.created) == sorted(episode_ids)
+    assert env.error_counts()["failed_episodes"] == 0
+
+
+def test_step_of_an_unknown_episode_fails_without_a_call():
+    with FakeServer(AffineGame()) as server:
+        env = url_env(server.url)
+        result = run(env.step("1", "no-such-episode"))
+        run(env.close())
+    assert server.calls == []
+    assert result["done"] and result["truncated"]
+    assert result["info"]["error"]["type"] == "unknown_episode"
+
+
+def test_close_stops_live_episodes_is_idempotent_and_later_calls_fail_cleanly():
+    game = AffineGame()
+    with FakeServer(game) as server:
+        env = url_env(server.url)
+
+        async def play():
+            await env.reset(task_id=5, seed=1)
+            await env.close()
+            await env.close()
+            return await env.reset(task_id=5, seed=2)
+
+        after_close = run(play())
+    assert server.methods_called() == ["reset", "stop"]
+    assert game.live == set()
+    assert after_close["info"]["error"]["type"] == "closed"
+
+
+# ------------------------------------------------------------------ faults
+def slow(seconds: float, respond: Callable[[str, dict[str, Any]], Reply], methods: tuple[str, ...]):
+    def answer(method: str, kwargs: dict[str, Any]) -> Reply:
+        if method in methods:
+            time.sleep(seconds)
+        return respond(method, kwargs)
+    return answer
+
+
+def test_a_step_slower_than_the_timeout_fails_the_episode_once(caplog):
+    with FakeServer(slow(2.0, AffineGame(), methods=("step",))) as server:
+        env = url_env(server.url, call_timeout=0.3)
+
+        async def play():
+            first = await env.reset(task_id=5, seed=1)
+            return await env.step("1", first["episode_id"])
+
+        with caplog.at_level(logging.WARNING, logger="envs.affinetes_env"):
+            result = run(play())
+        counts = env.error_counts()
+        run(env.close())
+    assert result["done"] and result["truncated"] and result["info"]["score"] == 0.0
+    assert result["info"]["error"]["type"] == "timeout" and result["info"]["error"]["retryable"] is True
+    # a step that may have been applied is never sent twice; the episode is stopped on the server
+    assert server.methods_called() == ["reset", "step", "stop"]
+    assert counts["timeouts"] == 1 and counts["retries"] == 0 and counts["failed_episodes"] == 1
+    assert "failed (step)" in caplog.text and "timeout" in caplog.text
+
+
+def test_a_reset_slower_than_the_timeout_is_retried_then_fails():
+    with FakeServer(slow(2.0, AffineGame(), methods=("reset",))) as server:
+        env = url_env(server.url, call_timeout=0.3, max_retries=2)
+        result = run(env.reset(task_id=5, seed=1))
+        counts = env.error_counts()
+        run(env.close())
+    assert server.methods_called() == ["reset", "reset", "reset"]
+    assert result["episode_id"] is None and result["done"] and result["truncated"]
+    assert counts["timeouts"] == 3 and counts["retries"] == 2 and counts["failed_episodes"] == 1
+
+
+def test_a_reset_answered_with_503_is_retried():
+    replies = iter([(503, b'{"detail": "busy"}')])
+    game = AffineGame()
+    with FakeServer(lambda method, kwargs: next(replies, None) or game(method, kwargs)) as server:
+        env = url_env(server.url)
+        result = run(env.reset(task_id=5, seed=1))
+        counts = env.error_counts()
+        run(env.close())
+    assert not result["done"] and result["episode_id"]
+    assert counts["http_errors"] == 1 and counts["retries"] == 1 and counts["failed_episodes"] == 0
+
+
+def test_a_step_answered_with_500_is_not_retried():
+    game = AffineGame()
+
+    def respond(method, kwargs):
+        return (500, b'{"detail": "step failed: boom"}') if method == "step" else game(method, kwargs)
+
+    with FakeServer(respond) as server:
+        env = url_env(server.url)
+
+        async def play():
+            first = await env.reset(task_id=5, seed=1)
+            return await env.step("1", first["episode_id"])
+
+        result = run(play())
+        run(env.close())
+    assert server.methods_called() == ["reset", "step", "stop"]
+    assert result["info"]["error"]["type"] == "http_error" and "HTTP 500" in result["info"]["error"]["message"]
+
+
+MALFORMED_STEP_REPLIES = {
+    "not JSON": (200, b"<html>proxy error</html>"),
+    "a list": success(["observation", 0.0]),
+    "a missing field": success({"observation": "x", "reward": 0.0, "truncated": False, "episode_id": "e", "info": {}}),
+    "a string reward": success(openenv("x", reward="1.0", episode_id="e")),
+    "a boolean reward": success(openenv("x", reward=True, episode_id="e")),
+    "info not an object": success({**openenv("x", episode_id="e"), "info": "none"}),
+}
+
+
+@pytest.mark.parametrize("reply", MALFORMED_STEP_REPLIES.values(), ids=MALFORMED_STEP_REPLIES.keys())
+def test_a_malformed_step_reply_fails_the_episode_without_retry(reply):
+    game = AffineGame()
+    with FakeServer(lambda method, kwargs: reply if method == "step" else game(method, kwargs)) as server:
+        env = url_env(server.url)
+
+        async def play():
+            first = await env.reset(task_id=5, seed=1)
+            return await env.step("1", first["episode_id"])
+
+        result = run(play())
+        counts = env.error_counts()
+        run(env.close())
+    assert server.methods_called() == ["reset", "step", "stop"]
+    assert result["done"] and result["truncated"] and result["info"]["score"] == 0.0
+    assert result["info"]["error"]["type"] == "malformed_response"
+    assert result["info"]["error"]["retryable"] is False
+    assert counts["malformed_responses"] == 1 and counts["failed_episodes"] == 1
+
+
+def test_a_failed_status_from_the_server_fails_the_episode():
+    failed = (200, b'{"status": "failed", "result": {"error": "Task execution exceeded timeout"}}')
+    with FakeServer(lambda method, kwargs: failed) as server:
+        env = url_env(server.url)
+        result = run(env.reset(task_id=5, seed=1))
+        run(env.close())
+    assert server.methods_called() == ["reset"]
+    assert result["info"]["error"]["type"] == "remote_error"
+    assert "exceeded timeout" in result["info"]["error"]["message"]
+
+
+def test_no_server_at_start_is_an_error_that_says_how_to_start_one():
+    with FakeServer(AffineGame()) as server:
+        url = server.url  # a port that was just freed
+    with pytest.raises(ConnectionError, match=r"python -m envs.server --env openspiel"):
+        url_env(url)
+
+
+def test_constructor_refuses_replicas_in_url_mode():
+    with pytest.raises(ValueError, match="one URL per server"):
+        AffinetesEnv(mode="url", base_url="http://127.0.0.1:1", replicas=2)
+
+
+# ------------------------------------------------------------------ real server processes
+@pytest.fixture
+def game_server(tmp_path):
+    server = ServerProcess(tmp_path / "game.log", "--env", "openspiel", "--mcts-simulations", "5").start()
+    yield server
+    server.stop()
+
+
+def first_legal(result) -> str:
+    return str(result["info"]["legal_actions"][0])
+
+
+async def play_out(env: AffinetesEnv, task_id: int, seed: int, opponent: str = "random") -> dict:
+    result = await env.reset(task_id=task_id, seed=seed, opponent=opponent)
+    for _ in range(200):
+        if result["done"]:
+            return result
+        result = await env.step(first_legal(result), result["episode_id"])
+    raise AssertionError(f"task {task_id} did not end within 200 moves")
+
+
+def test_full_games_over_http(game_server):
+    env = url_env(game_server.url, call_timeout=30.0)
+
+    async def play():
+        return [await play_out(env, game_task_id("leduc_poker"), seed=3, opponent="mcts"),
+                await play_out(env, game_task_id("goofspiel"), seed=4)]
+
+    leduc, goofspiel = run(play())
+    run(env.close())
+    for final, game in ((leduc, "leduc_poker"), (goofspiel, "goofspiel")):
+        assert final["done"] and not final["truncated"]
+        assert final["info"]["game_name"] == game
+        assert 0.0 <= final["info"]["score"] <= 1.0 and final["reward"] == final["info"]["score"]
+        assert "error" not in final["info"]
+    assert env.error_counts() == dict.fromkeys(env.error_counts(), 0)
+
+
+def test_a_trace_task_over_http(tmp_path):
+    server = ServerProcess(tmp_path / "trace.log", "--env", "trace").start()
+    try:
+        env = url_env(server.url, call_timeout=30.0)
+
+        async def play():
+            first = await env.reset(task_id=5, seed=1)
+            return first, await env.step("1\n2\n", first["episode_id"])
+
+        first, final = run(play())
+        run(env.close())
+    finally:
+        server.stop()
+    assert "Python program" in first["observation"] and first["info"]["turn_prompt"]
+    assert final["done"] and not final["truncated"] and "error" not in final["info"]
+    assert final["info"]["score"] in (0.0, 1.0) and final["reward"] == final["info"]["score"]
+    assert env.error_counts()["failed_episodes"] == 0
+
+
+def test_server_killed_mid_episode_fails_that_episode_and_the_run_goes_on(game_server):
+    env = url_env(game_server.url)
+
+    async def play():
+        first = await env.reset(task_id=game_task_id("leduc_poker"), seed=3, opponent="random")
+        game_server.kill()
+        lost = await env.step(first_legal(first), first["episode_id"])
+        while_down = await env.reset(task_id=game_task_id("leduc_poker"), seed=4, opponent="random")
+        game_server.start()
+        after_restart = await play_out(env, game_task_id("leduc_poker"), seed=5)
+        return lost, while_down, after_restart
+
+    lost, while_down, after_restart = run(play())
+    counts = env.error_counts()
+    run(env.close())
+    assert lost["done"] and lost["truncated"] and lost["info"]["error"]["type"] == "connection_error"
+    assert while_down["done"] and while_down["info"]["error"]["type"] == "connection_error"
+    # a refused connection never reached the server, so even the step was retried
+    assert counts["retries"] == 2 * FAST["max_retries"]
+    assert counts["connection_errors"] == 2 * (FAST["max_retries"] + 1)
+    assert counts["failed_episodes"] == 2
+    assert after_restart["done"] and not after_restart["truncated"]
+
+
+def test_server_restarted_between_reset_and_step_fails_that_episode(game_server):
+    env = url_env(game_server.url)
+
+    async def play():
+        first = await env.reset(task_id=game_task_id("goofspiel"), seed=3, opponent="random")
+        game_server.restart()
+        return await env.step(first_legal(first), first["episode_id"])
+
+    result = run(play())
+    counts = env.error_counts()
+    run(env.close())
+    assert result["done"] and result["truncated"]
+    assert result["info"]["error"]["type"] == "episode_not_found"
+    assert counts["remote_errors"] == 1 and counts["failed_episodes"] == 1
+
+
+# ------------------------------------------------------------------ docker mode (no Docker engine needed)
+def test_docker_mode_starts_one_container_per_replica_and_pins_episodes(monkeypatch):
+    import affinetes
+
+    real_load_env = affinetes.load_env
+    game_a, game_b = AffineGame(), AffineGame()
+    started: list[dict[str, Any]] = []
+    with FakeServer(game_a) as server_a, FakeServer(game_b) as server_b:
+        container_urls = iter([server_a.url, server_b.url])
+
+        def start_container(**kwargs):
+            started.append(kwargs)
+            return real_load_env(mode="url", base_url=next(container_urls))  # the container's server
+
+        monkeypatch.setattr(affinetes, "load_env", start_container)
+        env = AffinetesEnv(mode="docker", image="affinefoundation/game:openspiel", env_vars={"LOG": "1"},
+                           replicas=2, **FAST)
+
+        async def play():
+            firsts = [await env.reset(task_id=5, seed=s) for s in range(2)]
+            return [await env.step("1", first["episode_id"]) for first in firsts]
+
+        finals = run(play())
+        run(env.close())
+    assert [kwargs["container_name"] for kwargs in started] == ["game-openspiel-r0", "game-openspiel-r1"]
+    for kwargs in started:
+        assert kwargs["image"] == "affinefoundation/game:openspiel" and kwargs["mode"] == "docker"
+        assert kwargs["replicas"] == 1
+        assert kwargs["env_vars"] == {"LOG": "1", "UVICORN_WORKERS": "1"}
+    assert len(game_a.created) == len(game_b.created) == 1
+    assert all(final["info"]["success"] for final in finals)
+
+
+def test_docker_mode_refuses_several_uvicorn_workers():
+    with pytest.raises(ValueError, match="UVICORN_WORKERS='4' would split episodes"):
+        AffinetesEnv(mode="docker", image="affinefoundation/game:openspiel", env_vars={"UVICORN_WORKERS": "4"})
+
+
+def test_docker_mode_cleans_up_started_containers_when_a_later_one_fails(monkeypatch):
+    import affinetes
+
+    class StartedContainer:
+        name = "game-openspiel-r0"
+        cleaned = False
+
+        async def cleanup(self):
+            self.cleaned = True
+
+    first = StartedContainer()
+    outcomes = iter([first, RuntimeError("port conflict")])
+
+    def start_container(**kwargs):
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(affinetes, "load_env", start_container)
+    with pytest.raises(RuntimeError, match=r"could not start 'affinefoundation/game:openspiel'.*port conflict"):
+        AffinetesEnv(mode="docker", image="affinefoundation/game:openspiel", replicas=2)
+    assert first.cleaned
