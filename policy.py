@@ -1,0 +1,230 @@
+"""The policy: a causal LM with LoRA adapters and a scalar value head; reference = adapter disabled.
+
+Token alignment used everywhere: for a sequence `ids[0..T)`, `logprobs[t]` is
+log p(ids[t] | ids[:t]) and `values[t]` is the value of the state *before* token t is generated
+(the hidden state at t-1). Both are 0 at t = 0. Only positions in `response_mask` are computed
+through the LM head, so a full-vocabulary tensor is never built for prompt tokens.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ppo import entropy_from_logits, logprobs_from_logits
+from utils import ConfigError, LoraConfig, ModelConfig, resolve_model_path
+
+log = logging.getLogger(__name__)
+
+ADAPTER_DIR = "adapter"  # the only folder vLLM loads: LoRA weights + adapter_config.json
+VALUE_HEAD_FILE = "value_head.pt"
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device is 'cuda' but no CUDA GPU is visible. Set run.device to 'auto' or 'cpu'.")
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def _torch_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def load_tokenizer(model_cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    path, gguf = resolve_model_path(model_cfg)
+    kwargs = {"gguf_file": gguf} if gguf else {}
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code, **kwargs)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.chat_template is None:
+        raise ConfigError(f"The tokenizer of {path} has no chat template; a chat model is required.")
+    return tokenizer
+
+
+def load_base_model(model_cfg: ModelConfig, device: torch.device):
+    """The frozen base model: Hub id, local folder or GGUF; NF4 4-bit on CUDA when asked."""
+    from transformers import AutoModelForCausalLM
+
+    path, gguf = resolve_model_path(model_cfg)
+    kwargs: dict = {"trust_remote_code": model_cfg.trust_remote_code}
+    if gguf:
+        kwargs["gguf_file"] = gguf
+    dtype = _torch_dtype(model_cfg.dtype, device)
+    if model_cfg.use_4bit:
+        if device.type != "cuda":
+            raise ConfigError(
+                "model.use_4bit is true, but 4-bit NF4 needs a CUDA GPU and none is in use. "
+                "On this machine run with --preset cpu, or set model.use_4bit to false "
+                "(--set model.use_4bit=false) to train in full precision."
+            )
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        kwargs["device_map"] = {"": device.index or 0}
+        dtype = torch.bfloat16
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except OSError as exc:
+        raise ConfigError(
+            f"Could not load model.name_or_path={path!r}"
+            + (f" with gguf_file={gguf!r}" if gguf else "")
+            + f": {exc}. Check the path, or that the Hub is reachable for a Hub id."
+        ) from None
+    if model_cfg.use_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=model_cfg.gradient_checkpointing
+        )
+    else:
+        model.to(device)
+        if model_cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+    model.config.use_cache = not model_cfg.gradient_checkpointing
+    return model
+
+
+def resolve_lora_targets(model: nn.Module, wanted: list[str]) -> list[str]:
+    """Keep the configured suffixes that name real linear layers; fail if none do."""
+    linear_suffixes = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) or type(module).__name__ in {"Linear4bit", "Linear8bitLt"}
+    }
+    linear_suffixes.discard("lm_head")
+    matched = [target for target in wanted if target in linear_suffixes]
+    if not matched:
+        raise ConfigError(
+            f"lora.target_modules {wanted} match no linear layer of {type(model).__name__}. "
+            f"Its linear layers are named: {sorted(linear_suffixes)}."
+        )
+    missing = sorted(set(wanted) - set(matched))
+    if missing:
+        log.warning("LoRA targets %s do not exist in %s and are ignored", missing, type(model).__name__)
+    return matched
+
+
+@dataclass
+class ScoredTokens:
+    logprobs: torch.Tensor  # [B, T], 0 outside the response mask
+    values: torch.Tensor | None  # [B, T]
+    entropy: torch.Tensor | None  # scalar, masked mean over response tokens
+
+
+class Policy(nn.Module):
+    """LoRA-adapted causal LM + value head; `reference()` turns the adapter off."""
+
+    def __init__(self, model, tokenizer):
+        super().__init__()
+        self.model = model  # a peft PeftModel
+        self.tokenizer = tokenizer
+        hidden = model.get_base_model().config.get_text_config().hidden_size
+        self.value_head = nn.Linear(hidden, 1, dtype=torch.float32)
+        nn.init.zeros_(self.value_head.weight)  # values start at 0: no spurious advantages at step 1
+        nn.init.zeros_(self.value_head.bias)
+        self.value_head.to(next(model.parameters()).device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.value_head.weight.device
+
+    def adapter_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The base model: same weights with the LoRA adapter disabled (no second copy)."""
+        with self.model.disable_adapter():
+            yield
+
+    def score(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor,  # [B, T]
+        response_mask: torch.Tensor,  # [B, T], 1 on generated tokens
+        with_values: bool = True,
+        with_entropy: bool = False,
+        temperature: float = 1.0,
+    ) -> ScoredTokens:
+        """Per-token log-probs (and values) of the response tokens of a right-padded batch."""
+        decoder = self.model.get_base_model().get_decoder()
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+        # the state that predicts token t is the hidden state at t-1
+        predictor = torch.zeros_like(response_mask, dtype=torch.bool)
+        predictor[:, :-1] = response_mask[:, 1:].bool()
+        target = torch.zeros_like(predictor)
+        target[:, 1:] = predictor[:, :-1]
+
+        lm_head = self.model.get_base_model().get_output_embeddings()
+        logits = lm_head(hidden[predictor])  # [N, V], N = response tokens; fp32 happens per chunk in ppo.py
+        if temperature > 0 and temperature != 1.0:  # score the distribution that was sampled from
+            logits = logits / temperature
+        token_logprobs = logprobs_from_logits(logits.unsqueeze(0), input_ids[target].unsqueeze(0)).squeeze(0)
+        logprobs = torch.zeros(response_mask.shape, dtype=torch.float32, device=hidden.device)
+        logprobs[target] = token_logprobs
+
+        entropy = None
+        if with_entropy:
+            entropy = entropy_from_logits(logits.unsqueeze(0), torch.ones_like(token_logprobs).unsqueeze(0))
+        values = None
+        if with_values:
+            token_values = self.value_head(hidden[predictor].float()).squeeze(-1)
+            values = torch.zeros(response_mask.shape, dtype=torch.float32, device=hidden.device)
+            values[target] = token_values
+        return ScoredTokens(logprobs=logprobs, values=values, entropy=entropy)
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, folder: Path) -> None:
+        """`folder/adapter/` in standard peft format (what vLLM loads) and the value head beside it."""
+        folder = Path(folder)
+        self.model.save_pretrained(folder / ADAPTER_DIR)
+        torch.save(self.value_head.state_dict(), folder / VALUE_HEAD_FILE)
+
+    def load(self, folder: Path) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        weights = load_file(str(folder / ADAPTER_DIR / "adapter_model.safetensors"), device=str(self.device))
+        result = set_peft_model_state_dict(self.model, weights)
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"adapter in {folder} does not fit this model: unexpected keys {result.unexpected_keys[:3]}")
+        self.value_head.load_state_dict(torch.load(folder / VALUE_HEAD_FILE, map_location=self.device))
+
+
+def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: torch.device) -> Policy:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    tokenizer = load_tokenizer(model_cfg)
+    base = load_base_model(model_cfg, device)
+    targets = resolve_lora_targets(base, lora_cfg.target_modules)
+    peft_config = PeftLoraConfig(
+        r=lora_cfg.r,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, peft_config)
+    policy = Policy(model, tokenizer)
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in policy.parameters())
+    log.info("policy: %s, LoRA on %s, %.2fM trainable of %.1fM", type(base).__name__, targets, trainable / 1e6, total / 1e6)
+    return policy.eval()  # the update switches to train mode itself

@@ -1,0 +1,89 @@
+"""What a run tells the person watching it: a console line per step, a rollout progress bar,
+`metrics.jsonl` in the run folder, and Weights & Biases when configured."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from utils import LoggingConfig
+
+console = Console(stderr=True)
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, format="%(message)s", datefmt="[%X]",
+                        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)], force=True)
+    for noisy in ("httpx", "urllib3", "filelock", "transformers", "datasets"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunLogger:
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, config_dump: dict[str, Any], wandb_id: str | None = None,
+                 resumed_step: int = 0):
+        self.run_dir = run_dir
+        self.metrics_path = run_dir / "metrics.jsonl"
+        if resumed_step:  # drop lines written after the checkpoint we resume from
+            self._truncate_after(resumed_step)
+        self.wandb_run = None
+        self.wandb_id = wandb_id
+        if cfg.wandb_project and cfg.wandb_mode != "disabled":
+            import wandb
+
+            self.wandb_run = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode, dir=str(run_dir),
+                                        config=config_dump, id=wandb_id, resume="allow", name=run_dir.name)
+            self.wandb_id = self.wandb_run.id
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.metrics_path.exists():
+            return
+        kept = [line for line in self.metrics_path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.metrics_path, "a") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+        console.print(self.step_line(step, metrics), highlight=False)
+
+    @staticmethod
+    def step_line(step: int, m: dict[str, Any]) -> str:
+        def f(key: str, fmt: str = ".3f") -> str:
+            value = m.get(key)
+            return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, fmt)
+
+        return (
+            f"step {step:>5} | reward {f('env/reward_mean')} | score {f('env/score_mean')} | "
+            f"success {f('env/success_rate', '.2f')} | illegal {f('env/illegal_rate', '.2f')} | "
+            f"kl {f('reward/kl_per_episode', '.4f')} | beta {f('kl/coef', '.4f')} | "
+            f"stage {m.get('curriculum/stage', '-')} | tok/s {f('perf/tokens_per_s', '.1f')}"
+        )
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+@contextmanager
+def rollout_progress(total: int, description: str) -> Iterator[Any]:
+    """A progress bar over finished episodes; yields a callback to advance it."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda *_: progress.advance(task)

@@ -1,0 +1,29 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+for path in (ROOT, ROOT / "tests"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from tiny import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture
+def tiny_policy(tiny_model_dir):
+    import torch
+
+    from policy import load_policy
+    from utils import LoraConfig, ModelConfig
+
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(name_or_path=str(tiny_model_dir), use_4bit=False, dtype="float32",
+                            gradient_checkpointing=False)
+    return load_policy(model_cfg, LoraConfig(), torch.device("cpu"))

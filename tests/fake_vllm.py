@@ -1,0 +1,143 @@
+"""A small OpenAI-compatible server with vLLM's LoRA endpoints, serving a local model for tests.
+
+Implements what the trainer uses, the way vLLM documents it: `GET /v1/models`,
+`POST /v1/completions` (prompt as token ids, `logprobs`, `return_tokens_as_token_ids`, `seed`),
+`POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (404 unless runtime LoRA updating
+is on, like vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+
+Run: python tests/fake_vllm.py --model DIR --port P [--no-runtime-lora] [--ignore-adapters]
+"""
+from __future__ import annotations
+
+import argparse
+import threading
+
+import torch
+import uvicorn
+from fastapi import FastAPI, HTTPException, Request
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool = False) -> FastAPI:
+    from peft import PeftModel
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    state = {"model": base, "adapters": {}}
+    lock = threading.Lock()
+    app = FastAPI()
+
+    def model_for(name: str):
+        if name == model_dir or name == "base":
+            return state["model"], None
+        if name not in state["adapters"]:
+            raise HTTPException(404, f"The model `{name}` does not exist.")
+        return state["model"], name
+
+    @app.get("/v1/models")
+    def models():
+        ids = [model_dir] + list(state["adapters"])
+        return {"object": "list", "data": [{"id": i, "object": "model"} for i in ids]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(request: Request):
+        if not runtime_lora:
+            raise HTTPException(404, "Not Found")
+        body = await request.json()
+        name, path = body["lora_name"], body["lora_path"]
+        if name in state["adapters"]:
+            raise HTTPException(400, f"The lora adapter '{name}' has already been loaded.")
+        with lock:
+            if not ignore_adapters:
+                if isinstance(state["model"], PeftModel):
+                    state["model"].load_adapter(path, adapter_name=name)
+                else:
+                    state["model"] = PeftModel.from_pretrained(base, path, adapter_name=name).eval()
+            state["adapters"][name] = path
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(request: Request):
+        if not runtime_lora:
+            raise HTTPException(404, "Not Found")
+        name = (await request.json())["lora_name"]
+        if name not in state["adapters"]:
+            raise HTTPException(404, f"The lora adapter '{name}' cannot be found.")
+        with lock:
+            if not ignore_adapters:
+                state["model"].delete_adapter(name)
+            del state["adapters"][name]
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        model, adapter = model_for(body["model"])
+        prompt = body["prompt"]
+        if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            raise HTTPException(400, "this test server takes one prompt as a list of token ids")
+        temperature = float(body.get("temperature", 1.0))
+        generator = torch.Generator().manual_seed(int(body.get("seed") or 0))
+        with lock:
+            tokens, logprobs, finish = _sample(model, adapter, prompt, int(body.get("max_tokens", 16)), temperature,
+                                               tokenizer.eos_token_id, generator, ignore_adapters)
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        shown = [f"token_id:{t}" if as_ids else tokenizer.decode([t]) for t in tokens]
+        choice = {
+            "index": 0,
+            "text": tokenizer.decode(tokens, skip_special_tokens=True),
+            "finish_reason": finish,
+            "logprobs": {"tokens": shown, "token_logprobs": logprobs,
+                         "top_logprobs": None, "text_offset": None} if body.get("logprobs") is not None else None,
+        }
+        return {"id": "cmpl-test", "object": "text_completion", "model": body["model"], "choices": [choice],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens)}}
+
+    return app
+
+
+@torch.no_grad()
+def _sample(model, adapter, prompt, max_tokens, temperature, eos_id, generator, ignore_adapters):
+    from peft import PeftModel
+
+    is_peft = isinstance(model, PeftModel)
+    if is_peft and adapter and not ignore_adapters:
+        model.set_adapter(adapter)
+    context = model.disable_adapter() if is_peft and (adapter is None or ignore_adapters) else _nullcontext()
+    ids = torch.tensor([prompt])
+    tokens, logprobs, finish = [], [], "length"
+    with context:
+        for _ in range(max_tokens):
+            logits = model(input_ids=ids).logits[0, -1].float()
+            scaled = logits / temperature if temperature > 0 else logits
+            logp = torch.log_softmax(scaled, dim=-1)
+            if temperature > 0:
+                token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+            else:
+                token = int(logp.argmax())
+            tokens.append(token)
+            logprobs.append(float(logp[token]))
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            if token == eos_id:
+                finish = "stop"
+                break
+    return tokens, logprobs, finish
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--no-runtime-lora", action="store_true")
+    parser.add_argument("--ignore-adapters", action="store_true", help="accept adapters but keep serving the base")
+    args = parser.parse_args()
+    uvicorn.run(build_app(args.model, not args.no_runtime_lora, args.ignore_adapters), host="127.0.0.1",
+                port=args.port, log_level="warning")

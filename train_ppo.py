@@ -1,0 +1,376 @@
+"""PPO + LoRA training of a chat model on the Affine game and trace environments.
+
+Algorithm (one step = sample -> rollout -> score -> advantages -> update -> curriculum -> log):
+- Episodes are multi-turn conversations; each turn's prompt is built from the chat messages under
+  a context strategy and the exact generated token ids are kept (never re-tokenised).
+- Old log-probs, values and reference log-probs are recomputed by the training model after the
+  rollout; the reference is the same model with the LoRA adapter disabled.
+- Rewards per token: -beta * KL(policy || reference) on every generated token (k1 by default),
+  env step rewards and an illegal-move penalty at the end of each turn, the final score (in
+  [0, 1], optionally centred) at the episode's last token.
+- `gae` (default): a scalar value head on the last hidden state, GAE(gamma, lambda) over the
+  episode's generated tokens in order across turns, advantages whitened over the batch, clipped
+  value loss. `group`: GRPO-style, `group_size` episodes of one task+seed, advantage = the
+  episode return normalised within its group, no critic, and the KL moves from the reward into
+  the loss (beta * k3).
+- Clipped surrogate loss averaged over all response tokens of a minibatch; micro-batches packed by
+  a token budget with gradient accumulation; grad-norm clipping; a non-finite loss skips the
+  update; epochs stop early when the approx KL to the rollout policy passes `ppo.kl_stop`.
+- beta follows the adaptive KL controller (target per-episode KL, horizon in episodes).
+Departures from the textbook: LoRA dropout is off during PPO (the ratio must start at exactly 1);
+sampled tokens are scored at the sampling temperature; the value head trains alone for
+`value_head.warmup_steps` steps.
+
+Run:  python train_ppo.py --preset cpu                  (offline CPU demo with SmolLM2-135M)
+      python train_ppo.py                               (Qwen3-4B, 4-bit, vLLM at localhost:8000)
+      python train_ppo.py --resume latest --output-dir runs
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint import find_resumable, load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from curriculum import Curriculum, Task
+from envs.factory import make_envs, playable_filter
+from experience import assign_advantages, sampler_gap, score_turns
+from policy import load_policy, pick_device
+from ppo import AdaptiveKLController, FixedKLController
+from rollout import Episode, LocalGenerator, PromptBuilder, RolloutRunner, VLLMGenerator, derive_seed
+from run_log import RunLogger, console, rollout_progress, setup_logging
+from update import TooManySkips, UpdateState, build_optimizer, ppo_update
+from utils import Config, ConfigError, load_config
+
+log = logging.getLogger("train_ppo")
+
+
+class StopRequested:
+    """SIGINT/SIGTERM set a flag that the loop checks at phase boundaries; a second signal exits at once."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signal is not None:
+            os._exit(128 + signum)  # safe: checkpoints are atomic
+        self.signal = signum
+        console.print(f"[yellow]{signal.Signals(signum).name}: finishing the current phase, saving, exiting "
+                      "(send again to exit at once)[/yellow]")
+
+    def __bool__(self) -> bool:
+        return self.signal is not None
+
+
+class Trainer:
+    """Everything one run owns; `train()` is the loop."""
+
+    def __init__(self, config: Config, run_dir: Path, resume: str | None):
+        self.config, self.run_dir = config, run_dir
+        cfg = config.train
+        self.device = pick_device(cfg.run.device)
+        self.policy = load_policy(cfg.model, cfg.lora, self.device)
+        if cfg.ppo.disable_dropout:
+            for module in self.policy.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        self.optimizer = build_optimizer(self.policy, cfg.ppo, cfg.value_head.learning_rate)
+        self.kl_ctl = (AdaptiveKLController(cfg.ppo.init_kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
+                       if cfg.ppo.adaptive_kl else FixedKLController(cfg.ppo.init_kl_coef))
+        self.curriculum = Curriculum(config.curriculum, seed=cfg.run.seed, is_playable=playable_filter(config.env))
+        self.envs = make_envs(config.env, seed=cfg.run.seed)
+        self.update_state = UpdateState()
+        self.step = 0
+        self.totals = {"episodes": 0, "episodes_failed": 0, "generated_tokens": 0}
+        self.checkpoint_dir = run_dir / "checkpoints"
+        self.stop = StopRequested()
+        wandb_id = self._resume(resume) if resume else None
+        self.logger = RunLogger(run_dir, cfg.logging, config.model_dump(mode="json"), wandb_id, self.step)
+        self.generator = self._make_generator()
+        self.runner = RolloutRunner(self.envs, self.generator,
+                                    PromptBuilder(self.policy.tokenizer, cfg.generation.max_prompt_tokens,
+                                                  cfg.model.chat_template_kwargs), cfg.generation)
+
+    # ------------------------------------------------------------------ the loop
+    async def train(self) -> None:
+        cfg = self.config.train
+        if isinstance(self.generator, VLLMGenerator):
+            await self.generator.check_server()
+            await self.push_adapter()
+        while self.step < cfg.run.max_steps and not self.stop:
+            curriculum_before = self.curriculum.state_dict()
+            tasks, group_ids = self.sample()
+            started = time.perf_counter()
+            episodes = await self.rollout(tasks)
+            if episodes is None:  # interrupted mid-rollout: forget this step's draws
+                self.curriculum.load_state_dict(curriculum_before)
+                break
+            rollout_seconds = time.perf_counter() - started
+            usable, usable_groups = self.usable(episodes, group_ids)
+            metrics = self.episode_metrics(episodes, rollout_seconds)
+            if usable:
+                started = time.perf_counter()
+                samples = score_turns(self.policy, usable, cfg.ppo.micro_batch_tokens, self.temperature,
+                                      with_values=cfg.ppo.advantage == "gae")
+                metrics.update(assign_advantages(samples, usable, cfg.ppo, self.kl_ctl.value, usable_groups))
+                metrics.update(self.update(samples, usable))
+                metrics["perf/update_seconds"] = time.perf_counter() - started
+                gap = sampler_gap(samples)
+                if gap is not None:
+                    metrics["vllm/logprob_gap"] = gap
+                self.kl_ctl.update(metrics["reward/kl_per_episode"], len(usable))
+            self.step += 1
+            metrics.update(self.advance_curriculum(episodes))
+            metrics["kl/coef"] = self.kl_ctl.value
+            if isinstance(self.generator, VLLMGenerator) and usable:
+                await self.push_adapter()
+            self.logger.log(self.step, metrics)
+            if self.step % cfg.checkpointing.save_every == 0 or self.step == cfg.run.max_steps or self.stop:
+                self.save()
+        if self.stop and not (self.checkpoint_dir / f"checkpoint-{self.step}").exists() and self.step > 0:
+            self.save()
+
+    # ------------------------------------------------------------------ phases
+    def sample(self) -> tuple[list[Task], list[int] | None]:
+        ppo = self.config.train.ppo
+        if ppo.advantage == "group":
+            tasks = self.curriculum.sample_groups(ppo.batch_size // ppo.group_size, ppo.group_size)
+            return tasks, [i // ppo.group_size for i in range(len(tasks))]
+        return self.curriculum.sample(ppo.batch_size), None
+
+    async def rollout(self, tasks: list[Task]) -> list[Episode] | None:
+        with rollout_progress(len(tasks), f"step {self.step + 1} rollout") as advance:
+            play = asyncio.ensure_future(self.runner.run(tasks, self.step, on_episode_done=advance))
+            while not play.done():
+                await asyncio.wait({play}, timeout=0.2)
+                if self.stop and not play.done():
+                    play.cancel()
+                    try:
+                        await play
+                    except asyncio.CancelledError:
+                        pass
+                    return None
+            return play.result()
+
+    def usable(self, episodes: list[Episode], group_ids: list[int] | None):
+        """Failed episodes are dropped; in group mode the whole group goes with them."""
+        failed = {i for i, e in enumerate(episodes) if e.error or not e.turns}
+        if group_ids is not None:
+            bad_groups = {group_ids[i] for i in failed}
+            failed |= {i for i, g in enumerate(group_ids) if g in bad_groups}
+        keep = [i for i in range(len(episodes)) if i not in failed]
+        errors = sum(1 for e in episodes if e.error)
+        if errors > len(episodes) // 2:
+            raise RuntimeError(
+                f"{errors} of {len(episodes)} episodes failed this step (first error: "
+                f"{next(e.error for e in episodes if e.error)}). Check the environment servers and the "
+                "generation backend; the last checkpoint is intact."
+            )
+        return [episodes[i] for i in keep], ([group_ids[i] for i in keep] if group_ids is not None else None)
+
+    def update(self, samples, episodes: list[Episode]) -> dict[str, float]:
+        cfg = self.config.train
+        value_only = self.step < cfg.value_head.warmup_steps and cfg.ppo.advantage == "gae"
+        shuffle = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "minibatches", self.step))
+        return ppo_update(self.policy, self.optimizer, samples, cfg.ppo, self.kl_ctl.value, self.temperature,
+                          shuffle, self.update_state, value_only=value_only,
+                          task_ids=[e.task.task_id for e in episodes])
+
+    def advance_curriculum(self, episodes: list[Episode]) -> dict[str, Any]:
+        stage_before = self.curriculum.stage.name
+        for episode in episodes:
+            if not episode.error:
+                self.curriculum.report(episode.task, episode.score, episode.success)
+        stats = dict(self.curriculum.stats())
+        stats["curriculum/stage"] = self.curriculum.stage.name
+        if self.curriculum.stage.name != stage_before:
+            stats["curriculum/promoted_to"] = self.curriculum.stage.name
+            log.info("curriculum: promoted from %s to %s", stage_before, self.curriculum.stage.name)
+        return stats
+
+    def episode_metrics(self, episodes: list[Episode], rollout_seconds: float) -> dict[str, Any]:
+        ppo = self.config.train.ppo
+        ok = [e for e in episodes if not e.error]
+        turns = sum(len(e.turns) for e in ok)
+        tokens = sum(e.generated_tokens for e in episodes)
+        self.totals["episodes"] += len(episodes)
+        self.totals["episodes_failed"] += len(episodes) - len(ok)
+        self.totals["generated_tokens"] += tokens
+        metrics: dict[str, Any] = {
+            "env/episodes": len(episodes),
+            "env/episodes_failed": len(episodes) - len(ok),
+            "env/episodes_cut_off": sum(e.cut_off for e in episodes),
+            "env/score_mean": _mean([e.score for e in ok]),
+            "env/reward_mean": _mean([(e.score - 0.5 if ppo.reward.center_score else e.score)
+                                      + sum(t.reward for t in e.turns)
+                                      - ppo.reward.illegal_move_penalty * e.illegal_moves for e in ok]),
+            "env/success_rate": _mean([float(e.success) for e in ok]),
+            "env/illegal_rate": sum(e.illegal_moves for e in ok) / turns if turns else 0.0,
+            "env/turns_mean": _mean([len(e.turns) for e in ok]),
+            "env/response_length": tokens / max(1, sum(len(e.turns) for e in episodes)),
+            "perf/rollout_seconds": rollout_seconds,
+            "perf/tokens_per_s": tokens / rollout_seconds if rollout_seconds > 0 else 0.0,
+            "totals/episodes": self.totals["episodes"],
+            "totals/episodes_failed": self.totals["episodes_failed"],
+        }
+        for key, group in _group_by(ok, lambda e: f"game/{e.game_name}").items():
+            metrics[f"{key}/score"] = _mean([e.score for e in group])
+            metrics[f"{key}/success"] = _mean([float(e.success) for e in group])
+        for key, group in _group_by(ok, lambda e: f"stage/{e.task.stage}").items():
+            metrics[f"{key}/success"] = _mean([float(e.success) for e in group])
+        for name, (_, env) in self.envs.items():
+            counts = env.error_counts() if hasattr(env, "error_counts") else {}
+            metrics.update({f"env_errors/{name}/{k}": v for k, v in counts.items()})
+        return metrics
+
+    # ------------------------------------------------------------------ generation, checkpoints
+    @property
+    def temperature(self) -> float:
+        return self.config.train.generation.temperature or 1.0
+
+    def _make_generator(self):
+        cfg = self.config.train
+        if cfg.generation.backend == "local":
+            return LocalGenerator(self.policy, cfg.generation, seed=cfg.run.seed)
+        api_key = os.environ.get(self.config.env.vllm_api_key_env) if self.config.env.vllm_api_key_env else None
+        return VLLMGenerator(self.config.env.vllm_url, cfg.model.name_or_path, self.policy.tokenizer,
+                             cfg.generation, cfg.lora.r, api_key=api_key)
+
+    async def push_adapter(self) -> None:
+        """Save the LoRA weights alone and hot-load them into vLLM under a new name."""
+        folder = self.run_dir / "vllm_adapters" / f"step-{self.step}"
+        self.policy.model.save_pretrained(folder)
+        await self.generator.load_adapter(folder, f"{self.run_dir.name}-step-{self.step}")
+        still_loaded = {"step-" + name.rsplit("-step-", 1)[1] for name in self.generator.loaded}
+        for old in (self.run_dir / "vllm_adapters").iterdir():
+            if old.name not in still_loaded:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def save(self) -> None:
+        state = {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "kl_controller": self.kl_ctl.state_dict(),
+            "curriculum": self.curriculum.state_dict(),
+            "update_state": vars(self.update_state),
+            "totals": dict(self.totals),
+            "rng": rng_state(),
+            "config": self.config.model_dump(mode="json"),
+            "wandb_id": self.logger.wandb_id,
+        }
+        path = save_checkpoint(self.checkpoint_dir, self.step, self.policy.save, state,
+                               self.config.train.checkpointing.keep_last)
+        log.info("saved %s", path)
+
+    def _resume(self, resume: str) -> str | None:
+        if resume == "latest":
+            checkpoint = find_resumable(self.checkpoint_dir)
+            if checkpoint is None:
+                raise ConfigError(f"--resume latest: no complete checkpoint under {self.checkpoint_dir}.")
+        else:
+            checkpoint = Path(resume)
+            if not (checkpoint / "manifest.json").is_file():
+                raise ConfigError(f"--resume {resume}: not a checkpoint folder (no manifest.json).")
+        state = load_trainer_state(checkpoint)
+        self.policy.load(checkpoint)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.curriculum.load_state_dict(state["curriculum"])
+        self.update_state = UpdateState(**state["update_state"])
+        self.totals = state["totals"]
+        self.step = state["step"]
+        set_rng_state(state["rng"])
+        log.info("resumed from %s (step %d)", checkpoint, self.step)
+        return state.get("wandb_id")
+
+    async def close(self) -> None:
+        await self.generator.close()
+        for _, env in self.envs.values():
+            try:
+                await env.close()
+            except Exception as exc:
+                log.warning("closing env failed: %s", exc)
+        self.logger.close()
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _group_by(items, key) -> dict[str, list]:
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return groups
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="train config JSON (default config/train_config.json)")
+    parser.add_argument("--env-config", help="env config JSON (default config/env_config.json)")
+    parser.add_argument("--curriculum-config", help="curriculum config JSON (default config/curriculum_config.json)")
+    parser.add_argument("--preset", action="append", default=[], help="preset name (config/NAME_config.json); repeatable")
+    parser.add_argument("--resume", help="checkpoint folder, or 'latest'")
+    parser.add_argument("--output-dir", help="parent folder of run folders (overrides run.output_dir)")
+    parser.add_argument("--max-steps", type=int, help="overrides run.max_steps")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one field, e.g. --set ppo.learning_rate=2e-5 (repeatable)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging()
+    overrides = list(args.set)
+    if args.output_dir:
+        overrides.append(f"run.output_dir={args.output_dir}")
+    if args.max_steps is not None:
+        overrides.append(f"run.max_steps={args.max_steps}")
+    trainer = None
+    try:
+        config = load_config(args.config, args.env_config, args.curriculum_config, args.preset, overrides)
+        cfg = config.train
+        if cfg.model.use_4bit and cfg.run.device != "cpu" and not torch.cuda.is_available():
+            raise ConfigError(
+                "This configuration trains a 4-bit model, which needs a CUDA GPU, and none is visible. "
+                "On a CPU-only machine run 'python train_ppo.py --preset cpu' (SmolLM2-135M, offline), "
+                "or set model.use_4bit=false."
+            )
+        torch.manual_seed(cfg.run.seed)
+        run_dir = Path(cfg.run.output_dir) / cfg.run.name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        trainer = Trainer(config, run_dir, args.resume)
+        asyncio.run(_train_and_close(trainer))
+    except ConfigError as exc:
+        console.print(f"[red]Configuration error:[/red] {exc}", highlight=False)
+        return 2
+    except (TooManySkips, RuntimeError) as exc:
+        from rollout import VLLMError
+
+        if not isinstance(exc, (TooManySkips, VLLMError)) and "episodes failed" not in str(exc):
+            raise
+        console.print(f"[red]Stopped:[/red] {exc}", highlight=False)
+        return 1
+    return 0
+
+
+async def _train_and_close(trainer: Trainer) -> None:
+    try:
+        await trainer.train()
+    finally:
+        await trainer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

