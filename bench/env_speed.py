@@ -1,0 +1,108 @@
+"""Speed of the embedded OpenSpiel env per game, random vs MCTS opponents; prints one JSON document.
+
+random: whole episodes through reset/step with a seeded random legal-action policy; microseconds
+per env step (model move + opponent replies + chance + texts) and per reset.
+mcts: seconds per opponent (bot) move, measured through env.step. The spec budgets cost seconds to
+minutes per move on a laptop core, so by default each game searches with `--mcts-scale` (10 %) of
+its spec simulations and the JSON also gives the linear extrapolation to the full budget (MCTS cost
+is proportional to simulations until the search solves the position). `--mcts-scale 1` measures the
+spec budgets themselves.
+
+    python3 bench/env_speed.py                       # ~2-3 minutes on one free core
+    python3 bench/env_speed.py --games hex leduc_poker --mcts-scale 1 --mcts-moves 2
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from envs.games import GAMES  # noqa: E402
+from envs.openspiel_env import OpenSpielEnv  # noqa: E402
+from envs.tasks import AVAILABLE_GAMES, game_task_id  # noqa: E402
+
+
+async def random_speed(game: str, episodes: int, fmt: str) -> dict:
+    env = OpenSpielEnv(fmt)
+    policy = random.Random(0)
+    steps = 0
+    step_seconds = reset_seconds = 0.0
+    for seed in range(episodes):
+        start = time.perf_counter()
+        result = await env.reset(game_task_id(game), seed=seed, opponent="random")
+        reset_seconds += time.perf_counter() - start
+        while not result["done"]:
+            action = str(policy.choice(result["info"]["legal_actions"]))
+            start = time.perf_counter()
+            result = await env.step(action, result["episode_id"])
+            step_seconds += time.perf_counter() - start
+            steps += 1
+    return {
+        "episodes": episodes, "steps": steps,
+        "us_per_step": round(1e6 * step_seconds / max(steps, 1), 1),
+        "us_per_reset": round(1e6 * reset_seconds / episodes, 1),
+    }
+
+
+async def mcts_speed(game: str, bot_moves: int, scale: float, fmt: str) -> dict | None:
+    if GAMES[game].mcts is None:
+        return None
+    spec_simulations, n_rollouts = GAMES[game].mcts
+    simulations = max(1, round(spec_simulations * scale))
+    env = OpenSpielEnv(fmt, mcts_simulations=simulations)
+    policy = random.Random(0)
+    start = time.perf_counter()
+    result = await env.reset(game_task_id(game), seed=0, opponent="mcts")
+    seconds = time.perf_counter() - start
+    moved = result["info"]["step_count"]  # the bot may move first (chess: player 0 is Black)
+    while not result["done"] and moved < bot_moves:
+        before = result["info"]["step_count"]
+        action = str(policy.choice(result["info"]["legal_actions"]))
+        start = time.perf_counter()
+        result = await env.step(action, result["episode_id"])
+        seconds += time.perf_counter() - start
+        moved += result["info"]["step_count"] - before - 1
+    if not result["done"]:
+        await env.stop(result["episode_id"])
+    per_move = seconds / max(moved, 1)
+    return {
+        "max_simulations": simulations, "spec_max_simulations": spec_simulations, "n_rollouts": n_rollouts,
+        "bot_moves": moved, "s_per_bot_move": round(per_move, 3),
+        "est_s_per_bot_move_at_spec_budget": round(per_move * spec_simulations / simulations, 2),
+    }
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--games", nargs="+", default=AVAILABLE_GAMES, choices=AVAILABLE_GAMES)
+    parser.add_argument("--format", default="evaluate", choices=["evaluate", "openenv"])
+    parser.add_argument("--episodes", type=int, default=3, help="random-opponent episodes per game")
+    parser.add_argument("--mcts-moves", type=int, default=1, help="bot moves timed per game (0 = skip MCTS)")
+    parser.add_argument("--mcts-scale", type=float, default=0.1, help="fraction of the spec simulations to run")
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    report: dict = {
+        "format": args.format, "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
+        "python": platform.python_version(), "mcts_scale": args.mcts_scale, "games": {},
+    }
+    for game in args.games:
+        entry = {"random": await random_speed(game, args.episodes, args.format)}
+        if args.mcts_moves:
+            entry["mcts"] = await mcts_speed(game, args.mcts_moves, args.mcts_scale, args.format)
+        report["games"][game] = entry
+        print(f"{game}: {entry}", file=sys.stderr, flush=True)
+    report["seconds_total"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
