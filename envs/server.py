@@ -146,17 +146,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto must say TCP: asyncio turns on TCP_NODELAY only for such sockets, and without it each
+    # reply waited ~40 ms for a delayed ACK (measured 44 ms vs 1 ms per call on localhost).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may reuse the port at once
+    sock.bind((host, port))
+    sock.listen(socket.SOMAXCONN)
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = build_env(args)
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     # Binding here (not in uvicorn) lets --port 0 work and the start line name the real port.
-    sock = socket.create_server((args.host, args.port), family=family)
+    sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
-    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    host = f"[{args.host}]" if sock.family == socket.AF_INET6 else args.host
     app = create_app(env, args.env, url=f"http://{host}:{port}")
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (the lifespan closes the env), then
