@@ -257,6 +257,26 @@ def test_close_stops_live_episodes_is_idempotent_and_later_calls_fail_cleanly():
     assert after_close["info"]["error"]["type"] == "closed"
 
 
+def test_ctrl_c_during_a_step_then_close_stops_the_episode_on_its_server():
+    game = AffineGame()
+    with FakeServer(slow(1.0, game, methods=("step",))) as server:
+        env = url_env(server.url)
+
+        async def interrupted_run():
+            first = await env.reset(task_id=5, seed=1)
+            pending = asyncio.ensure_future(env.step("1", first["episode_id"]))
+            await asyncio.sleep(0.2)
+            pending.cancel()  # what asyncio.run does to the main task on Ctrl-C
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+            await env.close()  # the trainer's finally block
+            return first["episode_id"]
+
+        episode_id = run(interrupted_run())
+    assert server.calls[-1] == ("stop", {"episode_id": episode_id})
+    assert env.error_counts()["failed_episodes"] == 0
+
+
 # ------------------------------------------------------------------ faults
 def slow(seconds: float, respond: Callable[[str, dict[str, Any]], Reply], methods: tuple[str, ...]):
     def answer(method: str, kwargs: dict[str, Any]) -> Reply:
@@ -539,3 +559,28 @@ def test_docker_mode_cleans_up_started_containers_when_a_later_one_fails(monkeyp
     with pytest.raises(RuntimeError, match=r"could not start 'affinefoundation/game:openspiel'.*port conflict"):
         AffinetesEnv(mode="docker", image="affinefoundation/game:openspiel", replicas=2)
     assert first.cleaned
+
+
+def test_close_cleans_up_every_container_once(monkeypatch):
+    import affinetes
+
+    class Container:
+        def __init__(self, name):
+            self.name = name
+            self.cleanups = 0
+
+        async def cleanup(self):
+            self.cleanups += 1
+
+    containers: list[Container] = []
+
+    def start_container(**kwargs):
+        containers.append(Container(kwargs["container_name"]))
+        return containers[-1]
+
+    monkeypatch.setattr(affinetes, "load_env", start_container)
+    env = AffinetesEnv(mode="docker", image="affinefoundation/trace:latest", replicas=3)
+    run(env.close())
+    run(env.close())
+    assert [(c.name, c.cleanups) for c in containers] == [
+        ("trace-latest-r0", 1), ("trace-latest-r1", 1), ("trace-latest-r2", 1)]
