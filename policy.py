@@ -226,5 +226,6 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: torch.devi
     policy = Policy(model, tokenizer)
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     total = sum(p.numel() for p in policy.parameters())
-    log.info("policy: %s, LoRA on %s, %.2fM trainable of %.1fM", type(base).__name__, targets, trainable / 1e6, total / 1e6)
+    log.info("policy: %s, LoRA on %s, %s trainable of %s parameters", type(base).__name__, targets,
+             f"{trainable:,}", f"{total:,}")
     return policy.eval()  # the update switches to train mode itself

@@ -60,7 +60,7 @@ class RunLogger:
             handle.write(json.dumps(record, sort_keys=True) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
-        console.print(self.step_line(step, metrics), highlight=False)
+        console.print(self.step_line(step, metrics), highlight=False, soft_wrap=True)
 
     @staticmethod
     def step_line(step: int, m: dict[str, Any]) -> str:
