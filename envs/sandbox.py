@@ -159,23 +159,25 @@ def detect_protections(use_bwrap: bool = True) -> Protections:
 
 def _probe(use_bwrap: bool) -> Protections:
     is_root = os.geteuid() == 0
-    candidates = []
     bwrap = shutil.which("bwrap") if use_bwrap else None
-    if bwrap:
-        candidates.append(Protections(bwrap_path=bwrap, drop_uid=is_root, process_limit=True))
+    if bwrap and _works(Protections(bwrap_path=bwrap, drop_uid=is_root, process_limit=True)):
+        return Protections(bwrap_path=bwrap, drop_uid=is_root, process_limit=True)
     if is_root:
-        if _runs_as_other_uid():
-            candidates.append(Protections(bwrap_path=None, drop_uid=True, process_limit=True))
-        else:
+        if not _runs_as_other_uid():
             logger.warning("%s cannot be executed by an unprivileged uid (e.g. it lives under /root), so without "
-                           "bubblewrap sandboxed programs would run as root", sys.executable)
-    for candidate in candidates:
-        result = _run(candidate, "print(6 * 7)\n", "", 10.0, SandboxLimits())
-        if result.returncode == 0 and result.stdout.strip() == "42":
-            return candidate
-        logger.warning("sandbox variant %s does not work here (exit %s): %s", candidate, result.returncode,
-                       result.stderr.strip()[-500:])
+                           "bubblewrap sandboxed programs run as root", sys.executable)
+        elif _works(Protections(bwrap_path=None, drop_uid=True, process_limit=True)):
+            return Protections(bwrap_path=None, drop_uid=True, process_limit=True)
     return Protections(bwrap_path=None, drop_uid=False, process_limit=False)
+
+
+def _works(candidate: Protections) -> bool:
+    result = _run(candidate, "print(6 * 7)\n", "", 10.0, SandboxLimits())
+    if result.returncode == 0 and result.stdout == "42\n":
+        return True
+    logger.warning("sandbox variant %s does not work here (exit %s): %s", candidate, result.returncode,
+                   result.stderr.strip()[-500:])
+    return False
 
 
 def _runs_as_other_uid() -> bool:

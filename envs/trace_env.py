@@ -39,7 +39,7 @@ HF_TASK_ID_SPACE = 10**6  # a missing task id: like the real env, for the datase
 EMBEDDED_TASK_ID_SPACE = TRACE_LEVEL_STRIDE * len(TRACE_LEVELS)  # all embedded difficulty levels
 SEED_SPACE = 2**32
 CACHE_SIZE = 10_000
-MAX_DEGENERATE_SKIPS = 32
+MAX_DEGENERATE_SKIPS = 16
 FINISHED_KEPT = 4096  # finished episodes that state/step can still report before stop()
 
 
@@ -141,7 +141,8 @@ class _DebugPrintInjector(ast.NodeTransformer):
         chosen = self.rng.sample(live, count)
         args: list[ast.expr] = [ast.Constant(f"__DBG_{self.injections_done}__")]
         for name in chosen:
-            shown = f"repr({name}) if isinstance({name}, (int, float, str, bool, type(None))) else type({name}).__name__"
+            shown = (f"repr({name}) if isinstance({name}, (int, float, str, bool, type(None))) "
+                     f"else type({name}).__name__")
             args.append(ast.parse(shown, mode="eval").body)
         return ast.Expr(ast.Call(func=ast.Name("print", ast.Load()), args=args, keywords=[]))
 
@@ -239,8 +240,7 @@ class _Episode:
     done: bool = False
     step_count: int = 0
     score: float = 0.0
-    response: str | None = None
-    last: StepResult | None = field(default=None, repr=False)
+    last: StepResult | None = field(default=None, repr=False)  # the final step, repeated to late callers
 
 
 def _error(kind: str, message: str, retryable: bool) -> dict[str, Any]:
@@ -315,20 +315,21 @@ class TraceEnv:
         if episode.done:
             info = self._info(episode) | {
                 "error": _error("episode_done", f"episode {episode_id} has finished; call reset()", retryable=False)}
-            return step_result(episode.last["observation"] if episode.last else "", reward=episode.score,
-                               done=True, episode_id=episode_id, info=info)
+            assert episode.last is not None
+            return step_result(episode.last["observation"], reward=episode.score, done=True,
+                               episode_id=episode_id, info=info)
         try:
             prediction = clean_prediction(action)
             score = score_prediction(action, episode.challenge.ground_truth)
         except Exception as exc:  # e.g. an action that is not a string; the episode ends with score 0
-            episode.done, episode.step_count, episode.response = True, 1, None
+            episode.done, episode.step_count = True, 1
             info = self._info(episode) | {
                 "error": _error("evaluation_error", f"{type(exc).__name__}: {exc}", retryable=False)}
             episode.last = step_result(f"Error evaluating the answer: {exc}", done=True, episode_id=episode_id,
                                        info=info)
             self._retire(episode_id)
             return episode.last
-        episode.done, episode.step_count, episode.score, episode.response = True, 1, score, action
+        episode.done, episode.step_count, episode.score = True, 1, score
         report = _report(score, prediction, episode.challenge.ground_truth)
         episode.last = step_result(report, reward=score, done=True, episode_id=episode_id, info=self._info(episode))
         self._retire(episode_id)
@@ -437,8 +438,8 @@ class TraceEnv:
     # -------------------------------------------------------------- bookkeeping
     def _lookup(self, episode_id: str) -> _Episode | StepResult:
         if not episode_id:
-            return step_result("Error: no episode_id given; call reset() first.", done=True, truncated=True,
-                               info=self._blank_info() | {"error": _error("no_episode_id", "episode_id is empty", False)})
+            info = self._blank_info() | {"error": _error("no_episode_id", "episode_id is empty", False)}
+            return step_result("Error: no episode_id given; call reset() first.", done=True, truncated=True, info=info)
         episode = self._episodes.get(episode_id) or self._finished.get(episode_id)
         if episode is None:
             return step_result(

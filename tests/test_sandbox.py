@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
-import sys
 import textwrap
 import time
 import uuid
@@ -359,7 +359,8 @@ def test_fallback_still_enforces_timeout_output_cap_and_scrubbed_env(monkeypatch
     assert run("while True:\n    pass", timeout=1.0, use_bwrap=False).killed_reason == "timeout"
     assert run("while True:\n    print('z' * 999)", use_bwrap=False).killed_reason == "output_limit"
     env = run("import os\nprint(sorted(os.environ))", use_bwrap=False)
-    assert env.stdout == "['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONHASHSEED', 'PYTHONIOENCODING', 'TMPDIR']\n"
+    assert env.stdout == ("['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONHASHSEED', 'PYTHONIOENCODING', "
+                          "'TMPDIR']\n")
     big = run("""
         import errno, os
         fd = os.open('big.bin', os.O_WRONLY | os.O_CREAT)
@@ -413,3 +414,41 @@ def test_fallback_with_uid_drop_contains_forks_escapes_and_secrets():
         "parent_environ": ["EACCES\n", 0, False],
     }
     assert not (REPO / "escape.txt").exists()
+
+
+_UNPRIVILEGED_DRIVER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from envs.sandbox import SandboxLimits, detect_protections, run_python
+forks = ("import os, time\\nn = 0\\ntry:\\n    while True:\\n        if os.fork() == 0:\\n"
+         "            time.sleep(30)\\n            os._exit(0)\\n        n += 1\\nexcept OSError:\\n    print(n)")
+escape = ("import errno\\ntry:\\n    open('/usr/x', 'w')\\nexcept OSError as exc:\\n"
+          "    print(errno.errorcode[exc.errno])")
+limits = SandboxLimits(memory_bytes=256 << 20, max_processes=8)
+protections = detect_protections()
+report = {"bwrap": protections.bwrap_path is not None, "drop_uid": protections.drop_uid}
+for name, code in {"forks": forks, "escape": escape}.items():
+    result = run_python(code, timeout=4.0, limits=limits)
+    report[name] = [result.stdout, result.returncode]
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(not (IS_ROOT and HAS_BWRAP and os.path.exists(SYSTEM_PYTHON) and shutil.which("setpriv")),
+                    reason="needs root (to become another user), bubblewrap, setpriv and a system interpreter")
+def test_unprivileged_user_gets_bubblewrap_through_a_user_namespace():
+    completed = subprocess.run(
+        ["setpriv", "--reuid", "12345", "--regid", "12345", "--clear-groups", SYSTEM_PYTHON, "-I", "-c",
+         _UNPRIVILEGED_DRIVER, str(REPO)],
+        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
+    )
+    assert completed.returncode == 0, completed.stderr
+    report = json.loads(completed.stdout)
+    if not report["bwrap"]:
+        pytest.skip("unprivileged user namespaces are disabled on this kernel")
+    assert report == {
+        "bwrap": True,
+        "drop_uid": False,
+        "forks": ["6\n", 0],  # 8 processes in the user namespace: bwrap's reaper, the program, 6 children
+        "escape": ["EROFS\n", 0],
+    }

@@ -149,7 +149,9 @@ def test_syntax_error_becomes_a_comment_in_front_of_the_source():
 def test_debug_values_show_scalar_reprs_and_other_type_names():
     source = "s = 'a'\nn = None\nf = 1.5\nb = True\nxs = [1]\nd = {}\nclass K:\n    pass\nk = K()\n"
     result = run_python(inject_debug_prints(source, 3)[0], limits=LIMITS)
-    assert result.stdout == "__DBG_0__ 'a'\n__DBG_1__ 'a' 1.5 None\n__DBG_2__ None\n__DBG_3__ True dict None\n__DBG_4__ K\n"
+    assert result.stdout.splitlines() == [
+        "__DBG_0__ 'a'", "__DBG_1__ 'a' 1.5 None", "__DBG_2__ None", "__DBG_3__ True dict None", "__DBG_4__ K",
+    ]
 
 
 # ---------------------------------------------------------------- prompt
@@ -256,6 +258,17 @@ def test_hf_rows_are_picked_by_task_id_modulo_length_and_seeded_by_task_id():
         assert first.program != wrapped.program  # same row, different injection seed
         reset = await env.reset(task_id=4)
         assert reset["info"]["dataset_index"] == 0
+
+    asyncio.run(main())
+
+
+def test_an_action_that_is_not_text_ends_the_episode_with_an_evaluation_error():
+    async def main():
+        env = env_for([{"program": "print(1)", "inputs": ""}])
+        reset = await env.reset(task_id=0)
+        step = await env.step(None, reset["episode_id"])
+        assert (step["reward"], step["done"], step["info"]["success"]) == (0.0, True, False)
+        assert (step["info"]["error"]["type"], step["info"]["error"]["retryable"]) == ("evaluation_error", False)
 
     asyncio.run(main())
 
