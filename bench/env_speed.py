@@ -8,8 +8,11 @@ its spec simulations and the JSON also gives the linear extrapolation to the ful
 is proportional to simulations until the search solves the position). `--mcts-scale 1` measures the
 spec budgets themselves.
 
-    python3 bench/env_speed.py                       # ~2-3 minutes on one free core
-    python3 bench/env_speed.py --games hex leduc_poker --mcts-scale 1 --mcts-moves 2
+It ends with a threads-vs-worker-processes comparison: concurrent hex games against MCTS, played
+by OpenSpielEnv(workers=0) and OpenSpielEnv(workers=N).
+
+    python3 bench/env_speed.py                       # ~2-3 minutes on two free cores
+    python3 bench/env_speed.py --games hex leduc_poker --mcts-scale 1 --mcts-moves 2 --workers 0
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from envs.tasks import AVAILABLE_GAMES, game_task_id  # noqa: E402
 
 async def random_speed(game: str, episodes: int, fmt: str) -> dict:
     env = OpenSpielEnv(fmt)
+    await env.stop((await env.reset(game_task_id(game), seed=99, opponent="random"))["episode_id"])  # loads the game
     policy = random.Random(0)
     steps = 0
     step_seconds = reset_seconds = 0.0
@@ -80,6 +84,24 @@ async def mcts_speed(game: str, bot_moves: int, scale: float, fmt: str) -> dict 
     }
 
 
+async def concurrent_search(episodes: int, turns: int, simulations: int, workers: int) -> float:
+    """Seconds for `episodes` concurrent hex games to play `turns` model turns against MCTS."""
+    env = OpenSpielEnv("evaluate", mcts_simulations=simulations, workers=workers)
+    if workers:  # start the worker processes outside the timing
+        await asyncio.gather(*(env.reset(game_task_id("blackjack"), seed=s) for s in range(workers)))
+
+    async def play(seed: int) -> None:
+        result = await env.reset(game_task_id("hex"), seed=2 * seed, opponent="mcts")
+        while not result["done"] and result["info"]["turns"] < turns:
+            result = await env.step(str(result["info"]["legal_actions"][0]), result["episode_id"])
+
+    start = time.perf_counter()
+    await asyncio.gather(*(play(seed) for seed in range(episodes)))
+    seconds = time.perf_counter() - start
+    await env.close()
+    return round(seconds, 2)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--games", nargs="+", default=AVAILABLE_GAMES, choices=AVAILABLE_GAMES)
@@ -87,6 +109,8 @@ async def main() -> None:
     parser.add_argument("--episodes", type=int, default=3, help="random-opponent episodes per game")
     parser.add_argument("--mcts-moves", type=int, default=1, help="bot moves timed per game (0 = skip MCTS)")
     parser.add_argument("--mcts-scale", type=float, default=0.1, help="fraction of the spec simulations to run")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(),
+                        help="worker processes for the threads-vs-processes comparison (0 = skip it)")
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -100,6 +124,16 @@ async def main() -> None:
             entry["mcts"] = await mcts_speed(game, args.mcts_moves, args.mcts_scale, args.format)
         report["games"][game] = entry
         print(f"{game}: {entry}", file=sys.stderr, flush=True)
+    if args.workers:
+        # Many episodes searching at once: threads share one core (GIL), worker processes do not.
+        episodes, turns, simulations = 2 * args.workers, 3, 100
+        report["concurrent_mcts"] = {
+            "game": "hex 5x5", "episodes": episodes, "turns_each": turns, "max_simulations": simulations,
+            "seconds_threads": await concurrent_search(episodes, turns, simulations, workers=0),
+            f"seconds_{args.workers}_worker_processes": await concurrent_search(episodes, turns, simulations,
+                                                                                 workers=args.workers),
+        }
+        print(f"concurrent_mcts: {report['concurrent_mcts']}", file=sys.stderr, flush=True)
     report["seconds_total"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report, indent=1))
 

@@ -1,4 +1,5 @@
-"""Per-game table of the embedded OpenSpiel env (no pyspiel import: the curriculum reads it cheaply).
+"""Per-game table of the embedded OpenSpiel env, and task-id decoding (no pyspiel import, so the
+curriculum can filter task ids cheaply).
 
 For each of the 22 Affine games: the parameters the Affine env derives from a config id, the
 parameter names open_spiel does not know (repaired or fatal), the MCTS opponent's budget, an
@@ -7,11 +8,12 @@ Facts and numbers follow /work/shared/specs/affine-openspiel.md sections 1, 2 an
 """
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from envs.tasks import AVAILABLE_GAMES
+from envs.tasks import AVAILABLE_GAMES, GAME_ID_STRIDE
 
 Params = dict[str, Any]
 
@@ -381,3 +383,20 @@ GAMES: dict[str, GameSpec] = {
 }
 
 assert list(GAMES) == AVAILABLE_GAMES, "GAMES must list the games in AVAILABLE_GAMES order"
+
+
+def decode_task_id(task_id: int) -> dict[str, Any]:
+    """Game and parameters of a task id, exactly as the Affine env decodes them: the game index
+    wraps modulo 22, and the parameters may hold names open_spiel rejects (see `is_playable`)."""
+    game_idx, config_id = divmod(operator.index(task_id), GAME_ID_STRIDE)
+    game_name = AVAILABLE_GAMES[game_idx % len(AVAILABLE_GAMES)]
+    return {
+        "game_name": game_name, "game_idx": game_idx, "config_id": config_id,
+        "game_params": GAMES[game_name].params(config_id),
+    }
+
+
+def is_playable(task_id: int) -> bool:
+    """False for the tasks open_spiel cannot load (bridge variants 1 and 2); oware is repaired."""
+    decoded = decode_task_id(task_id)
+    return not set(decoded["game_params"]) & GAMES[decoded["game_name"]].unsupported_params

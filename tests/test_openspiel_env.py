@@ -15,9 +15,8 @@ from open_spiel.python.algorithms import mcts
 from open_spiel.python.bots.uniform_random import UniformRandomBot
 
 from envs.games import GAMES, describe_blackjack, describe_leduc
-from envs.openspiel_env import (
-    AffineRolloutEvaluator, OpenSpielEnv, _load_game, build_bots, compute_score, decode_task_id, is_playable,
-)
+from envs.openspiel_env import OpenSpielEnv, decode_task_id, is_playable
+from envs.openspiel_episode import AffineRolloutEvaluator, build_bots, compute_score, load_game
 from envs.openspiel_text import parse_evaluate_action, parse_openenv_action, strip_think
 from envs.tasks import AVAILABLE_GAMES, game_task_id
 
@@ -107,7 +106,7 @@ def test_oware_loads_with_the_repaired_parameter_name():
     # The real env passes `seeds_per_house`, which open_spiel rejects for every oware task.
     for config_id, seeds in [(0, 4), (1, 3), (2, 5)]:
         params = decode_task_id(game_task_id("oware", config_id))["game_params"]
-        state = _load_game("oware", tuple(params.items())).new_initial_state()
+        state = load_game("oware", tuple(params.items())).new_initial_state()
         assert state.observation_string(0) == "0 | 0 0 | " + " ".join([str(seeds)] * 12)
 
 
@@ -132,7 +131,7 @@ def test_every_game_completes_against_random(game, fmt):
     assert all(not r["info"]["parse_error"] and "error" not in r["info"] for r in results)
     assert all(INFO_KEYS <= set(r["info"]) for r in results)
     assert final["info"]["turns"] == len(results) - 1
-    assert env._episodes == {}  # finished episodes are freed
+    assert env._live == {}  # finished episodes are freed
 
 
 CHEAP_SEARCH_GAMES = ["liars_dice", "leduc_poker", "hex", "clobber", "euchre", "dots_and_boxes", "go",
@@ -158,12 +157,12 @@ def test_expensive_games_run_clean_against_mcts_for_a_few_turns(game):
     results = run(play_episode(env, game_task_id(game), seed=1, opponent="mcts", max_turns=4))
     assert all("error" not in r["info"] for r in results)
     assert results[-1]["info"]["turns"] == 4 and results[-1]["info"]["step_count"] >= 4
-    assert env._episodes == {}
+    assert env._live == {}
 
 
 def test_leduc_plays_against_mcts_with_the_spec_budget():
     env = OpenSpielEnv("evaluate")
-    bot = build_bots(_load_game("leduc_poker", (("players", 2),)), GAMES["leduc_poker"], "evaluate", 0, 0,
+    bot = build_bots(load_game("leduc_poker", (("players", 2),)), GAMES["leduc_poker"], "evaluate", 0, 0,
                      "mcts", None)[1]
     assert (bot.max_simulations, bot.evaluator.n_rollouts, bot.uct_c) == (3000, 200, 1.414)
     final = run(play_episode(env, game_task_id("leduc_poker"), seed=4, opponent="mcts"))[-1]
@@ -173,7 +172,7 @@ def test_leduc_plays_against_mcts_with_the_spec_budget():
 # ---------------------------------------------------------------- opponents and seats (spec 2.3, 6.3, 7)
 def _bots(game: str, fmt: str, player: int, opponent: str, sims: int | None = None):
     params = decode_task_id(game_task_id(game))["game_params"]
-    return build_bots(_load_game(game, tuple(params.items())), GAMES[game], fmt, player, 10, opponent, sims)
+    return build_bots(load_game(game, tuple(params.items())), GAMES[game], fmt, player, 10, opponent, sims)
 
 
 def test_evaluate_builds_one_bot_per_other_seat():
@@ -254,7 +253,7 @@ def test_random_opponent_draws_from_its_seat_seed(fmt, bot_seed):
 
 
 def test_evaluate_mcts_bots_use_their_seat_seeds():
-    game = _load_game("phantom_ttt", (("obstype", "reveal-nothing"),))
+    game = load_game("phantom_ttt", (("obstype", "reveal-nothing"),))
     seed, sims = 3, 30  # model at seat 1, bot at seat 0: rollouts seed+5+0, tree seed+6+0
     oracle_bot = mcts.MCTSBot(game, 1.414, sims, AffineRolloutEvaluator(150, np.random.RandomState(seed + 5)),
                               random_state=np.random.RandomState(seed + 6))
@@ -304,7 +303,8 @@ def test_goofspiel_openenv_shows_legal_cards_and_plays_the_chosen_one():
 
 
 # ---------------------------------------------------------------- actions and parsing (spec 4.2, 6.5-6.7)
-GARBAGE = ["", "hello", "-1", "99999", "9" * 10_000, "lorem ipsum " * 900, "♠♥ 你好 🂡 ٣", "<think>7</think>3", None]
+GARBAGE = ["", "hello", "-1", "99999", "9" * 10_000, "lorem ipsum " * 900, "♠♥ 你好 🂡 ٣", "<think>7</think>3",
+           None]
 # hex 5x5, seed 0: the model opens, all 25 cells (ids 0-24) are legal.
 EVALUATE_PARSE = {"": None, "hello": None, "-1": 1, "99999": None, "9" * 10_000: None,
                   "lorem ipsum " * 900: None, "♠♥ 你好 🂡 ٣": None, "<think>7</think>3": 3, None: None}
@@ -468,7 +468,8 @@ class _FakeState:
 @pytest.mark.parametrize("cards, total", [("HT CJ", 20), ("CT CA", 21), ("HT SA S9", 20), ("SA HA", 12), ("D9 C3", 12)])
 def test_blackjack_total_counts_a_ten(cards, total):
     # The real env's int("T") crashes every hand holding a ten (spec 8.4).
-    state = _FakeState(f"Current Phase: Player Turn\nCurrent Player: 0\nPlayer 0: Cards: {cards}\nDealer: Cards: ?? HA\n")
+    state = _FakeState(f"Current Phase: Player Turn\nCurrent Player: 0\nPlayer 0: Cards: {cards}\n"
+                       "Dealer: Cards: ?? HA\n")
     assert describe_blackjack(state, 0).endswith(f"\nYour total: {total} points")
 
 
@@ -621,7 +622,7 @@ def test_sixty_concurrent_episodes_match_their_sequential_runs():
     async def together():
         env = OpenSpielEnv("evaluate", mcts_simulations=3)
         runs = await asyncio.gather(*(play_episode(env, t, s, o, policy_seed=s) for t, s, o in tasks))
-        assert env._episodes == {}
+        assert env._live == {}
         return runs
 
     async def one_by_one():
@@ -659,5 +660,42 @@ def test_dealing_bridge_does_not_block_the_event_loop():
         ticks, result = await _ticks_while(OpenSpielEnv("evaluate").reset(game_task_id("bridge"), seed=0,
                                                                           opponent="random"))
         assert ticks > 1 and not result["done"]
+
+    run(main())
+
+
+# ---------------------------------------------------------------- worker processes
+def test_worker_processes_play_the_same_games_as_in_process():
+    tasks = [(game_task_id(g), s, "mcts") for g in ("hex", "leduc_poker", "euchre", "goofspiel") for s in (0, 1)]
+
+    async def play_all(env):
+        try:
+            return await asyncio.gather(*(play_episode(env, t, s, o, policy_seed=s) for t, s, o in tasks))
+        finally:
+            await env.close()
+
+    in_process = run(play_all(OpenSpielEnv("evaluate", mcts_simulations=5)))
+    in_workers = run(play_all(OpenSpielEnv("evaluate", mcts_simulations=5, workers=2)))
+    assert [_trace(r) for r in in_workers] == [_trace(r) for r in in_process]
+
+
+def test_a_dead_worker_fails_its_episodes_and_is_replaced():
+    import multiprocessing
+    import os
+    import signal
+
+    async def main():
+        env = OpenSpielEnv("openenv", workers=1)
+        first = await env.reset(game_task_id("hex"), seed=0, opponent="random")
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGKILL)
+        lost = await env.step("3", first["episode_id"])
+        assert lost["done"] and lost["truncated"] and lost["info"]["error"]["type"] == "worker_lost"
+        assert (await env.step("4", first["episode_id"]))["info"]["error"]["type"] == "episode_not_found"
+        fresh = await env.reset(game_task_id("hex"), seed=0, opponent="random")
+        assert fresh["observation"] == first["observation"]
+        assert (await env.stop(fresh["episode_id"]))["stopped"]
+        assert (await env.state(fresh["episode_id"]))["info"]["error"]["type"] == "episode_not_found"
+        await env.close()
 
     run(main())
