@@ -2,8 +2,8 @@
 
 Layers, strongest first (which ones are active is probed once and logged):
 1. bubblewrap: new pid/net/ipc/uts namespaces, a tmpfs root holding read-only binds of /usr and
-   the interpreter's prefix only, size-capped tmpfs /tmp and working dir, no network device but
-   loopback, killed with its parent.
+   the interpreter's prefix only, size-capped tmpfs /tmp, /dev/shm and working dir, no network
+   device but loopback, killed with its parent.
 2. An unprivileged uid, fresh for every run (root only): RLIMIT_NPROC ignores root, and a uid of
    its own makes the process count and the final kill-everything sweep exact per run.
 3. rlimits on CPU seconds, address space, file size, process count; no core files.
@@ -122,7 +122,7 @@ class Protections:
         missing = []
         if self.bwrap_path:
             active.insert(0, "bubblewrap (pid/net/ipc/uts namespaces, read-only /usr and interpreter, "
-                             "private size-capped /tmp and working dir)")
+                             "private size-capped /tmp, /dev/shm and working dir)")
         else:
             missing += ["bubblewrap: NO network isolation, host file system visible "
                         "(writable wherever the run's uid may write, e.g. /tmp)"]
@@ -183,8 +183,9 @@ def _works(candidate: Protections) -> bool:
 def _runs_as_other_uid() -> bool:
     """Whether this interpreter starts under a fresh unprivileged uid (the fallback and its sweep need it)."""
     try:
-        return subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], user=_next_run_uid(), group=_UID_BASE,
-                              extra_groups=[], env={}, capture_output=True, timeout=30).returncode == 0
+        uid = _next_run_uid()
+        return subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], user=uid, group=uid, extra_groups=[],
+                              env={}, capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -280,7 +281,7 @@ def _run(protections: Protections, code: str, stdin: str, timeout: float, limits
 def _python_argv(program_path: str) -> list[str]:
     # Not -I: it would also ignore PYTHONHASHSEED. The environment is built from scratch, so -E buys
     # nothing, while a fixed hash seed makes a program's output (set order) the same on every run.
-    return [sys.executable, "-s", "-P", "-X", "utf8", program_path]
+    return [sys.executable, "-s", "-P", program_path]
 
 
 def _environment(home: str) -> dict[str, str]:
@@ -324,6 +325,8 @@ def _bwrap_argv(protections: Protections, limits: SandboxLimits, program_fd: int
         argv += ["--ro-bind", root, root]
     argv += [
         "--proc", "/proc", "--dev", "/dev",
+        # Each tmpfs is RAM outside RLIMIT_AS, hence the size caps; /dev/shm serves multiprocessing.
+        "--perms", "1777", "--size", str(limits.scratch_bytes), "--tmpfs", "/dev/shm",
         "--perms", "1777", "--size", str(limits.scratch_bytes), "--tmpfs", "/tmp",
         "--perms", "0777", "--size", str(limits.scratch_bytes), "--tmpfs", SANDBOX_WORKDIR,
         "--perms", "0444", "--ro-bind-data", str(program_fd), f"{SANDBOX_WORKDIR}/{PROGRAM_NAME}",

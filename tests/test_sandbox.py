@@ -216,7 +216,7 @@ def test_writes_outside_the_working_dir_never_reach_the_host():
     result = run(f"""
         import errno
         for path in [{str(project_file)!r}, {host_tmp_file!r}, '/usr/pwned.txt', '/etc/pwned.txt', '/pwned.txt',
-                     'local.txt']:
+                     '/dev/pwned', '/dev/shm/segment', 'local.txt']:
             try:
                 with open(path, 'w') as handle:
                     handle.write('x')
@@ -230,6 +230,8 @@ def test_writes_outside_the_working_dir_never_reach_the_host():
         "EROFS /usr/pwned.txt",
         "ENOENT /etc/pwned.txt",
         "EACCES /pwned.txt",
+        "EACCES /dev/pwned",
+        "written /dev/shm/segment",  # a private, size-capped tmpfs
         "written local.txt",
     ]
     assert not os.path.exists(host_tmp_file)  # ... which the host never sees
