@@ -8,7 +8,9 @@ and the 1.0 an empty answer earns when the expected output is empty.
 
 Departures: programs run in envs/sandbox.py (rlimits, bubblewrap) instead of bare `subprocess.run`,
 off the event loop, with a fixed hash seed; a run killed for flooding stdout or for CPU time counts
-as a timeout (ground truth ""); a sandbox that fails to start is an error, never a ground truth.
+as a timeout (ground truth ""), one that passes the memory limit crashes with MemoryError where the
+real env has no limit; a sandbox that fails to start is an error, never a ground truth; the step
+report shows the cleaned answer (what was compared).
 Tasks come from the embedded generator (envs/trace_programs.py) by default, or from the real
 dataset with `source="hf"`. `skip_degenerate=True` swaps tasks whose expected output is empty or
 whose program crashes or times out for the next task id, for training.
