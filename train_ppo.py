@@ -353,14 +353,14 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(config, run_dir, args.resume)
         asyncio.run(_train_and_close(trainer))
     except ConfigError as exc:
-        console.print(f"[red]Configuration error:[/red] {exc}", highlight=False)
+        console.print(f"[red]Configuration error:[/red] {exc}", highlight=False, soft_wrap=True)
         return 2
     except (TooManySkips, RuntimeError) as exc:
         from rollout import VLLMError
 
         if not isinstance(exc, (TooManySkips, VLLMError)) and "episodes failed" not in str(exc):
             raise
-        console.print(f"[red]Stopped:[/red] {exc}", highlight=False)
+        console.print(f"[red]Stopped:[/red] {exc}", highlight=False, soft_wrap=True)
         return 1
     return 0
 

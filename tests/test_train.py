@@ -1,0 +1,237 @@
+"""train_ppo.py end to end on a tiny model: the real loop, resume equality, kill safety, bad input."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train_ppo
+from checkpoint import find_resumable, verify
+
+ROOT = Path(__file__).resolve().parent.parent
+TWO_GAMES = ('[{"name": "s", "opponent": "random", "min_episodes": 1000, '
+             '"tasks": [{"env": "openspiel", "games": ["leduc_poker", "liars_dice"]}]}]')
+
+
+def tiny_args(model_dir: Path, out: Path, *extra: str) -> list[str]:
+    """A CPU run of the tiny model on the embedded game env; `extra` adds or overrides options."""
+    sets = {
+        "model.name_or_path": str(model_dir), "model.use_4bit": "false", "model.dtype": "float32",
+        "model.gradient_checkpointing": "false", "run.device": "cpu", "run.name": "t",
+        "generation.backend": "local", "generation.max_new_tokens": "3", "generation.max_prompt_tokens": "8192",
+        "generation.max_concurrent_episodes": "3", "generation.max_turns": "6",
+        "ppo.batch_size": "4", "ppo.ppo_epochs": "2", "ppo.micro_batch_tokens": "16384",
+        "curriculum.stages": TWO_GAMES,
+    }
+    args = ["--output-dir", str(out)]
+    for key, value in sets.items():
+        args += ["--set", f"{key}={value}"]
+    return args + list(extra)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith("perf/")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("advantage,strategy", [("gae", "full"), ("group", "truncated"), ("gae", "last")])
+def test_real_loop_runs_and_checkpoints(tiny_model_dir, tmp_path, advantage, strategy):
+    code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2",
+                                    "--set", f"ppo.advantage={advantage}", "--set", f"generation.context_strategy={strategy}",
+                                    "--set", "ppo.group_size=2"))
+    assert code == 0
+    records = metrics(tmp_path / "t")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["env/episodes"] == 4 and record["env/episodes_failed"] == 0
+        assert 0.0 <= record["env/score_mean"] <= 1.0
+        assert {"policy/loss", "policy/clipfrac", "policy/approx_kl_k3", "update/grad_norm", "kl/coef"} <= set(record)
+        assert ("value/loss" in record) == (advantage == "gae")
+    games = {k.split("/")[1] for r in records for k in r if k.startswith("game/")}
+    assert games <= {"leduc_poker", "liars_dice"} and games
+    checkpoint = find_resumable(tmp_path / "t" / "checkpoints")
+    assert checkpoint is not None and checkpoint.name == "checkpoint-2" and verify(checkpoint)
+
+
+@pytest.mark.slow
+def test_resume_latest_reproduces_the_straight_run(tiny_model_dir, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert train_ppo.main(tiny_args(tiny_model_dir, straight, "--max-steps", "4", "--set",
+                                    "checkpointing.save_every=2")) == 0
+    assert train_ppo.main(tiny_args(tiny_model_dir, split, "--max-steps", "2")) == 0
+    assert train_ppo.main(tiny_args(tiny_model_dir, split, "--max-steps", "4", "--resume", "latest")) == 0
+    a, b = metrics(straight / "t"), metrics(split / "t")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [deterministic(r) for r in a] == [deterministic(r) for r in b]
+    adapter = "checkpoints/checkpoint-4/adapter/adapter_model.safetensors"
+    wa, wb = load_file(str(straight / "t" / adapter)), load_file(str(split / "t" / adapter))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import sys, time
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import checkpoint, train_ppo
+    from pathlib import Path
+    original = checkpoint.save_checkpoint
+    def slow_save(checkpoint_dir, step, write_model, state, keep_last):
+        def stall(folder):
+            write_model(folder)
+            if step == 2:  # the adapter is half written: signal the test and wait to be killed
+                Path({marker!r}).write_text("writing")
+                time.sleep(600)
+        return original(checkpoint_dir, step, stall, state, keep_last)
+    train_ppo.save_checkpoint = slow_save
+    sys.exit(train_ppo.main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.slow
+def test_sigkill_during_checkpoint_write_leaves_previous_checkpoint_resumable(tiny_model_dir, tmp_path):
+    marker = tmp_path / "marker"
+    script = tmp_path / "kill_me.py"
+    script.write_text(KILL_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), marker=str(marker)))
+    args = tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3", "--set", "checkpointing.save_every=1")
+    process = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not marker.exists():
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert time.time() < deadline, "the run never reached its second checkpoint"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    checkpoints = tmp_path / "t" / "checkpoints"
+    assert any(p.name.startswith(".tmp-checkpoint-2") for p in checkpoints.iterdir())
+    assert (checkpoints / "latest").read_text().strip() == "checkpoint-1"
+    assert find_resumable(checkpoints).name == "checkpoint-1"
+    assert not any(p.name.startswith(".tmp-") for p in checkpoints.iterdir()), "leftovers were not cleaned"
+    assert train_ppo.main(args + ["--resume", "latest"]) == 0
+    assert [r["step"] for r in metrics(tmp_path / "t")] == [1, 2, 3]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def fake_vllm(tiny_model_dir, request):
+    flags = getattr(request, "param", [])
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_vllm.py"), "--model", str(tiny_model_dir),
+                                "--port", str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}/v1"
+    import httpx
+
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}/models", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    else:
+        process.kill()
+        pytest.fail("fake vLLM server did not start: " + process.stderr.read().decode()[-2000:])
+    yield url
+    process.terminate()
+    process.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_vllm_backend_hot_loads_adapters_and_reports_a_tiny_logprob_gap(tiny_model_dir, tmp_path, fake_vllm):
+    code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2", "--set", "generation.backend=vllm",
+                                    "--set", f"env.vllm_url={fake_vllm}", "--set", "ppo.learning_rate=1e-2"))
+    assert code == 0
+    records = metrics(tmp_path / "t")
+    assert len(records) == 2
+    assert all(r["vllm/logprob_gap"] < 1e-3 for r in records)  # the server samples with the trained adapter
+    adapters = sorted(p.name for p in (tmp_path / "t" / "vllm_adapters").iterdir())
+    assert adapters == ["step-2"], "older adapter folders should be gone once unloaded"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fake_vllm", [["--ignore-adapters"]], indirect=True)
+def test_logprob_gap_exposes_a_server_that_ignores_the_adapter(tiny_model_dir, tmp_path, fake_vllm):
+    code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3", "--set", "generation.backend=vllm",
+                                    "--set", f"env.vllm_url={fake_vllm}", "--set", "ppo.learning_rate=3e-2",
+                                    "--set", "ppo.kl_stop=null"))
+    assert code == 0
+    records = metrics(tmp_path / "t")
+    assert records[0]["vllm/logprob_gap"] < 1e-3  # step 1 samples the initial (zero) adapter == base
+    assert records[-1]["vllm/logprob_gap"] > 1e-2  # later the trainer's weights moved, the server's did not
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+def test_typo_in_a_config_key_is_one_paragraph_naming_file_and_field(tmp_path):
+    bad = tmp_path / "train.json"
+    bad.write_text(json.dumps({"ppo": {"learning_rat": 1e-5}}))
+    result = _run_cli("--config", str(bad))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert str(bad) in result.stderr and "ppo.learning_rat" in result.stderr and "unknown key" in result.stderr
+
+
+def test_negative_learning_rate_is_rejected_with_the_field_and_value(tmp_path):
+    result = _run_cli("--preset", "cpu", "--set", "ppo.learning_rate=-1e-5")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "ppo.learning_rate" in result.stderr and "greater than 0" in result.stderr and "-1e-05" in result.stderr
+
+
+def test_missing_config_file_is_reported(tmp_path):
+    result = _run_cli("--env-config", str(tmp_path / "nope.json"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "nope.json does not exist" in result.stderr
+
+
+def test_default_config_without_cuda_points_to_the_cpu_preset():
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    result = _run_cli()
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--preset cpu" in result.stderr
+
+
+@pytest.mark.slow
+def test_unreachable_vllm_url_is_one_paragraph_with_the_server_command(tiny_model_dir, tmp_path):
+    result = _run_cli(*tiny_args(tiny_model_dir, tmp_path, "--set", "generation.backend=vllm",
+                                 "--set", f"env.vllm_url=http://127.0.0.1:{_free_port()}/v1"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "not reachable" in result.stderr and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in result.stderr
+    assert "--enable-lora" in result.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_saves_and_exits_cleanly(tiny_model_dir, tmp_path):
+    args = tiny_args(tiny_model_dir, tmp_path, "--max-steps", "1000", "--set", "checkpointing.save_every=1000")
+    process = subprocess.Popen([sys.executable, str(ROOT / "train_ppo.py"), *args], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics_file = tmp_path / "t" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics_file.exists() and metrics_file.read_text().count("\n") >= 1):
+        assert process.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-2000:]
+    step = len(metrics(tmp_path / "t"))
+    checkpoint = find_resumable(tmp_path / "t" / "checkpoints")
+    assert checkpoint is not None and checkpoint.name == f"checkpoint-{step}"
+    assert os.path.exists(checkpoint / "adapter" / "adapter_config.json")
