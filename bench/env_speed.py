@@ -107,9 +107,9 @@ async def main() -> None:
     parser.add_argument("--games", nargs="+", default=AVAILABLE_GAMES, choices=AVAILABLE_GAMES)
     parser.add_argument("--format", default="evaluate", choices=["evaluate", "openenv"])
     parser.add_argument("--episodes", type=int, default=3, help="random-opponent episodes per game")
-    parser.add_argument("--mcts-moves", type=int, default=1, help="bot moves timed per game (0 = skip MCTS)")
+    parser.add_argument("--mcts-moves", type=int, default=2, help="bot moves timed per game (0 = skip MCTS)")
     parser.add_argument("--mcts-scale", type=float, default=0.1, help="fraction of the spec simulations to run")
-    parser.add_argument("--workers", type=int, default=os.cpu_count(),
+    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                         help="worker processes for the threads-vs-processes comparison (0 = skip it)")
     args = parser.parse_args()
 
