@@ -169,6 +169,7 @@ class EnvSpec(Strict):
         "evaluate", description="openspiel only: the validators' conversation or the reset/step text."
     )
     mcts_simulations: int | None = Field(None, ge=1, description="openspiel only: override MCTS simulations.")
+    workers: int = Field(0, ge=0, description="openspiel only: worker processes for game episodes (0 = in-process).")
     games: list[str] | None = Field(None, description="openspiel only: allow-list of games this env may play.")
     source: Literal["embedded", "hf"] = Field("embedded", description="trace only: task source.")
     skip_degenerate: bool = Field(False, description="trace only: drop tasks with empty/crashing ground truth.")

@@ -20,7 +20,7 @@ def make_env(spec, seed: int) -> Env:
         from envs.openspiel_env import OpenSpielEnv
 
         return OpenSpielEnv(observation_format=spec.observation_format, seed=seed,
-                            mcts_simulations=spec.mcts_simulations)
+                            mcts_simulations=spec.mcts_simulations, workers=spec.workers)
     from envs.trace_env import TraceEnv
 
     return TraceEnv(source=spec.source, skip_degenerate=spec.skip_degenerate, timeout=spec.execution_timeout,
@@ -33,7 +33,7 @@ def make_envs(env_config, seed: int) -> dict[str, tuple[str, Env]]:
 
 def playable_filter(env_config) -> Callable[[str, int], bool]:
     """Which task ids the curriculum may sample: loadable games, inside each env's game allow-list."""
-    from envs.openspiel_env import is_playable
+    from envs.games import is_playable  # no pyspiel import needed to filter tasks
 
     def playable(env_name: str, task_id: int) -> bool:
         spec = env_config.envs[env_name]
