@@ -584,3 +584,22 @@ def test_close_cleans_up_every_container_once(monkeypatch):
     run(env.close())
     assert [(c.name, c.cleanups) for c in containers] == [
         ("trace-latest-r0", 1), ("trace-latest-r1", 1), ("trace-latest-r2", 1)]
+
+
+# ------------------------------------------------------------------ the trainer with env.mode url
+@pytest.mark.slow
+def test_two_training_steps_with_the_game_env_over_http(tiny_model_dir, tmp_path, game_server):
+    import train_ppo
+    from test_train import metrics, tiny_args
+
+    code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2",
+                                    "--set", "env.envs.openspiel.mode=url",
+                                    "--set", f"env.envs.openspiel.url={game_server.url}"))
+    assert code == 0
+    records = metrics(tmp_path / "t")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["env/episodes"] == 4 and record["env/episodes_failed"] == 0
+        # only the affinetes backend reports these counters
+        assert record["env_errors/openspiel/failed_episodes"] == 0
+        assert record["env_errors/openspiel/timeouts"] == 0
