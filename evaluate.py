@@ -1,0 +1,387 @@
+"""Evaluate a LoRA checkpoint (or the base model) on Affine game and trace tasks, the way validators do.
+
+Validator settings by default: the MCTS opponent, greedy decoding (temperature 0), the `evaluate`
+observation format with the whole conversation as context, and per task the seed
+`validator_seed(env, task_id)` (envs/tasks.py), whose parity picks the model's seat. The
+episodes are played by the trainer's own RolloutRunner and generators (local or vLLM), so the
+model is evaluated on exactly the prompts it trains on. `report.py` does the statistics.
+
+Tasks: `--games a,b --episodes N` plays N task ids per game (config ids 0, 1, 2, ... over the
+loadable variants; `trace` cycles the three difficulty levels). `--seed S` replaces the validator
+seeds with seeds derived from S; the episodes then come in pairs, one config id with an even then
+an odd seed, so every variant is played from both seats. `--task-ids 5,0-3,trace:10-12` plays each
+listed id once (ranges inclusive).
+
+Run:  python evaluate.py --preset cpu --base-only --games leduc_poker,liars_dice --episodes 10 --opponent random
+      python evaluate.py --checkpoint runs/r/checkpoints/checkpoint-500 --games goofspiel,leduc_poker \\
+          --episodes 50 --compare-base --output-dir eval/r-500
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from rich.console import Console
+
+import report
+from curriculum import Task
+from envs.factory import make_env
+from envs.games import is_playable
+from envs.tasks import (AVAILABLE_GAMES, TRACE_LEVELS, game_name_of, game_task_id, trace_level_range,
+                        validator_seed)
+from merge import adapter_folder, load_adapter_model
+from rollout import Episode, LocalGenerator, PromptBuilder, RolloutRunner, VLLMError, VLLMGenerator, derive_seed
+from run_log import console, rollout_progress, setup_logging
+from utils import Config, ConfigError, EnvSpec, load_config
+
+log = logging.getLogger("evaluate")
+
+VALIDATOR_ENV_NAME = {"openspiel": "game", "trace": "trace"}  # the env names validator seeds are hashed with
+SEED_LIMIT = 2**32 - 16  # the game env adds up to seed + 9 to a seed; RandomState takes < 2**32
+TRACE = report.TRACE
+
+
+# ---------------------------------------------------------------------- which tasks to play
+def _paired_seed(base_seed: int, key: str, index: int) -> int:
+    """A seed derived from --seed whose parity is `index % 2`, so consecutive episodes change seats."""
+    return (derive_seed(base_seed, key, index) % SEED_LIMIT) & ~1 | (index % 2)
+
+
+def _playable_config_ids(game: str):
+    return (c for c in itertools.count() if is_playable(game_task_id(game, c)))
+
+
+def game_tasks(game: str, episodes: int, seed: int | None, opponent: str, env_name: str) -> list[Task]:
+    """`episodes` tasks of one game (or `trace`), spread over variants / difficulty levels."""
+    tasks = []
+    if game == TRACE:
+        for i in range(episodes):
+            low, _ = trace_level_range(TRACE_LEVELS[i % len(TRACE_LEVELS)])
+            task_id = low + i // len(TRACE_LEVELS)
+            task_seed = validator_seed("trace", task_id) if seed is None else _paired_seed(seed, TRACE, i)
+            tasks.append(Task(env=env_name, task_id=task_id, seed=task_seed, opponent=None, stage="eval",
+                              replay=False))
+        return tasks
+    # validator seeds are a function of the task id: one task id per episode; derived seeds: two
+    per_config = 1 if seed is None else 2
+    config_ids = list(itertools.islice(_playable_config_ids(game), (episodes + per_config - 1) // per_config))
+    for i in range(episodes):
+        task_id = game_task_id(game, config_ids[i // per_config])
+        task_seed = validator_seed("game", task_id) if seed is None else _paired_seed(seed, game, i)
+        tasks.append(Task(env=env_name, task_id=task_id, seed=task_seed, opponent=opponent, stage="eval",
+                          replay=False))
+    return tasks
+
+
+def parse_task_ids(text: str) -> list[tuple[str, int]]:
+    """'5,0-3,trace:10-12' -> [(kind, task_id), ...]; ranges are inclusive."""
+    parsed = []
+    for item in (part.strip() for part in text.split(",")):
+        kind, _, ids = item.rpartition(":")
+        kind = kind or "openspiel"
+        low, dash, high = ids.partition("-")
+        if kind not in ("openspiel", "trace") or not low.isdigit() or (dash and not high.isdigit()):
+            raise ConfigError(f"--task-ids: cannot read {item!r}. Expected comma-separated ids or inclusive "
+                              "ranges, game tasks bare and trace tasks prefixed, e.g. '5,0-3,trace:10-12'.")
+        first, last = int(low), int(high or low)
+        if last < first:
+            raise ConfigError(f"--task-ids: range {item!r} ends before it starts.")
+        parsed += [(kind, task_id) for task_id in range(first, last + 1)]
+    return parsed
+
+
+def listed_tasks(ids: list[tuple[str, int]], seed: int | None, opponent: str, env_names: dict[str, str]
+                 ) -> list[Task]:
+    """One task per listed id; with --seed the seed parity alternates along each kind's list."""
+    tasks, position = [], {"openspiel": 0, "trace": 0}
+    for kind, task_id in ids:
+        if kind == "openspiel" and not is_playable(task_id):
+            raise ConfigError(f"--task-ids: task {task_id} ({game_name_of(task_id)}) is a variant open_spiel "
+                              "cannot load; pick another config id.")
+        task_seed = (validator_seed(VALIDATOR_ENV_NAME[kind], task_id) if seed is None
+                     else _paired_seed(seed, f"{kind}:{task_id}", position[kind]))
+        position[kind] += 1
+        tasks.append(Task(env=env_names[kind], task_id=task_id, seed=task_seed,
+                          opponent=opponent if kind == "openspiel" else None, stage="eval", replay=False))
+    return tasks
+
+
+def eval_env_specs(config: Config, kinds: set[str]) -> dict[str, tuple[str, EnvSpec]]:
+    """kind -> (env name, spec): the config's first env of each kind (a local default if none),
+    local game envs switched to the validators' `evaluate` format."""
+    chosen = {}
+    for kind in sorted(kinds):
+        name, spec = next(((n, s) for n, s in config.env.envs.items() if s.kind == kind), (kind, EnvSpec(kind=kind)))
+        if kind == "openspiel" and spec.mode == "local" and spec.observation_format != "evaluate":
+            log.info("env %s: playing the 'evaluate' observation format (validators' format) instead of %r",
+                     name, spec.observation_format)
+            spec = spec.model_copy(update={"observation_format": "evaluate"})
+        if spec.mode != "local":
+            log.warning("env %s runs in %s mode: the server decides the observation format and seat rule",
+                        name, spec.mode)
+        chosen[kind] = (name, spec)
+    return chosen
+
+
+# ---------------------------------------------------------------------- one episode -> one record
+def episode_record(episode: Episode, model: str) -> dict[str, Any]:
+    """The episodes.jsonl line of one played episode."""
+    task = episode.task
+    is_trace = episode.env_kind == "trace"
+    error = episode.error
+    if error is None and episode.cut_off:
+        error = f"cut off after {len(episode.turns)} model turns (generation.max_turns)"
+    elif error is None and not episode.done:
+        error = "episode did not finish"
+    if error:
+        outcome = "error"
+    elif is_trace:
+        outcome = "correct" if episode.success else "incorrect"
+    else:
+        outcome = "win" if episode.score > 0.5 else "draw" if episode.score == 0.5 else "loss"
+    return {
+        "model": model,
+        "game": TRACE if is_trace else game_name_of(task.task_id),
+        "task_id": task.task_id,
+        "seed": task.seed,
+        "opponent": task.opponent,
+        "llm_player_id": episode.info.get("llm_player_id"),
+        "score": episode.score,
+        "success": episode.success,
+        "outcome": outcome,
+        "turns": len(episode.turns),
+        "illegal_moves": episode.illegal_moves,
+        # evaluate format: the only turn that both fails to parse and ends the game is the 3rd failure
+        "parse_failed_game": bool(not is_trace and episode.done and episode.turns and episode.turns[-1].parse_error),
+        "generated_tokens": episode.generated_tokens,
+        "error": error,
+    }
+
+
+# ---------------------------------------------------------------------- models and generators
+def local_policy(config: Config, adapter_dir: Path | None):
+    """A Policy for generation: the adapter on the base, or (base only) a fresh LoRA that is switched off."""
+    import torch
+
+    from policy import Policy, load_base_model, load_policy, load_tokenizer, pick_device
+
+    cfg = config.train
+    device = pick_device(cfg.run.device)
+    torch.manual_seed(cfg.run.seed)
+    if adapter_dir is None:
+        return load_policy(cfg.model, cfg.lora, device)
+    model = load_adapter_model(load_base_model(cfg.model, device), adapter_dir, cfg.model.name_or_path)
+    return Policy(model, load_tokenizer(cfg.model)).eval()
+
+
+def model_runs(config: Config, adapter_dir: Path | None, compare_base: bool
+               ) -> tuple[Any, Any, list[tuple[str, Callable[[], contextlib.AbstractAsyncContextManager]]]]:
+    """The generator, its tokenizer, and per model label a context in which the generator plays as that model."""
+    cfg = config.train
+    gen_cfg = cfg.generation
+    if gen_cfg.backend == "local":
+        policy = local_policy(config, adapter_dir)
+        tokenizer = policy.tokenizer
+        generator = LocalGenerator(policy, gen_cfg, seed=cfg.run.seed)
+
+        @contextlib.asynccontextmanager
+        async def as_adapter():
+            yield
+
+        @contextlib.asynccontextmanager
+        async def as_base():
+            with policy.reference():
+                yield
+    else:
+        from policy import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model)
+        rank = (json.loads((adapter_dir / "adapter_config.json").read_text())["r"] if adapter_dir else cfg.lora.r)
+        api_key = os.environ.get(config.env.vllm_api_key_env) if config.env.vllm_api_key_env else None
+        generator = VLLMGenerator(config.env.vllm_url, cfg.model.name_or_path, tokenizer, gen_cfg, rank, api_key)
+
+        @contextlib.asynccontextmanager
+        async def as_adapter():
+            await generator.load_adapter(adapter_dir, f"eval-{derive_seed(adapter_dir.resolve()):08x}")
+            yield
+
+        @contextlib.asynccontextmanager
+        async def as_base():
+            generator.active_adapter = None  # requests then name the base model
+            yield
+    if adapter_dir is None:
+        return generator, tokenizer, [("base", as_base)]
+    return generator, tokenizer, [("adapter", as_adapter)] + ([("base", as_base)] if compare_base else [])
+
+
+# ---------------------------------------------------------------------- the run
+async def evaluate(config: Config, tasks: list[Task], env_specs: dict[str, tuple[str, EnvSpec]],
+                   adapter_dir: Path | None, compare_base: bool, episodes_path: Path | None) -> list[dict[str, Any]]:
+    """Play every task once per model; records in task order, each also appended to `episodes_path`."""
+    generator, tokenizer, runs = model_runs(config, adapter_dir, compare_base)
+    gen_cfg = config.train.generation
+    envs = {name: (kind, make_env(spec, seed=config.train.run.seed)) for kind, (name, spec) in env_specs.items()}
+    runner = RolloutRunner(envs, generator, PromptBuilder(tokenizer, gen_cfg.max_prompt_tokens,
+                                                          config.train.model.chat_template_kwargs), gen_cfg)
+    records: list[dict[str, Any]] = []
+    sink = open(episodes_path, "w") if episodes_path else None
+    try:
+        if isinstance(generator, VLLMGenerator):
+            await generator.check_server()
+        for label, playing_as in runs:
+            def finished(episode: Episode, label=label) -> None:
+                if sink:
+                    sink.write(json.dumps(episode_record(episode, label)) + "\n")
+                    sink.flush()
+                advance()
+
+            with rollout_progress(len(tasks), f"{label}: episodes") as advance:
+                async with playing_as():
+                    # step 0 for every model: identical generation seeds, so the runs differ only by the model
+                    episodes = await runner.run(tasks, step=0, on_episode_done=finished)
+            records += [episode_record(episode, label) for episode in episodes]
+    finally:
+        if sink:
+            sink.close()
+        await generator.close()
+        for _, env in envs.values():
+            await env.close()
+    return records
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", type=Path, help="checkpoint folder (<run>/checkpoints/checkpoint-N) or adapter folder")
+    which.add_argument("--base-only", action="store_true", help="evaluate the base model without an adapter")
+    parser.add_argument("--compare-base", action="store_true", help="also play the base model on the same tasks and seeds")
+    parser.add_argument("--games", help=f"comma-separated games from {AVAILABLE_GAMES}, or 'trace'")
+    parser.add_argument("--task-ids", help="comma-separated task ids / inclusive ranges; trace ids as trace:ID")
+    parser.add_argument("--episodes", type=int, help="episodes per game with --games (default 10)")
+    parser.add_argument("--opponent", choices=("mcts", "random"), default="mcts", help="game opponent (validators: mcts)")
+    parser.add_argument("--seed", type=int, help="derive seeds from this instead of the validator seeds")
+    parser.add_argument("--temperature", type=float, help="sampling temperature (default 0 = greedy, as validators)")
+    parser.add_argument("--max-new-tokens", type=int, help="overrides generation.max_new_tokens")
+    parser.add_argument("--context-strategy", choices=("full", "truncated", "last"),
+                        help="conversation shown to the model (default full, as validators)")
+    parser.add_argument("--output-dir", type=Path, help="write episodes.jsonl and summary.json here")
+    parser.add_argument("--config", help="train config JSON (default config/train_config.json)")
+    parser.add_argument("--env-config", help="env config JSON (default config/env_config.json)")
+    parser.add_argument("--curriculum-config", help="curriculum config JSON (default config/curriculum_config.json)")
+    parser.add_argument("--preset", action="append", default=[], help="preset name (config/NAME_config.json); repeatable")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config field, e.g. --set generation.backend=local (repeatable)")
+    return parser.parse_args(argv)
+
+
+def plan(args: argparse.Namespace, config: Config) -> tuple[list[Task], dict[str, tuple[str, EnvSpec]]]:
+    """Validate the task options and build the task list and the envs it needs."""
+    if not args.games and not args.task_ids:
+        raise ConfigError("Nothing to evaluate: pass --games (e.g. --games leduc_poker,liars_dice) "
+                          "and/or --task-ids (e.g. --task-ids 200000000-200000009).")
+    if args.compare_base and args.base_only:
+        raise ConfigError("--compare-base compares an adapter with its base; it needs --checkpoint, not --base-only.")
+    if args.task_ids and args.episodes is not None and not args.games:
+        raise ConfigError("--episodes applies to --games; --task-ids plays each listed id once "
+                          "(list an id twice to play it twice).")
+    episodes = 10 if args.episodes is None else args.episodes
+    if episodes < 1:
+        raise ConfigError(f"--episodes must be at least 1, got {episodes}.")
+    if args.seed is not None and not 0 <= args.seed < 2**32:
+        raise ConfigError(f"--seed must be in [0, 2**32), got {args.seed}.")
+    games = [g.strip() for g in (args.games or "").split(",") if g.strip()]
+    unknown = [g for g in games if g not in AVAILABLE_GAMES and g != TRACE]
+    if unknown:
+        raise ConfigError(f"--games: unknown {unknown}; expected names from {AVAILABLE_GAMES} or 'trace'.")
+    listed = parse_task_ids(args.task_ids) if args.task_ids else []
+    kinds = {"trace" if g == TRACE else "openspiel" for g in games} | {kind for kind, _ in listed}
+    env_specs = eval_env_specs(config, kinds)
+    names = {kind: name for kind, (name, _) in env_specs.items()}
+    tasks = [t for g in games for t in game_tasks(g, episodes, args.seed, args.opponent,
+                                                  names["trace" if g == TRACE else "openspiel"])]
+    tasks += listed_tasks(listed, args.seed, args.opponent, names)
+    return tasks, env_specs
+
+
+def config_overrides(args: argparse.Namespace) -> list[str]:
+    """Validator defaults first, then the user's --set, then explicit flags (so flags win)."""
+    overrides = ["generation.temperature=0", "generation.context_strategy=full",
+                 "model.gradient_checkpointing=false", *args.set]  # checkpointing turns the KV cache off
+    if args.temperature is not None:
+        overrides.append(f"generation.temperature={args.temperature}")
+    if args.max_new_tokens is not None:
+        overrides.append(f"generation.max_new_tokens={args.max_new_tokens}")
+    if args.context_strategy:
+        overrides.append(f"generation.context_strategy={args.context_strategy}")
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging()
+    try:
+        config = load_config(args.config, args.env_config, args.curriculum_config, args.preset, config_overrides(args))
+        tasks, env_specs = plan(args, config)
+        adapter_dir = adapter_folder(args.checkpoint) if args.checkpoint else None
+        episodes_path = None
+        if args.output_dir:
+            args.output_dir.mkdir(parents=True, exist_ok=True)
+            episodes_path = args.output_dir / "episodes.jsonl"
+        records = asyncio.run(evaluate(config, tasks, env_specs, adapter_dir, args.compare_base, episodes_path))
+    except ConfigError as exc:
+        console.print(f"[red]Error:[/red] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    except VLLMError as exc:
+        console.print(f"[red]Stopped:[/red] {exc}", highlight=False, soft_wrap=True)
+        return 1
+    summary = report.summarize(records)
+    comparison = report.paired_differences(records) if args.compare_base else None
+    out = Console()
+    if not out.is_terminal:  # a file or pipe: no terminal width to respect, keep each row on one line
+        out = Console(width=180)
+    for table in (report.game_table(summary, comparison), report.trace_table(summary, comparison)):
+        if table is not None:
+            out.print(table)
+    errors = sum(1 for r in records if r["error"])
+    if errors:
+        first = next(r for r in records if r["error"])
+        console.print(f"[yellow]{errors} of {len(records)} episodes failed and are left out of the rates "
+                      f"(first: task {first['task_id']}: {first['error']})[/yellow]", highlight=False)
+    if args.output_dir:
+        document = {"settings": settings(args, config), "models": summary}
+        if comparison is not None:
+            document["comparison"] = comparison
+        (args.output_dir / "summary.json").write_text(json.dumps(document, indent=1) + "\n")
+        console.print(f"wrote {episodes_path} and {args.output_dir / 'summary.json'}", highlight=False)
+    return 0
+
+
+def settings(args: argparse.Namespace, config: Config) -> dict[str, Any]:
+    gen = config.train.generation
+    return {
+        "checkpoint": str(args.checkpoint) if args.checkpoint else None,
+        "base_model": config.train.model.name_or_path,
+        "opponent": args.opponent,
+        "seed": args.seed,
+        "seeds": "validator" if args.seed is None else "derived",
+        "games": args.games,
+        "task_ids": args.task_ids,
+        "episodes_per_game": (10 if args.episodes is None else args.episodes) if args.games else None,
+        "backend": gen.backend,
+        "temperature": gen.temperature,
+        "max_new_tokens": gen.max_new_tokens,
+        "context_strategy": gen.context_strategy,
+        "max_turns": gen.max_turns,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

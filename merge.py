@@ -1,0 +1,183 @@
+"""Merge a trained LoRA adapter into its base model and save a standard Hugging Face model folder.
+
+The base is loaded from the config's model section in float32 (never 4-bit, even when training
+used NF4: merging into quantised weights would round the update away) and the merge is done
+there; only the result is cast to `--dtype` (default: model.dtype). Two checks must pass before
+anything is reported as merged: on a fixed chat prompt the merged float32 logits match base +
+adapter (max |difference| <= 1e-4 x the largest logit), and the saved folder, loaded back with
+`from_pretrained`, holds bit-identical weights. How far rounding to a 16-bit dtype moves the
+logits is measured and printed, not judged: it is a property of the dtype, not of the merge. The
+folder is written beside the target and renamed into place only after both checks.
+
+Run:  python merge.py --checkpoint runs/r/checkpoints/checkpoint-500 --output merged/r-500 --dtype bfloat16
+      python merge.py --preset cpu --adapter path/to/adapter --output merged/smol
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from run_log import console, setup_logging
+from utils import ConfigError, load_config
+
+log = logging.getLogger("merge")
+
+CHECK_MESSAGES = [
+    {"role": "system", "content": "You are playing leduc_poker as Player 0."},
+    {"role": "user", "content": "Legal actions:\n0 -> Fold\n1 -> Call\n2 -> Raise\nReply with the action ID."},
+]
+MERGE_TOLERANCE = 1e-4  # float32 merge vs base + adapter, relative to the largest logit (at least 1)
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+class MergeCheckFailed(RuntimeError):
+    """The merged model's logits differ from base + adapter (or the saved copy from the merged one)."""
+
+
+def adapter_folder(path: Path) -> Path:
+    """The peft adapter folder of a checkpoint (`<ckpt>/adapter/`) or a bare adapter folder."""
+    for candidate in (path / "adapter", path):
+        if (candidate / "adapter_config.json").is_file():
+            return candidate
+    raise ConfigError(f"{path} is neither a checkpoint folder (expected {path}/adapter/adapter_config.json) "
+                      "nor a LoRA adapter folder (expected adapter_config.json in it).")
+
+
+def load_adapter_model(base, adapter_dir: Path, base_name: str):
+    """PeftModel of `adapter_dir` on `base`; a clear error when the adapter was made for another model."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(base, str(adapter_dir))
+    except (RuntimeError, ValueError, KeyError) as exc:
+        trained_on = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        raise ConfigError(
+            f"The adapter in {adapter_dir} does not fit the configured base model {base_name!r} (it was "
+            f"trained on {trained_on!r}): {str(exc).strip().splitlines()[0][:200]}. Pass the training run's "
+            "config (--config/--preset, or --set model.name_or_path=...)."
+        ) from None
+
+
+@torch.no_grad()
+def prompt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """[T, V] float32 logits of one prompt."""
+    model.eval()
+    return model(input_ids=input_ids.to(model.device)).logits[0].float().cpu()
+
+
+def check_logits(reference: torch.Tensor, candidate: torch.Tensor, tolerance: float, what: str) -> float:
+    """Max absolute logit difference; raises MergeCheckFailed past `tolerance` x max(1, max |logit|)."""
+    difference = float((reference - candidate).abs().max())
+    allowed = tolerance * max(1.0, float(reference.abs().max()))
+    if not difference <= allowed:  # also catches NaN
+        raise MergeCheckFailed(
+            f"{what}: logits differ by up to {difference:.3g} (allowed {allowed:.3g}) on a fixed prompt. "
+            "Nothing was saved. Check that the configured base model is the one the adapter was trained on."
+        )
+    return difference
+
+
+def check_saved_weights(expected: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+    """The folder loaded back must hold exactly the merged tensors (same names, bit-identical values)."""
+    unmatched = sorted(set(expected) ^ set(saved))
+    changed = [name for name in expected if name in saved and not torch.equal(expected[name].cpu(), saved[name].cpu())]
+    if unmatched or changed:
+        raise MergeCheckFailed(
+            f"the saved folder, loaded back with from_pretrained, does not hold the merged weights (tensors "
+            f"missing or extra: {unmatched[:5]}, changed: {changed[:5]}). Nothing was saved."
+        )
+
+
+def merge(config, adapter_dir: Path, output: Path, dtype: str) -> dict[str, float]:
+    """Merge in float32 and check against base + adapter; cast to `dtype`, save to a temporary folder,
+    load it back and check its weights; rename into place. Returns max logit differences to base + adapter."""
+    from transformers import AutoModelForCausalLM
+
+    from policy import load_base_model, load_tokenizer, pick_device
+    from rollout import PromptBuilder
+
+    # float32 for the merge itself: W + BA rounded to 16 bits would blur whether the merge is right
+    model_cfg = config.train.model.model_copy(update={"dtype": "float32"})
+    device = pick_device(config.train.run.device)
+    tokenizer = load_tokenizer(model_cfg)
+    input_ids = torch.tensor([PromptBuilder(tokenizer, 10**6, model_cfg.chat_template_kwargs).encode(CHECK_MESSAGES)])
+    model = load_adapter_model(load_base_model(model_cfg, device), adapter_dir, model_cfg.name_or_path)
+    reference = prompt_logits(model, input_ids)
+    merged = model.merge_and_unload()
+    differences = {"merge": check_logits(reference, prompt_logits(merged, input_ids), MERGE_TOLERANCE,
+                                         "merged model vs base + adapter")}
+    merged = merged.to(getattr(torch, dtype))
+
+    staging = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        merged.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=getattr(torch, dtype)).to(device)
+        check_saved_weights(merged.state_dict(), reloaded.state_dict())
+        del merged, model
+        # what rounding the weights to `dtype` costs, as the saved model will run
+        saved_logits = prompt_logits(reloaded, input_ids)
+        if not torch.isfinite(saved_logits).all():
+            raise MergeCheckFailed(f"the saved model produces non-finite logits in {dtype}; merge in float32.")
+        differences["saved"] = float((saved_logits - reference).abs().max())
+        if output.exists():
+            output.rmdir()  # only an empty folder gets here (checked before loading anything)
+        os.replace(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return differences
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path, help="checkpoint folder (<run>/checkpoints/checkpoint-N)")
+    source.add_argument("--adapter", type=Path, help="a peft adapter folder (holds adapter_config.json)")
+    parser.add_argument("--output", type=Path, required=True, help="new folder for the merged model")
+    parser.add_argument("--dtype", choices=DTYPES,
+                        help="weights dtype of the merged model (default: model.dtype, float32 when 'auto')")
+    parser.add_argument("--config", help="train config JSON (default config/train_config.json)")
+    parser.add_argument("--env-config", help="env config JSON (default config/env_config.json)")
+    parser.add_argument("--curriculum-config", help="curriculum config JSON (default config/curriculum_config.json)")
+    parser.add_argument("--preset", action="append", default=[], help="preset name (config/NAME_config.json); repeatable")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config field, e.g. --set model.name_or_path=... (repeatable)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging()
+    try:
+        config = load_config(args.config, args.env_config, args.curriculum_config, args.preset,
+                             [*args.set, "model.use_4bit=false", "model.gradient_checkpointing=false"])
+        dtype = args.dtype or (config.train.model.dtype if config.train.model.dtype != "auto" else "float32")
+        adapter_dir = adapter_folder(args.checkpoint or args.adapter)
+        if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
+            raise ConfigError(f"--output {args.output} already exists and is not an empty folder; "
+                              "choose a new folder so no earlier model is overwritten.")
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        differences = merge(config, adapter_dir, args.output, dtype)
+    except ConfigError as exc:
+        console.print(f"[red]Error:[/red] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    except MergeCheckFailed as exc:
+        console.print(f"[red]Merge check failed:[/red] {exc}", highlight=False, soft_wrap=True)
+        return 1
+    console.print(f"merged {adapter_dir} into {config.train.model.name_or_path} -> {args.output} ({dtype}). "
+                  f"Max logit difference to base + adapter on the check prompt: {differences['merge']:.1e} merged in "
+                  f"float32, {differences['saved']:.1e} as saved in {dtype}; saved weights verified.",
+                  highlight=False, soft_wrap=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""merge.py on the tiny model: the saved folder loads with from_pretrained and equals base + adapter."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import merge
+
+PROMPT = [{"role": "user", "content": "Pick an action: 0, 1 or 2."}]  # not merge.py's own check prompt
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_model_dir, tmp_path_factory) -> Path:
+    """A checkpoint folder (adapter/ + value_head.pt) whose LoRA B matrices are non-zero, so the adapter matters."""
+    from policy import load_policy
+    from utils import LoraConfig, ModelConfig
+
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(name_or_path=str(tiny_model_dir), use_4bit=False, dtype="float32",
+                            gradient_checkpointing=False)
+    policy = load_policy(model_cfg, LoraConfig(), torch.device("cpu"))
+    with torch.no_grad():
+        for name, parameter in policy.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.5)
+    folder = tmp_path_factory.mktemp("ckpt") / "checkpoint-7"
+    policy.save(folder)
+    return folder
+
+
+def tiny_sets(model_dir: Path) -> list[str]:
+    sets = {"model.name_or_path": str(model_dir), "model.dtype": "float32", "run.device": "cpu"}
+    return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+
+
+def logits_of(model, tokenizer) -> torch.Tensor:
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=True)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids["input_ids"]])).logits[0]
+
+
+@pytest.mark.slow
+def test_merged_folder_loads_and_matches_base_plus_adapter(tiny_model_dir, checkpoint, tmp_path):
+    from peft import PeftModel
+
+    output = tmp_path / "merged"
+    assert merge.main(["--checkpoint", str(checkpoint), "--output", str(output), *tiny_sets(tiny_model_dir)]) == 0
+
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    merged = AutoModelForCausalLM.from_pretrained(output).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with_adapter = PeftModel.from_pretrained(base, str(checkpoint / "adapter")).eval()
+    expected = logits_of(with_adapter, tokenizer)
+    with with_adapter.disable_adapter():
+        base_logits = logits_of(with_adapter, tokenizer)
+    got = logits_of(merged, tokenizer)
+    assert (got - expected).abs().max() < 1e-4
+    assert (got - base_logits).abs().max() > 0.1  # the adapter really changed the model
+    assert not any(p.name.startswith(".merged.tmp") for p in tmp_path.iterdir())
+    assert json.loads((output / "config.json").read_text())["model_type"] == "llama"
+    assert not (output / "adapter_config.json").exists()  # a plain model, no peft left in it
+
+
+@pytest.mark.slow
+def test_bfloat16_output_is_saved_in_bfloat16(tiny_model_dir, checkpoint, tmp_path):
+    output = tmp_path / "merged-bf16"
+    args = ["--adapter", str(checkpoint / "adapter"), "--output", str(output), "--dtype", "bfloat16"]
+    assert merge.main(args + tiny_sets(tiny_model_dir)) == 0
+    merged = AutoModelForCausalLM.from_pretrained(output, dtype="auto")
+    assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_a_merge_that_does_not_match_fails_and_saves_nothing(tiny_model_dir, checkpoint, tmp_path, monkeypatch, capsys):
+    from peft.tuners.lora import LoraModel
+
+    # unload() drops the adapter without merging it: exactly the mistake the check exists to catch
+    monkeypatch.setattr(LoraModel, "merge_and_unload", lambda self, *args, **kwargs: self.unload())
+    output = tmp_path / "merged"
+    assert merge.main(["--checkpoint", str(checkpoint), "--output", str(output), *tiny_sets(tiny_model_dir)]) == 1
+    assert "merged model vs base + adapter: logits differ" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_adapter_for_another_model_is_a_clear_error(checkpoint, tmp_path, capsys):
+    from tiny import make_tiny_model_dir
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = make_tiny_model_dir(tmp_path / "other")
+    config = LlamaConfig.from_pretrained(other)
+    config.hidden_size, config.intermediate_size = 48, 96
+    LlamaForCausalLM(config).save_pretrained(other)
+    output = tmp_path / "merged"
+    assert merge.main(["--checkpoint", str(checkpoint), "--output", str(output), *tiny_sets(other)]) == 2
+    message = capsys.readouterr().err
+    assert "does not fit the configured base model" in message and "Traceback" not in message
+    assert not output.exists()
+
+
+def test_a_folder_without_an_adapter_is_a_clear_error(tiny_model_dir, tmp_path, capsys):
+    assert merge.main(["--checkpoint", str(tmp_path), "--output", str(tmp_path / "m"), *tiny_sets(tiny_model_dir)]) == 2
+    assert "neither a checkpoint folder" in capsys.readouterr().err
+
+
+def test_an_existing_output_folder_is_never_overwritten(tiny_model_dir, checkpoint, tmp_path, capsys):
+    output = tmp_path / "merged"
+    output.mkdir()
+    (output / "keep.txt").write_text("earlier model")
+    assert merge.main(["--checkpoint", str(checkpoint), "--output", str(output), *tiny_sets(tiny_model_dir)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (output / "keep.txt").read_text() == "earlier model"
