@@ -3,6 +3,8 @@
 - Episodes are pinned to the instance that served their reset. affinetes routes each call of a
   multi-replica env to a random replica and the remote keeps an episode in one process's memory
   (specs/affinetes-protocol.md B.2, B.7), so we hold one affinetes env per replica or URL instead.
+  A reset goes to the instance with the fewest live episodes, skipping for 30 s one whose call
+  just failed transiently (a dead server would otherwise cost every reset a retry).
 - Nothing raises into the training loop. A call that cannot complete ends its episode with a
   StepResult (done, truncated, score 0, `info.error = {type, message, retryable}`), logs one line
   and bumps a cumulative counter in `error_counts()`.
@@ -24,8 +26,9 @@ import asyncio
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -34,6 +37,7 @@ from envs.base import StepResult, step_result
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
+SUSPECT_S = 30.0  # after a transient failure, an instance gets new episodes only if no other can
 STOP_TIMEOUT_S = 10.0  # stop is best-effort clean-up: never wait on it as long as on a move
 GAME_SUCCESS_ABOVE = 0.5  # Affine game scores: loss 0, draw 0.5, win 1
 TRACE_SUCCESS_ABOVE = 0.0
@@ -65,6 +69,7 @@ class _Instance:
     name: str  # URL or container name, for messages
     client: Any  # affinetes EnvironmentWrapper
     live_episodes: int = 0
+    suspect_until: float = 0.0  # monotonic time; new episodes go elsewhere until then
 
 
 @dataclass
@@ -114,21 +119,16 @@ class AffinetesEnv:
         if self._closed:
             return self._failed(None, "reset", RemoteCallError("closed", "the env is closed", retryable=False))
         tried: set[int] = set()
-        for attempt in range(self.max_retries + 1):
-            instance = self._pick_instance(tried)
-            tried.add(id(instance))
-            try:
-                result = await self._call(instance, "reset", task_id=task_id, seed=seed, **kwargs)
-                if result["episode_id"] is None and not result["done"]:
-                    raise RemoteCallError("malformed_response", "reset returned no episode_id for a live episode",
-                                          retryable=False)
-                break
-            except RemoteCallError as error:
-                if error.retryable and attempt < self.max_retries:
-                    await self._backoff(attempt)
-                    continue
-                return self._failed(None, "reset", error)
+        try:
+            instance, result = await self._call_retrying(
+                "reset", lambda: self._pick_instance(tried), _transient, task_id=task_id, seed=seed, **kwargs)
+        except RemoteCallError as error:
+            return self._failed(None, "reset", error)
         episode_id = result["episode_id"]
+        if episode_id is None and not result["done"]:
+            self._counts["malformed_responses"] += 1
+            return self._failed(None, "reset", RemoteCallError(
+                "malformed_response", "reset returned no episode_id for a live episode", retryable=False))
         episode = _Episode(instance, turn_prompt=None)
         if episode_id is not None:
             self._episodes[episode_id] = episode
@@ -142,16 +142,12 @@ class AffinetesEnv:
             return self._failed(episode_id, "step", RemoteCallError(
                 "unknown_episode", f"episode {episode_id!r} is not live in this env (never reset, done or failed)",
                 retryable=False))
-        for attempt in range(self.max_retries + 1):
-            try:
-                result = await self._call(episode.instance, "step", action=action, episode_id=episode_id)
-                break
-            except RemoteCallError as error:
-                if not error.delivered and attempt < self.max_retries:
-                    await self._backoff(attempt)
-                    continue
-                await self._release(episode_id, stop_remote=error.delivered)
-                return self._failed(episode_id, "step", error)
+        try:
+            _, result = await self._call_retrying("step", lambda: episode.instance, _undelivered,
+                                                  action=action, episode_id=episode_id)
+        except RemoteCallError as error:
+            await self._release(episode_id, stop_remote=error.delivered)
+            return self._failed(episode_id, "step", error)
         return await self._finish_call("step", episode_id, episode, result)
 
     async def state(self, episode_id: str) -> StepResult:
@@ -160,16 +156,11 @@ class AffinetesEnv:
         if episode is None:
             return self._failed(episode_id, "state", RemoteCallError(
                 "unknown_episode", f"episode {episode_id!r} is not live in this env", retryable=False))
-        for attempt in range(self.max_retries + 1):
-            try:
-                result = await self._call(episode.instance, "state", episode_id=episode_id)
-                break
-            except RemoteCallError as error:
-                if error.retryable and attempt < self.max_retries:
-                    await self._backoff(attempt)
-                    continue
-                await self._release(episode_id, stop_remote=error.delivered)
-                return self._failed(episode_id, "state", error)
+        try:
+            _, result = await self._call_retrying("state", lambda: episode.instance, _transient, episode_id=episode_id)
+        except RemoteCallError as error:
+            await self._release(episode_id, stop_remote=error.delivered)
+            return self._failed(episode_id, "state", error)
         return self._translate(result, episode, remember=False)
 
     async def stop(self, episode_id: str) -> dict[str, Any]:
@@ -216,11 +207,30 @@ class AffinetesEnv:
             error = _classify(exc, f"{method} on {instance.name}")
         else:
             try:
-                return _validated(reply, method)
+                result = _validated(reply, method)
             except RemoteCallError as malformed:
                 error = malformed
+            else:
+                instance.suspect_until = 0.0
+                return result
+        if error.retryable:
+            instance.suspect_until = time.monotonic() + SUSPECT_S
         self._counts[_COUNTER_OF_KIND[error.kind]] += 1
         raise error
+
+    async def _call_retrying(self, method: str, pick: Callable[[], _Instance],
+                             may_retry: Callable[[RemoteCallError], bool], **kwargs: Any) -> tuple[_Instance, StepResult]:
+        """`_call` on the instance `pick` gives, again after a backoff while `may_retry` allows it."""
+        attempt = 0
+        while True:
+            instance = pick()
+            try:
+                return instance, await self._call(instance, method, **kwargs)
+            except RemoteCallError as error:
+                if attempt == self.max_retries or not may_retry(error):
+                    raise
+            await self._backoff(attempt)
+            attempt += 1
 
     async def _backoff(self, attempt: int) -> None:
         self._counts["retries"] += 1
@@ -228,12 +238,16 @@ class AffinetesEnv:
         await asyncio.sleep(delay * (0.5 + self._jitter.random()))
 
     def _pick_instance(self, tried: set[int]) -> _Instance:
-        """Fewest live episodes among instances not yet tried for this reset; ties rotate."""
+        """An instance not yet tried for this reset (added to `tried`): not suspect, then fewest live
+        episodes; ties rotate."""
         fresh = [i for i in self._instances if id(i) not in tried] or self._instances
         start = self._next_instance % len(fresh)
         self._next_instance += 1
-        rotated = fresh[start:] + fresh[:start]
-        return min(rotated, key=lambda instance: instance.live_episodes)
+        now = time.monotonic()
+        chosen = min(fresh[start:] + fresh[:start],
+                     key=lambda instance: (instance.suspect_until > now, instance.live_episodes))
+        tried.add(id(chosen))
+        return chosen
 
     async def _finish_call(self, method: str, episode_id: str | None, episode: _Episode, result: StepResult
                            ) -> StepResult:
@@ -303,6 +317,15 @@ class AffinetesEnv:
 
 
 # ---------------------------------------------------------------------- module helpers
+def _transient(error: RemoteCallError) -> bool:
+    return error.retryable
+
+
+def _undelivered(error: RemoteCallError) -> bool:
+    """Safe to send again even when not idempotent: the request never reached the server."""
+    return not error.delivered
+
+
 def _validated(reply: Any, method: str) -> StepResult:
     """The reply as a StepResult, or a malformed_response error naming what is wrong."""
     problem = None

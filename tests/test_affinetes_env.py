@@ -329,6 +329,33 @@ def test_a_reset_answered_with_503_is_retried():
     assert counts["http_errors"] == 1 and counts["retries"] == 1 and counts["failed_episodes"] == 0
 
 
+def test_a_reset_refused_by_one_server_is_retried_on_another():
+    game = AffineGame()
+    with FakeServer(lambda method, kwargs: (503, b'{"detail": "overloaded"}')) as busy, FakeServer(game) as healthy:
+        env = url_env([busy.url, healthy.url])
+
+        async def play():
+            return [await env.reset(task_id=5, seed=s) for s in range(3)]
+
+        firsts = run(play())
+        counts = env.error_counts()
+        run(env.close())
+    assert all(not first["done"] for first in firsts) and len(game.created) == 3
+    # tried first (no live episodes) once; after its failure new episodes go to the healthy server
+    assert len(busy.calls) == counts["http_errors"] == counts["retries"] == 1
+    assert counts["failed_episodes"] == 0
+
+
+def test_a_reset_without_an_episode_id_for_a_live_episode_is_malformed():
+    with FakeServer(lambda method, kwargs: success(openenv("prompt"))) as server:
+        env = url_env(server.url)
+        result = run(env.reset(task_id=5, seed=1))
+        counts = env.error_counts()
+        run(env.close())
+    assert result["done"] and result["info"]["error"]["type"] == "malformed_response"
+    assert counts["malformed_responses"] == 1 and counts["retries"] == 0
+
+
 def test_a_step_answered_with_500_is_not_retried():
     game = AffineGame()
 
