@@ -219,7 +219,8 @@ class AffinetesEnv:
         raise error
 
     async def _call_retrying(self, method: str, pick: Callable[[], _Instance],
-                             may_retry: Callable[[RemoteCallError], bool], **kwargs: Any) -> tuple[_Instance, StepResult]:
+                             may_retry: Callable[[RemoteCallError], bool],
+                             **kwargs: Any) -> tuple[_Instance, StepResult]:
         """`_call` on the instance `pick` gives, again after a backoff while `may_retry` allows it."""
         attempt = 0
         while True:
