@@ -171,8 +171,11 @@ class LocalGenerator:
             self._wave_ready.set()
 
     async def generate(self, prompt_ids: list[int], order_key: int, seed: int) -> Generation:
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._run_waves())
+        loop = asyncio.get_running_loop()
+        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
+            # a new event loop (e.g. a second asyncio.run) needs its own event and worker
+            self._wave_ready = asyncio.Event()
+            self._worker = loop.create_task(self._run_waves())
         future = asyncio.get_running_loop().create_future()
         self._pending.append((order_key, prompt_ids, future))
         self._maybe_release()
@@ -233,7 +236,7 @@ class LocalGenerator:
         return responses
 
     async def close(self) -> None:
-        if self._worker is not None:
+        if self._worker is not None and self._worker.get_loop() is asyncio.get_running_loop():
             self._worker.cancel()
 
 

@@ -21,7 +21,7 @@ console = Console(stderr=True)
 def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="%(message)s", datefmt="[%X]",
                         handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)], force=True)
-    for noisy in ("httpx", "urllib3", "filelock", "transformers", "datasets"):
+    for noisy in ("httpx", "urllib3", "filelock", "transformers", "datasets", "affinetes"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

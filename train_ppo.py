@@ -46,7 +46,7 @@ from envs.factory import make_envs, playable_filter
 from experience import assign_advantages, sampler_gap, score_turns
 from policy import load_policy, pick_device
 from ppo import AdaptiveKLController, FixedKLController
-from rollout import Episode, LocalGenerator, PromptBuilder, RolloutRunner, VLLMGenerator, derive_seed
+from rollout import Episode, LocalGenerator, PromptBuilder, RolloutRunner, VLLMError, VLLMGenerator, derive_seed
 from run_log import RunLogger, console, rollout_progress, setup_logging
 from update import TooManySkips, UpdateState, build_optimizer, ppo_update
 from utils import Config, ConfigError, load_config
@@ -73,6 +73,14 @@ class StopRequested:
         return self.signal is not None
 
 
+class BatchFailed(RuntimeError):
+    """Most episodes of a step failed: something outside the trainer is broken."""
+
+
+class StartupError(RuntimeError):
+    """Something the run depends on cannot be reached; the message says how to fix it."""
+
+
 class Trainer:
     """Everything one run owns; `train()` is the loop."""
 
@@ -89,7 +97,10 @@ class Trainer:
         self.kl_ctl = (AdaptiveKLController(cfg.ppo.init_kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
                        if cfg.ppo.adaptive_kl else FixedKLController(cfg.ppo.init_kl_coef))
         self.curriculum = Curriculum(config.curriculum, seed=cfg.run.seed, is_playable=playable_filter(config.env))
-        self.envs = make_envs(config.env, seed=cfg.run.seed)
+        try:
+            self.envs = make_envs(config.env, seed=cfg.run.seed)
+        except (ConnectionError, RuntimeError) as exc:  # an env server that is down, a container that won't start
+            raise StartupError(f"Could not start the environments: {exc}") from None
         self.update_state = UpdateState()
         self.step = 0
         self.totals = {"episodes": 0, "episodes_failed": 0, "generated_tokens": 0}
@@ -172,7 +183,7 @@ class Trainer:
         keep = [i for i in range(len(episodes)) if i not in failed]
         errors = sum(1 for e in episodes if e.error)
         if errors > len(episodes) // 2:
-            raise RuntimeError(
+            raise BatchFailed(
                 f"{errors} of {len(episodes)} episodes failed this step (first error: "
                 f"{next(e.error for e in episodes if e.error)}). Check the environment servers and the "
                 "generation backend; the last checkpoint is intact."
@@ -355,11 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         console.print(f"[red]Configuration error:[/red] {exc}", highlight=False, soft_wrap=True)
         return 2
-    except (TooManySkips, RuntimeError) as exc:
-        from rollout import VLLMError
-
-        if not isinstance(exc, (TooManySkips, VLLMError)) and "episodes failed" not in str(exc):
-            raise
+    except (TooManySkips, VLLMError, StartupError, BatchFailed) as exc:
         console.print(f"[red]Stopped:[/red] {exc}", highlight=False, soft_wrap=True)
         return 1
     return 0

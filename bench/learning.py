@@ -34,8 +34,12 @@ from utils import load_config  # noqa: E402
 HELD_OUT_SEED = 900_000  # training seeds come from the curriculum RNG; these are a separate range
 
 
-async def play(runner: RolloutRunner, tasks: list[Task]):
-    return await runner.run(tasks, step=10**6)
+async def play_both(runner: RolloutRunner, policy, tasks: list[Task]):
+    """Same tasks and seeds with the adapter on (trained) and off (base)."""
+    trained = await runner.run(tasks, step=10**6)
+    with policy.reference():
+        base = await runner.run(tasks, step=10**6)
+    return trained, base
 
 
 def summarise(episodes) -> dict:
@@ -89,9 +93,8 @@ def main() -> None:
                            PromptBuilder(policy.tokenizer, gen_cfg.max_prompt_tokens), gen_cfg)
     tasks = [Task("openspiel", game_task_id(game, 0), HELD_OUT_SEED + i, "random", "eval", False)
              for game in games for i in range(args.eval_episodes)]
-    trained = summarise(asyncio.run(play(runner, tasks)))
-    with policy.reference():
-        base = summarise(asyncio.run(play(runner, tasks)))
+    trained_episodes, base_episodes = asyncio.run(play_both(runner, policy, tasks))
+    trained, base = summarise(trained_episodes), summarise(base_episodes)
     print(json.dumps({
         "model": "SmolLM2-135M-Instruct (cpu preset)", "train_steps": args.steps,
         "train_episodes": args.steps * config.train.ppo.batch_size, "train_seconds": round(train_seconds),

@@ -1,8 +1,10 @@
 """A tiny randomly-initialised chat model built locally from a config (never downloaded)."""
 from __future__ import annotations
 
-import string
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS_FILES = ("envs/games.py", "envs/openspiel_text.py", "envs/trace_env.py")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -12,15 +14,18 @@ SPECIAL = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
 
 
 def make_tokenizer():
-    """Character-level tokenizer with ChatML special tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """Byte-level BPE with ChatML special tokens, trained in a second on the game env's own texts
+    (rules, prompt templates), so game prompts are a few hundred tokens rather than thousands."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    chars = sorted(set(string.printable) | set("♠♥♦♣→—…"))
-    vocab = {token: i for i, token in enumerate(SPECIAL + chars)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
+    corpus = [(ROOT / name).read_text() for name in CORPUS_FILES]
+    core = Tokenizer(models.BPE(unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(corpus, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>",
         additional_special_tokens=["<|im_start|>"],
