@@ -260,13 +260,16 @@ async def evaluate(config: Config, tasks: list[Task], env_specs: dict[str, tuple
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--checkpoint", type=Path, help="checkpoint folder (<run>/checkpoints/checkpoint-N) or adapter folder")
+    which.add_argument("--checkpoint", type=Path,
+                       help="checkpoint folder (<run>/checkpoints/checkpoint-N) or adapter folder")
     which.add_argument("--base-only", action="store_true", help="evaluate the base model without an adapter")
-    parser.add_argument("--compare-base", action="store_true", help="also play the base model on the same tasks and seeds")
+    parser.add_argument("--compare-base", action="store_true",
+                        help="also play the base model on the same tasks and seeds")
     parser.add_argument("--games", help=f"comma-separated games from {AVAILABLE_GAMES}, or 'trace'")
     parser.add_argument("--task-ids", help="comma-separated task ids / inclusive ranges; trace ids as trace:ID")
     parser.add_argument("--episodes", type=int, help="episodes per game with --games (default 10)")
-    parser.add_argument("--opponent", choices=("mcts", "random"), default="mcts", help="game opponent (validators: mcts)")
+    parser.add_argument("--opponent", choices=("mcts", "random"), default="mcts",
+                        help="game opponent (validators: mcts)")
     parser.add_argument("--seed", type=int, help="derive seeds from this instead of the validator seeds")
     parser.add_argument("--temperature", type=float, help="sampling temperature (default 0 = greedy, as validators)")
     parser.add_argument("--max-new-tokens", type=int, help="overrides generation.max_new_tokens")
@@ -275,8 +278,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-dir", type=Path, help="write episodes.jsonl and summary.json here")
     parser.add_argument("--config", help="train config JSON (default config/train_config.json)")
     parser.add_argument("--env-config", help="env config JSON (default config/env_config.json)")
-    parser.add_argument("--curriculum-config", help="curriculum config JSON (default config/curriculum_config.json)")
-    parser.add_argument("--preset", action="append", default=[], help="preset name (config/NAME_config.json); repeatable")
+    parser.add_argument("--curriculum-config",
+                        help="curriculum config JSON (default config/curriculum_config.json)")
+    parser.add_argument("--preset", action="append", default=[],
+                        help="preset name (config/NAME_config.json); repeatable")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config field, e.g. --set generation.backend=local (repeatable)")
     return parser.parse_args(argv)

@@ -50,7 +50,9 @@ FIGURES = (
         Panel("Success by game", family=("game/", "/success"), ylabel="rate"),
         Panel("Score by game", family=("game/", "/score"), ylabel="score"),
     )),
-    Figure("success_by_stage.png", (Panel("Success by curriculum stage", family=("stage/", "/success"), ylabel="rate"),)),
+    Figure("success_by_stage.png", (
+        Panel("Success by curriculum stage", family=("stage/", "/success"), ylabel="rate"),
+    )),
     Figure("illegal_rate.png", (Panel("Illegal moves per model reply", ("env/illegal_rate",), ylabel="rate"),)),
     Figure("kl_beta.png", (
         Panel("KL to the reference", ("reward/kl_per_episode",), ylabel="nats per episode"),

@@ -124,15 +124,18 @@ def test_summarize_groups_by_model_and_game_and_pools_games_but_not_trace():
     assert list(summary["base"]) == ["leduc_poker"]  # one game: nothing to pool
 
 
+def scored(model, score, task_id, seed):
+    outcome = "win" if score > 0.5 else "draw" if score == 0.5 else "loss"
+    return game_record(outcome, score, model=model, task_id=task_id, seed=seed)
+
+
 def test_paired_differences_match_task_and_seed_and_skip_errors():
     records = [
-        game_record("win", 1.0, model="adapter", task_id=1, seed=7), game_record("loss", 0.0, model="base", task_id=1, seed=7),
-        game_record("win", 1.0, model="adapter", task_id=2, seed=8), game_record("draw", 0.5, model="base", task_id=2, seed=8),
-        game_record("draw", 0.5, model="adapter", task_id=3, seed=9), game_record("draw", 0.5, model="base", task_id=3, seed=9),
-        # same task, other seed: not a pair
-        game_record("win", 1.0, model="adapter", task_id=3, seed=10), game_record("loss", 0.0, model="base", task_id=3, seed=11),
-        # the base episode failed: no pair
-        game_record("win", 1.0, model="adapter", task_id=4, seed=12),
+        scored("adapter", 1.0, 1, 7), scored("base", 0.0, 1, 7),
+        scored("adapter", 1.0, 2, 8), scored("base", 0.5, 2, 8),
+        scored("adapter", 0.5, 3, 9), scored("base", 0.5, 3, 9),
+        scored("adapter", 1.0, 3, 10), scored("base", 0.0, 3, 11),  # same task, other seed: not a pair
+        scored("adapter", 1.0, 4, 12),  # its base episode failed: not a pair
         game_record("error", 0.0, model="base", task_id=4, seed=12, error="env failed"),
     ]
     pairs = report.paired_differences(records)["leduc_poker"]
