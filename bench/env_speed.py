@@ -111,6 +111,8 @@ async def main() -> None:
     parser.add_argument("--mcts-scale", type=float, default=0.1, help="fraction of the spec simulations to run")
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                         help="worker processes for the threads-vs-processes comparison (0 = skip it)")
+    parser.add_argument("--url-games", nargs="*", default=["leduc_poker", "goofspiel"],
+                        help="games for the url-mode row: per-step cost over HTTP vs in process (none = skip)")
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -134,8 +136,33 @@ async def main() -> None:
                                                                                  workers=args.workers),
         }
         print(f"concurrent_mcts: {report['concurrent_mcts']}", file=sys.stderr, flush=True)
+    if args.url_games:
+        report["url_mode"] = await url_rows(args.url_games, args.format, episodes=10)
     report["seconds_total"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report, indent=1))
+
+
+async def url_rows(games: list[str], fmt: str, episodes: int) -> dict:
+    """The same episodes in process and through `python -m envs.server` + AffinetesEnv (bench/env_url_speed.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from env_url_speed import play, start_server
+
+    from envs.affinetes_env import AffinetesEnv  # imported last: affinetes patches asyncio process-wide
+
+    seeds = range(episodes)
+    rows = {game: {"in_process_us_per_step": (await play(OpenSpielEnv(fmt), game, seeds))["us_per_step"]}
+            for game in games}
+    server, url = start_server(fmt)
+    try:
+        env = AffinetesEnv(mode="url", base_url=url, call_timeout=60.0)
+        for game in games:
+            rows[game]["url_us_per_step"] = (await play(env, game, seeds))["us_per_step"]
+            print(f"url {game}: {rows[game]}", file=sys.stderr, flush=True)
+        await env.close()
+    finally:
+        server.terminate()
+        server.wait(15)
+    return rows
 
 
 if __name__ == "__main__":
