@@ -62,6 +62,14 @@ class RunLogger:
             self.wandb_run.log(metrics, step=step)
         console.print(self.step_line(step, metrics), highlight=False, soft_wrap=True)
 
+    def log_sample(self, step: int, episode) -> None:
+        """One played conversation, for reading what the model actually does."""
+        record = {"step": step, "env": episode.task.env, "task_id": episode.task.task_id, "seed": episode.task.seed,
+                  "game": episode.game_name, "score": episode.score, "error": episode.error,
+                  "messages": episode.messages}
+        with open(self.run_dir / "samples.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
     @staticmethod
     def step_line(step: int, m: dict[str, Any]) -> str:
         def f(key: str, fmt: str = ".3f") -> str:

@@ -142,6 +142,8 @@ class Trainer:
                     metrics["vllm/logprob_gap"] = gap
                 self.kl_ctl.update(metrics["reward/kl_per_episode"], len(usable))
             self.step += 1
+            if cfg.logging.log_samples_every and self.step % cfg.logging.log_samples_every == 0:
+                self.logger.log_sample(self.step, episodes[0])
             metrics.update(self.advance_curriculum(episodes))
             metrics["kl/coef"] = self.kl_ctl.value
             if isinstance(self.generator, VLLMGenerator) and usable:

@@ -142,7 +142,7 @@ class GenerationConfig(Strict):
 class LoggingConfig(Strict):
     wandb_project: str | None = Field(None, description="Set to log to Weights & Biases.")
     wandb_mode: Literal["online", "offline", "disabled"] = Field("offline")
-    log_samples_every: int = Field(0, ge=0, description="Write one sample conversation every N steps (0 = never).")
+    log_samples_every: int = Field(0, ge=0, description="Append one played conversation to samples.jsonl every N steps (0 = never).")
 
 
 class CheckpointConfig(Strict):

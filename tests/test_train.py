@@ -50,8 +50,11 @@ def deterministic(record: dict) -> dict:
 def test_real_loop_runs_and_checkpoints(tiny_model_dir, tmp_path, advantage, strategy):
     code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2",
                                     "--set", f"ppo.advantage={advantage}", "--set", f"generation.context_strategy={strategy}",
-                                    "--set", "ppo.group_size=2"))
+                                    "--set", "ppo.group_size=2", "--set", "logging.log_samples_every=1"))
     assert code == 0
+    samples = [json.loads(line) for line in (tmp_path / "t" / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1, 2]
+    assert samples[0]["messages"][0]["role"] == "system" and samples[0]["messages"][-1]["role"] == "assistant"
     records = metrics(tmp_path / "t")
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
