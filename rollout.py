@@ -127,16 +127,12 @@ class PromptBuilder:
 
 
 # ---------------------------------------------------------------------- generators
-def _cut_at_eos(token_ids: list[int], eos_ids: set[int], pad_id: int | None) -> list[int]:
-    out = []
-    for token in token_ids:
+def _cut_at_eos(token_ids: list[int], eos_ids: set[int]) -> list[int]:
+    """Generated ids up to and including the first end-of-sequence token (the padding after it goes)."""
+    for position, token in enumerate(token_ids):
         if token in eos_ids:
-            out.append(token)
-            break
-        if token == pad_id:
-            break
-        out.append(token)
-    return out
+            return token_ids[: position + 1]
+    return token_ids
 
 
 class LocalGenerator:
@@ -152,6 +148,7 @@ class LocalGenerator:
         gen_eos = getattr(policy.model.generation_config, "eos_token_id", None)
         if gen_eos is not None:
             self.eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        self.seed_base = derive_seed(seed, "generate", 0)
         self.live_episodes = 0
         self._pending: list[tuple[int, list[int], asyncio.Future]] = []
         self._wave_ready = asyncio.Event()
@@ -212,7 +209,7 @@ class LocalGenerator:
         for row, prompt in enumerate(prompts):  # left padding: every row ends where generation starts
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention[row, width - len(prompt) :] = 1
-        torch.manual_seed(derive_seed(getattr(self, "seed_base", self.seed), wave))
+        torch.manual_seed(derive_seed(self.seed_base, wave))
         sample = self.cfg.temperature > 0
         kwargs: dict[str, Any] = {"do_sample": sample}
         if sample:
@@ -231,7 +228,7 @@ class LocalGenerator:
             )
         finally:
             self.policy.train(was_training)
-        responses = [_cut_at_eos(row[width:].tolist(), self.eos_ids, None) for row in out.cpu()]
+        responses = [_cut_at_eos(row[width:].tolist(), self.eos_ids) for row in out.cpu()]
         self.generated_tokens += sum(len(r) for r in responses)
         return responses
 
@@ -443,8 +440,9 @@ class RolloutRunner:
                     break
                 shown = build_messages(episode.messages, decision_start, self.cfg.context_strategy,
                                        result["info"].get("turn_prompt"))
-                keep_from = decision_start if self.cfg.context_strategy != "last" else len(shown) - 1
-                prompt_ids = self.prompts.fit(shown, min(keep_from, len(shown) - 1))
+                # full/truncated may drop turns before the pending decision; `last` has nothing to drop
+                keep_from = decision_start if self.cfg.context_strategy != "last" else int(bool(system))
+                prompt_ids = self.prompts.fit(shown, keep_from)
                 if prompt_ids is None:
                     episode.error = (f"prompt longer than generation.max_prompt_tokens="
                                      f"{self.prompts.max_prompt_tokens} even after dropping earlier turns")

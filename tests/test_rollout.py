@@ -1,0 +1,142 @@
+"""rollout.py: context strategies, prompt budget, batched waves, exact token ids, env failures."""
+import asyncio
+import uuid
+
+import pytest
+
+from curriculum import Task
+from envs.base import step_result
+from rollout import LocalGenerator, PromptBuilder, RolloutRunner, _cut_at_eos, build_messages
+from utils import GenerationConfig
+
+CONVERSATION = [
+    {"role": "system", "content": "rules"},
+    {"role": "user", "content": "turn 1"},
+    {"role": "assistant", "content": "<think>long plan</think>3"},
+    {"role": "user", "content": "turn 2"},
+    {"role": "assistant", "content": "<think>oops</think>x"},
+    {"role": "user", "content": "invalid, attempt 2 of 3"},
+]
+
+
+def test_full_strategy_is_the_whole_dialog():
+    assert build_messages(CONVERSATION, 3, "full", "turn 2") == CONVERSATION
+
+
+def test_truncated_strategy_replaces_earlier_thinking_with_a_marker():
+    shown = build_messages(CONVERSATION, 3, "truncated", "turn 2")
+    assert shown[2]["content"] == "<think>[earlier reasoning omitted]</think>3"
+    assert shown[4]["content"] == "<think>oops</think>x"  # the pending decision's own attempt stays
+    assert [m["role"] for m in shown] == [m["role"] for m in CONVERSATION]
+
+
+def test_last_strategy_is_system_plus_the_pending_decision():
+    shown = build_messages(CONVERSATION, 3, "last", "state now")
+    assert shown == [CONVERSATION[0], {"role": "user", "content": "state now"}, CONVERSATION[4], CONVERSATION[5]]
+
+
+def test_prompt_budget_drops_oldest_turns_but_keeps_system_and_pending_decision(tiny_policy):
+    builder = PromptBuilder(tiny_policy.tokenizer, max_prompt_tokens=10_000)
+    full = builder.encode(CONVERSATION)
+    without_turn_1 = builder.encode(CONVERSATION[:1] + CONVERSATION[3:])
+    builder.max_prompt_tokens = len(full) - 1
+    assert builder.fit(CONVERSATION, keep_from=3) == without_turn_1
+    builder.max_prompt_tokens = len(builder.encode(CONVERSATION[:1] + CONVERSATION[3:])) - 1
+    assert builder.fit(CONVERSATION, keep_from=3) is None
+
+
+def test_generation_is_cut_after_the_first_eos():
+    assert _cut_at_eos([5, 6, 2, 0, 0], {2}) == [5, 6, 2]
+    assert _cut_at_eos([5, 6, 7], {2}) == [5, 6, 7]
+
+
+class CountingEnv:
+    """Two decisions per episode; the episode's score is 1 when both replies contained a digit."""
+
+    def __init__(self, fail_task: int | None = None):
+        self.episodes, self.fail_task = {}, fail_task
+
+    async def reset(self, task_id=None, seed=None, **kwargs):
+        if task_id == self.fail_task:
+            raise ConnectionError("env server went away")
+        episode_id = uuid.uuid4().hex
+        self.episodes[episode_id] = []
+        await asyncio.sleep(0.001 * (task_id % 3))  # uneven env latency must not change the waves
+        return step_result("move 1?", episode_id=episode_id, info={"system_prompt": "sys", "turn_prompt": "move 1?",
+                                                                     "game_name": "counting"})
+
+    async def step(self, action, episode_id):
+        self.episodes[episode_id].append(action)
+        if len(self.episodes[episode_id]) == 2:
+            score = float(all(any(c.isdigit() for c in a) for a in self.episodes[episode_id]))
+            return step_result("over", reward=score, done=True, episode_id=episode_id,
+                               info={"score": score, "success": score > 0.5, "game_name": "counting"})
+        return step_result("move 2?", episode_id=episode_id, info={"turn_prompt": "move 2?", "game_name": "counting"})
+
+    async def stop(self, episode_id):
+        self.episodes.pop(episode_id, None)
+        return {"status": "ok"}
+
+    async def close(self):
+        pass
+
+
+def _runner(policy, env, concurrency=8):
+    cfg = GenerationConfig(backend="local", max_new_tokens=3, max_concurrent_episodes=concurrency,
+                           context_strategy="full")
+    generator = LocalGenerator(policy, cfg, seed=0)
+    return RolloutRunner({"game": ("openspiel", env)}, generator, PromptBuilder(policy.tokenizer, 4096), cfg)
+
+
+def _tasks(n):
+    return [Task("game", task_id=i, seed=i, opponent=None, stage="s", replay=False) for i in range(n)]
+
+
+def test_each_wave_of_pending_turns_is_one_batched_generate_call(tiny_policy, monkeypatch):
+    batch_sizes = []
+    original = tiny_policy.model.generate
+
+    def counting_generate(**kwargs):
+        batch_sizes.append(kwargs["input_ids"].shape[0])
+        return original(**kwargs)
+
+    monkeypatch.setattr(tiny_policy.model, "generate", counting_generate)
+    episodes = asyncio.run(_runner(tiny_policy, CountingEnv()).run(_tasks(4), step=0))
+    assert batch_sizes == [4, 4]  # 4 episodes x 2 decisions = 2 waves
+    assert all(e.done and len(e.turns) == 2 for e in episodes)
+
+
+def test_concurrency_limit_admits_new_episodes_as_others_finish(tiny_policy, monkeypatch):
+    batch_sizes = []
+    original = tiny_policy.model.generate
+    monkeypatch.setattr(tiny_policy.model, "generate",
+                        lambda **kw: batch_sizes.append(kw["input_ids"].shape[0]) or original(**kw))
+    episodes = asyncio.run(_runner(tiny_policy, CountingEnv(), concurrency=3).run(_tasks(5), step=0))
+    assert max(batch_sizes) == 3 and sum(batch_sizes) == 10
+    assert [e.task.task_id for e in episodes] == [0, 1, 2, 3, 4]
+
+
+def test_rollouts_are_reproducible_and_keep_exact_token_ids(tiny_policy):
+    first = asyncio.run(_runner(tiny_policy, CountingEnv()).run(_tasks(6), step=3))
+    second = asyncio.run(_runner(tiny_policy, CountingEnv()).run(_tasks(6), step=3))
+    assert [[t.response_ids for t in e.turns] for e in first] == [[t.response_ids for t in e.turns] for e in second]
+    for episode in first:
+        for turn in episode.turns:
+            assert tiny_policy.tokenizer.decode(turn.response_ids, skip_special_tokens=True) == turn.response_text
+            assert turn.prompt_ids[-1] != tiny_policy.tokenizer.pad_token_id
+
+
+def test_an_env_failure_fails_that_episode_and_the_others_finish(tiny_policy):
+    episodes = asyncio.run(_runner(tiny_policy, CountingEnv(fail_task=2)).run(_tasks(4), step=0))
+    assert "env server went away" in episodes[2].error and not episodes[2].turns
+    assert all(e.done and not e.error for i, e in enumerate(episodes) if i != 2)
+
+
+@pytest.mark.parametrize("strategy", ["full", "truncated", "last"])
+def test_prompts_follow_the_context_strategy(tiny_policy, strategy):
+    runner = _runner(tiny_policy, CountingEnv())
+    runner.cfg.context_strategy = strategy
+    episode = asyncio.run(runner.run(_tasks(1), step=0))[0]
+    second_prompt = tiny_policy.tokenizer.decode(episode.turns[1].prompt_ids)
+    assert "move 2?" in second_prompt and "sys" in second_prompt
+    assert ("move 1?" in second_prompt) == (strategy != "last")
