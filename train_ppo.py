@@ -59,8 +59,11 @@ class StopRequested:
 
     def __init__(self):
         self.signal: int | None = None
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, _frame) -> None:
         if self.signal is not None:
@@ -105,13 +108,13 @@ class Trainer:
         self.step = 0
         self.totals = {"episodes": 0, "episodes_failed": 0, "generated_tokens": 0}
         self.checkpoint_dir = run_dir / "checkpoints"
-        self.stop = StopRequested()
         wandb_id = self._resume(resume) if resume else None
         self.logger = RunLogger(run_dir, cfg.logging, config.model_dump(mode="json"), wandb_id, self.step)
         self.generator = self._make_generator()
         self.runner = RolloutRunner(self.envs, self.generator,
                                     PromptBuilder(self.policy.tokenizer, cfg.generation.max_prompt_tokens,
                                                   cfg.model.chat_template_kwargs), cfg.generation)
+        self.stop = StopRequested()  # last: a failed start leaves the default signal handlers alone
 
     # ------------------------------------------------------------------ the loop
     async def train(self) -> None:
@@ -131,16 +134,7 @@ class Trainer:
             usable, usable_groups = self.usable(episodes, group_ids)
             metrics = self.episode_metrics(episodes, rollout_seconds)
             if usable:
-                started = time.perf_counter()
-                samples = score_turns(self.policy, usable, cfg.ppo.micro_batch_tokens, self.temperature,
-                                      with_values=cfg.ppo.advantage == "gae")
-                metrics.update(assign_advantages(samples, usable, cfg.ppo, self.kl_ctl.value, usable_groups))
-                metrics.update(self.update(samples, usable))
-                metrics["perf/update_seconds"] = time.perf_counter() - started
-                gap = sampler_gap(samples)
-                if gap is not None:
-                    metrics["vllm/logprob_gap"] = gap
-                self.kl_ctl.update(metrics["reward/kl_per_episode"], len(usable))
+                metrics.update(self.learn(usable, usable_groups))
             self.step += 1
             if cfg.logging.log_samples_every and self.step % cfg.logging.log_samples_every == 0:
                 self.logger.log_sample(self.step, episodes[0])
@@ -191,6 +185,21 @@ class Trainer:
                 "generation backend; the last checkpoint is intact."
             )
         return [episodes[i] for i in keep], ([group_ids[i] for i in keep] if group_ids is not None else None)
+
+    def learn(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
+        """score -> advantages -> update -> adapt beta, on the episodes that can be trained on."""
+        cfg = self.config.train
+        started = time.perf_counter()
+        samples = score_turns(self.policy, episodes, cfg.ppo.micro_batch_tokens, self.temperature,
+                              with_values=cfg.ppo.advantage == "gae")
+        metrics = assign_advantages(samples, episodes, cfg.ppo, self.kl_ctl.value, group_ids)
+        metrics.update(self.update(samples, episodes))
+        metrics["perf/update_seconds"] = time.perf_counter() - started
+        gap = sampler_gap(samples)
+        if gap is not None:
+            metrics["vllm/logprob_gap"] = gap
+        self.kl_ctl.update(metrics["reward/kl_per_episode"], len(episodes))
+        return metrics
 
     def update(self, samples, episodes: list[Episode]) -> dict[str, float]:
         cfg = self.config.train
@@ -308,6 +317,7 @@ class Trainer:
         return state.get("wandb_id")
 
     async def close(self) -> None:
+        self.stop.restore()
         await self.generator.close()
         for _, env in self.envs.values():
             try:
