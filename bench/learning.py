@@ -87,6 +87,8 @@ def main() -> None:
                                                       "generation.max_concurrent_episodes=8"])
     policy = load_policy(config.train.model, config.train.lora, torch.device("cpu"))
     checkpoint = find_resumable(Path(args.output_dir) / "learning" / "checkpoints")
+    if checkpoint is None or checkpoint.name != f"checkpoint-{args.steps}":
+        sys.exit(f"training stopped early ({checkpoint}); no evaluation of a partial run")
     policy.load(checkpoint)
     gen_cfg = config.train.generation
     runner = RolloutRunner(make_envs(config.env, seed=0), LocalGenerator(policy, gen_cfg, seed=0),
