@@ -2,7 +2,7 @@
 trained on held-out seeds (greedy, like the validators) and print JSON per game.
 
     python bench/learning.py                              # defaults below, SmolLM2-135M on CPU
-    python bench/learning.py --steps 20 --games leduc_poker,blackjack --eval-episodes 24
+    python bench/learning.py --steps 20 --games leduc_poker,blackjack --eval-episodes 24 --set ppo.learning_rate=1e-4
 
 The training run is the real `train_ppo.py` loop (same code path as a user's run); evaluation plays
 the evaluate() conversation through the same rollout engine with temperature 0, the adapter on
@@ -31,6 +31,11 @@ from policy import load_policy  # noqa: E402
 from rollout import LocalGenerator, PromptBuilder, RolloutRunner  # noqa: E402
 from utils import load_config  # noqa: E402
 
+# Tuned on this machine so that ten CPU steps visibly move the model: larger batches and one epoch
+# give a steadier gradient per minute than the preset's 4×2, and 2e-4 is the highest rate at which
+# the KL to the base stayed small (under ~0.6 nats per episode).
+TUNED_OVERRIDES = ["ppo.batch_size=8", "ppo.ppo_epochs=1", "ppo.learning_rate=2e-4", "ppo.init_kl_coef=0.05",
+                   "generation.max_new_tokens=8", "generation.max_concurrent_episodes=8"]
 HELD_OUT_SEED = 900_000  # training seeds come from the curriculum RNG; these are a separate range
 
 
@@ -63,16 +68,16 @@ def summarise(episodes) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--games", default="leduc_poker,blackjack")
-    parser.add_argument("--eval-episodes", type=int, default=24, help="per game, both seats")
+    parser.add_argument("--eval-episodes", type=int, default=16, help="per game, both seats")
     parser.add_argument("--output-dir", default="runs/bench-learning")
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
     args = parser.parse_args()
     games = args.games.split(",")
     stages = json.dumps([{"name": "easy", "opponent": "random", "min_episodes": 10**6,
                           "tasks": [{"env": "openspiel", "games": games, "config_ids": [0]}]}])
-    overrides = ["run.name=learning", f"curriculum.stages={stages}", *args.set]
+    overrides = ["run.name=learning", f"curriculum.stages={stages}", *TUNED_OVERRIDES, *args.set]
     train_args = ["--preset", "cpu", "--output-dir", args.output_dir, "--max-steps", str(args.steps)]
     for override in overrides:
         train_args += ["--set", override]

@@ -74,6 +74,7 @@ def main() -> None:
                            PromptBuilder(policy.tokenizer, gen_cfg.max_prompt_tokens), gen_cfg)
     tasks = [Task("openspiel", game_task_id(args.game, i), 1000 + i, "random", "bench", False)
              for i in range(args.episodes)]
+    plain_generate(policy, [[policy.tokenizer.eos_token_id] * 8], 2)  # warm-up: first call pays one-off costs
     engine_seconds, engine_tokens, prompts = asyncio.run(engine(runner, tasks))
 
     started = time.perf_counter()
