@@ -40,7 +40,7 @@ from envs.tasks import (AVAILABLE_GAMES, TRACE_LEVELS, game_name_of, game_task_i
 from merge import adapter_folder, load_adapter_model
 from rollout import Episode, LocalGenerator, PromptBuilder, RolloutRunner, VLLMError, VLLMGenerator, derive_seed
 from run_log import console, rollout_progress, setup_logging
-from utils import Config, ConfigError, EnvSpec, load_config
+from utils import Config, ConfigError, EnvSpec, add_config_arguments, load_config
 
 log = logging.getLogger("evaluate")
 
@@ -276,14 +276,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context-strategy", choices=("full", "truncated", "last"),
                         help="conversation shown to the model (default full, as validators)")
     parser.add_argument("--output-dir", type=Path, help="write episodes.jsonl and summary.json here")
-    parser.add_argument("--config", help="train config JSON (default config/train_config.json)")
-    parser.add_argument("--env-config", help="env config JSON (default config/env_config.json)")
-    parser.add_argument("--curriculum-config",
-                        help="curriculum config JSON (default config/curriculum_config.json)")
-    parser.add_argument("--preset", action="append", default=[],
-                        help="preset name (config/NAME_config.json); repeatable")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one config field, e.g. --set generation.backend=local (repeatable)")
+    add_config_arguments(parser, set_example="generation.backend=local")
     return parser.parse_args(argv)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from run_log import console, setup_logging
-from utils import ConfigError, load_config
+from utils import ConfigError, add_config_arguments, load_config
 
 log = logging.getLogger("merge")
 
@@ -161,13 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, required=True, help="new folder for the merged model")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="weights dtype of the merged model (default: model.dtype, float32 when 'auto')")
-    parser.add_argument("--config", help="train config JSON (default config/train_config.json)")
-    parser.add_argument("--env-config", help="env config JSON (default config/env_config.json)")
-    parser.add_argument("--curriculum-config", help="curriculum config JSON (default config/curriculum_config.json)")
-    parser.add_argument("--preset", action="append", default=[],
-                        help="preset name (config/NAME_config.json); repeatable")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one config field, e.g. --set model.name_or_path=... (repeatable)")
+    add_config_arguments(parser, set_example="model.name_or_path=...")
     return parser.parse_args(argv)
 
 

@@ -49,7 +49,7 @@ from ppo import AdaptiveKLController, FixedKLController
 from rollout import Episode, LocalGenerator, PromptBuilder, RolloutRunner, VLLMError, VLLMGenerator, derive_seed
 from run_log import RunLogger, console, rollout_progress, setup_logging
 from update import TooManySkips, UpdateState, build_optimizer, ppo_update
-from utils import Config, ConfigError, load_config
+from utils import Config, ConfigError, add_config_arguments, load_config
 
 log = logging.getLogger("train_ppo")
 
@@ -340,15 +340,10 @@ def _group_by(items, key) -> dict[str, list]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", help="train config JSON (default config/train_config.json)")
-    parser.add_argument("--env-config", help="env config JSON (default config/env_config.json)")
-    parser.add_argument("--curriculum-config", help="curriculum config JSON (default config/curriculum_config.json)")
-    parser.add_argument("--preset", action="append", default=[], help="preset name (config/NAME_config.json); repeatable")
+    add_config_arguments(parser, set_example="ppo.learning_rate=2e-5")
     parser.add_argument("--resume", help="checkpoint folder, or 'latest'")
     parser.add_argument("--output-dir", help="parent folder of run folders (overrides run.output_dir)")
     parser.add_argument("--max-steps", type=int, help="overrides run.max_steps")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one field, e.g. --set ppo.learning_rate=2e-5 (repeatable)")
     return parser.parse_args(argv)
 
 

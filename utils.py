@@ -9,6 +9,7 @@ Every problem is reported as a `ConfigError` that names the file and the field.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -299,6 +300,16 @@ def preset_path(name: str) -> Path:
     if name in BASE_CONFIG_FILES:
         raise ConfigError(f"--preset {name!r} names a base config file; presets are e.g. 'cpu' or 'trace'.")
     return CONFIG_DIR / f"{name}_config.json"
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, set_example: str) -> None:
+    """The config-file options every CLI shares (`load_config`'s inputs); `set_example` shows a typical --set."""
+    parser.add_argument("--config", help="train config JSON (default config/train_config.json)")
+    parser.add_argument("--env-config", help="env config JSON (default config/env_config.json)")
+    parser.add_argument("--curriculum-config", help="curriculum config JSON (default config/curriculum_config.json)")
+    parser.add_argument("--preset", action="append", default=[], help="preset name (config/NAME_config.json); repeatable")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override one config field, e.g. --set {set_example} (repeatable)")
 
 
 def load_config(

@@ -18,12 +18,6 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def tiny_policy(tiny_model_dir):
-    import torch
+    from tiny import load_tiny_policy
 
-    from policy import load_policy
-    from utils import LoraConfig, ModelConfig
-
-    torch.manual_seed(0)
-    model_cfg = ModelConfig(name_or_path=str(tiny_model_dir), use_4bit=False, dtype="float32",
-                            gradient_checkpointing=False)
-    return load_policy(model_cfg, LoraConfig(), torch.device("cpu"))
+    return load_tiny_policy(tiny_model_dir)

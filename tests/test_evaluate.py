@@ -116,19 +116,9 @@ def digit_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoint(digit_model_dir, tmp_path_factory) -> Path:
-    from policy import load_policy
-    from utils import LoraConfig, ModelConfig
+    from tiny import save_checkpoint_with_active_adapter
 
-    torch.manual_seed(0)
-    policy = load_policy(ModelConfig(name_or_path=str(digit_model_dir), use_4bit=False, dtype="float32",
-                                     gradient_checkpointing=False), LoraConfig(), torch.device("cpu"))
-    with torch.no_grad():
-        for name, parameter in policy.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 0.5)
-    folder = tmp_path_factory.mktemp("run") / "checkpoint-3"
-    policy.save(folder)
-    return folder
+    return save_checkpoint_with_active_adapter(digit_model_dir, tmp_path_factory.mktemp("run") / "checkpoint-3")
 
 
 def tiny_args(model_dir: Path, *extra: str) -> list[str]:

@@ -13,21 +13,9 @@ PROMPT = [{"role": "user", "content": "Pick an action: 0, 1 or 2."}]  # not merg
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_model_dir, tmp_path_factory) -> Path:
-    """A checkpoint folder (adapter/ + value_head.pt) whose LoRA B matrices are non-zero, so the adapter matters."""
-    from policy import load_policy
-    from utils import LoraConfig, ModelConfig
+    from tiny import save_checkpoint_with_active_adapter
 
-    torch.manual_seed(0)
-    model_cfg = ModelConfig(name_or_path=str(tiny_model_dir), use_4bit=False, dtype="float32",
-                            gradient_checkpointing=False)
-    policy = load_policy(model_cfg, LoraConfig(), torch.device("cpu"))
-    with torch.no_grad():
-        for name, parameter in policy.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 0.5)
-    folder = tmp_path_factory.mktemp("ckpt") / "checkpoint-7"
-    policy.save(folder)
-    return folder
+    return save_checkpoint_with_active_adapter(tiny_model_dir, tmp_path_factory.mktemp("ckpt") / "checkpoint-7")
 
 
 def tiny_sets(model_dir: Path) -> list[str]:

@@ -54,3 +54,28 @@ def make_tiny_model_dir(folder: Path, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def load_tiny_policy(model_dir: Path):
+    """The trainer's Policy (default LoRA, float32, CPU) on a tiny model folder, seeded so the adapter is repeatable."""
+    import torch
+
+    from policy import load_policy
+    from utils import LoraConfig, ModelConfig
+
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(name_or_path=str(model_dir), use_4bit=False, dtype="float32", gradient_checkpointing=False)
+    return load_policy(model_cfg, LoraConfig(), torch.device("cpu"))
+
+
+def save_checkpoint_with_active_adapter(model_dir: Path, folder: Path) -> Path:
+    """A checkpoint folder (adapter/ + value_head.pt) whose LoRA B matrices are non-zero, so the adapter matters."""
+    import torch
+
+    policy = load_tiny_policy(model_dir)
+    with torch.no_grad():
+        for name, parameter in policy.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.5)
+    policy.save(folder)
+    return folder
