@@ -43,7 +43,7 @@ import torch
 from checkpoint import find_resumable, load_trainer_state, rng_state, save_checkpoint, set_rng_state
 from curriculum import Curriculum, Task
 from envs.factory import make_envs, playable_filter
-from experience import assign_advantages, sampler_gap, score_turns
+from experience import assign_advantages, final_reward, sampler_gap, score_turns, turn_rewards
 from policy import load_policy, pick_device
 from ppo import AdaptiveKLController, FixedKLController
 from rollout import Episode, LocalGenerator, PromptBuilder, RolloutRunner, VLLMError, VLLMGenerator, derive_seed
@@ -234,9 +234,7 @@ class Trainer:
             "env/episodes_failed": len(episodes) - len(ok),
             "env/episodes_cut_off": sum(e.cut_off for e in episodes),
             "env/score_mean": _mean([e.score for e in ok]),
-            "env/reward_mean": _mean([(e.score - 0.5 if ppo.reward.center_score else e.score)
-                                      + sum(t.reward for t in e.turns)
-                                      - ppo.reward.illegal_move_penalty * e.illegal_moves for e in ok]),
+            "env/reward_mean": _mean([final_reward(e, ppo) + sum(turn_rewards(e, ppo)) for e in ok]),
             "env/success_rate": _mean([float(e.success) for e in ok]),
             "env/illegal_rate": sum(e.illegal_moves for e in ok) / turns if turns else 0.0,
             "env/turns_mean": _mean([len(e.turns) for e in ok]),
