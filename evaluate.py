@@ -38,9 +38,11 @@ from envs.games import is_playable
 from envs.tasks import (AVAILABLE_GAMES, TRACE_LEVELS, game_name_of, game_task_id, trace_level_range,
                         validator_seed)
 from merge import adapter_folder, load_adapter_model
-from rollout import Episode, LocalGenerator, PromptBuilder, RolloutRunner, VLLMError, VLLMGenerator, derive_seed
+from generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
+from prompts import PromptBuilder
+from rollout import Episode, RolloutRunner
 from run_log import console, rollout_progress, setup_logging
-from utils import Config, ConfigError, EnvSpec, add_config_arguments, load_config
+from utils import Config, ConfigError, EnvSpec, add_config_arguments, derive_seed, load_config
 
 log = logging.getLogger("evaluate")
 
@@ -201,12 +203,13 @@ def model_runs(config: Config, adapter_dir: Path | None, compare_base: bool
             with policy.reference():
                 yield
     else:
-        from policy import load_tokenizer
+        from policy import load_generation_config, load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model)
         rank = (json.loads((adapter_dir / "adapter_config.json").read_text())["r"] if adapter_dir else cfg.lora.r)
         api_key = os.environ.get(config.env.vllm_api_key_env) if config.env.vllm_api_key_env else None
-        generator = VLLMGenerator(config.env.vllm_url, cfg.model.name_or_path, tokenizer, gen_cfg, rank, api_key)
+        generator = VLLMGenerator(config.env.vllm_url, cfg.model.name_or_path, tokenizer, gen_cfg, rank,
+                                  eos_token_ids(tokenizer, load_generation_config(cfg.model)), api_key)
 
         @contextlib.asynccontextmanager
         async def as_adapter():

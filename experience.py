@@ -1,12 +1,28 @@
-"""From played episodes to training tensors: old/ref log-probs, values, rewards and advantages.
+"""From played episodes to training tensors: old/ref log-probs, values, rewards, advantages, weights.
 
-One training sample is one turn (its prompt + the exact generated token ids). Rewards and GAE
-work on episode rows: an episode's generated tokens in order across its turns, so credit flows
-from the final score back through every earlier turn.
+The unit of scoring and update is a `TrainSequence`: one token sequence of an episode with every
+turn it holds (prompt and observation tokens masked, each reply's tokens trained). When the chat
+template renders the conversation append-only (`prompts.TokenHistory`), a whole episode is one
+sequence and every token is processed once; otherwise a turn starts a new sequence.
+
+Credit assignment (`ppo.credit`):
+- `turn` (default): one value per turn, read at the turn's first reply token (the state is the
+  prompt). A turn's reward is its env step reward (and the final score at the last turn) minus
+  beta x the KL summed over its tokens; GAE(gamma, lambda) runs over turns, and the turn's
+  advantage is spread over all of its tokens. So a 200-token reply costs the outcome nothing on
+  its way back to earlier turns (token-level lambda 0.95 would leave 0.95^200 ~ 3e-5 of it).
+- `token`: the textbook token-level GAE over the episode's reply tokens in order (gamma and lambda
+  per token, a value at every reply token); right for short replies, cheap to keep.
+- `group` advantages (no critic) ignore both: the episode's normalised return on every token.
+
+Loss weights (`ppo.loss_weighting`): `token` (every token counts once), `episode` (each episode's
+tokens share one unit, so a 60-turn game does not outweigh a 2-turn one), `game` (each game in the
+batch shares one unit).
 """
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -18,95 +34,126 @@ from utils import PPOConfig
 
 
 @dataclass
-class TurnSample:
+class TrainSequence:
     episode: int  # index into the batch's episodes
-    input_ids: list[int]  # prompt + response
-    prompt_len: int
-    old_logprobs: torch.Tensor  # [R]
-    ref_logprobs: torch.Tensor  # [R]
-    old_values: torch.Tensor  # [R]
+    input_ids: list[int]
+    spans: list[tuple[int, int]]  # [start, end) of each turn's reply tokens, in turn order
+    turns: list[int]  # the episode's turn index of each span
     sampler_logprobs: list[float] | None = None
-    advantages: torch.Tensor | None = None  # [R]
-    returns: torch.Tensor | None = None  # [R]
+    # Per reply token, the spans concatenated in order: [R]
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None  # of the rollout policy, for logging
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    token_weights: torch.Tensor | None = None  # policy-loss weight of each reply token
+    value_weights: torch.Tensor | None = None  # value-loss weight; 0 where no value is trained
 
     @property
     def response_len(self) -> int:
-        return len(self.input_ids) - self.prompt_len
+        return sum(end - start for start, end in self.spans)
+
+    def span_slices(self) -> list[slice]:
+        """Each turn's slice of the per-reply-token tensors."""
+        slices, position = [], 0
+        for start, end in self.spans:
+            slices.append(slice(position, position + end - start))
+            position += end - start
+        return slices
 
 
-def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
-    """Group sample indices (in the given order) so that rows x longest row <= budget per group."""
+def build_sequences(episodes: list[Episode]) -> list[TrainSequence]:
+    """Every episode's token sequences that hold at least one reply token."""
+    sequences = []
+    for e, episode in enumerate(episodes):
+        by_sequence: dict[int, list[int]] = {}
+        for t, turn in enumerate(episode.turns):
+            if turn.response_ids:
+                by_sequence.setdefault(turn.sequence, []).append(t)
+        for s, turn_indices in sorted(by_sequence.items()):
+            turns = [episode.turns[t] for t in turn_indices]
+            spans = [(turn.start, turn.start + len(turn.response_ids)) for turn in turns]
+            sampler = None
+            if all(turn.sampler_logprobs is not None for turn in turns):
+                sampler = [lp for turn in turns for lp in turn.sampler_logprobs]
+            sequences.append(TrainSequence(episode=e, input_ids=episode.sequences[s][: spans[-1][1]], spans=spans,
+                                           turns=turn_indices, sampler_logprobs=sampler))
+    return sequences
+
+
+def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices grouped into micro-batches, shortest first, so that rows x longest row <= budget
+    (a sequence longer than the budget gets a micro-batch of its own). Sorting by length keeps the
+    right padding of each micro-batch small."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     groups: list[list[int]] = []
     current: list[int] = []
-    longest = 0
-    for index, length in zip(range(len(lengths)), lengths):
-        grown = max(longest, length)
-        if current and grown * (len(current) + 1) > budget:
+    for index in order:
+        # sorted ascending: the newest member is the longest
+        if current and lengths[index] * (len(current) + 1) > budget:
             groups.append(current)
-            current, longest = [], 0
-            grown = length
+            current = []
         current.append(index)
-        longest = grown
     if current:
         groups.append(current)
     return groups
 
 
-def collate(samples: list[TurnSample], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded [B, T] tensors; per-response-token fields are placed at their token positions."""
-    width = max(len(s.input_ids) for s in samples)
+def collate(sequences: list[TrainSequence], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded [B, T] tensors; per-reply-token fields are placed at their token positions.
+    Right padding needs no attention mask: causal attention never looks at the padding after a row."""
+    width = max(len(s.input_ids) for s in sequences)
     batch = {
-        "input_ids": torch.full((len(samples), width), pad_id, dtype=torch.long),
-        "attention_mask": torch.zeros((len(samples), width), dtype=torch.long),
-        "response_mask": torch.zeros((len(samples), width), dtype=torch.float32),
+        "input_ids": torch.full((len(sequences), width), pad_id, dtype=torch.long),
+        "response_mask": torch.zeros((len(sequences), width), dtype=torch.float32),
     }
-    per_token = ("old_logprobs", "ref_logprobs", "old_values", "advantages", "returns")
+    per_token = ("old_logprobs", "ref_logprobs", "old_values", "advantages", "returns", "token_weights",
+                 "value_weights")
     for name in per_token:
-        batch[name] = torch.zeros((len(samples), width), dtype=torch.float32)
-    for row, sample in enumerate(samples):
-        n, p = len(sample.input_ids), sample.prompt_len
-        batch["input_ids"][row, :n] = torch.tensor(sample.input_ids)
-        batch["attention_mask"][row, :n] = 1
-        batch["response_mask"][row, p:n] = 1
+        batch[name] = torch.zeros((len(sequences), width), dtype=torch.float32)
+    for row, sequence in enumerate(sequences):
+        batch["input_ids"][row, : len(sequence.input_ids)] = torch.tensor(sequence.input_ids)
+        positions = torch.cat([torch.arange(start, end) for start, end in sequence.spans])
+        batch["response_mask"][row, positions] = 1
         for name in per_token:
-            value = getattr(sample, name)
+            value = getattr(sequence, name)
             if value is not None:
-                batch[name][row, p:n] = value
+                batch[name][row, positions] = value
     return {k: v.to(device) for k, v in batch.items()}
 
 
 @torch.no_grad()
-def score_turns(policy: Policy, episodes: list[Episode], token_budget: int, temperature: float,
-                with_values: bool) -> list[TurnSample]:
-    """Recompute log-probs with the training model (policy and reference) and values, per turn."""
-    samples = [
-        TurnSample(episode=e, input_ids=turn.prompt_ids + turn.response_ids, prompt_len=len(turn.prompt_ids),
-                   old_logprobs=None, ref_logprobs=None, old_values=None,  # type: ignore[arg-type]
-                   sampler_logprobs=turn.sampler_logprobs)
-        for e, episode in enumerate(episodes) for turn in episode.turns if turn.response_ids
-    ]
+def score_sequences(policy: Policy, sequences: list[TrainSequence], token_budget: int, temperature: float,
+                    with_values: bool) -> dict[str, float]:
+    """Old and reference log-probs, values and the rollout policy's entropy of every reply token,
+    by the training model; returns token counts (padding included) of this pass."""
     pad_id = policy.tokenizer.pad_token_id
     was_training = policy.training
     policy.eval()
+    processed = 0
     try:
-        order = sorted(range(len(samples)), key=lambda i: len(samples[i].input_ids))
-        for group in pack_by_tokens([len(samples[i].input_ids) for i in order], token_budget):
-            chunk = [samples[order[i]] for i in group]
+        for group in plan_micro_batches([len(s.input_ids) for s in sequences], token_budget):
+            chunk = [sequences[i] for i in group]
             batch = collate(chunk, pad_id, policy.device)
-            scored = policy.score(batch["input_ids"], batch["attention_mask"], batch["response_mask"],
-                                  with_values=with_values, temperature=temperature)
+            processed += batch["input_ids"].numel()
+            mask = batch["response_mask"].bool()
+            scored = policy.score(batch["input_ids"], None, batch["response_mask"], with_values=with_values,
+                                  with_entropy=True, temperature=temperature)
             with policy.reference():
-                ref = policy.score(batch["input_ids"], batch["attention_mask"], batch["response_mask"],
-                                   with_values=False, temperature=temperature)
-            for row, sample in enumerate(chunk):
-                span = slice(sample.prompt_len, len(sample.input_ids))
-                sample.old_logprobs = scored.logprobs[row, span].cpu()
-                sample.ref_logprobs = ref.logprobs[row, span].cpu()
-                sample.old_values = (scored.values[row, span].cpu() if scored.values is not None
-                                     else torch.zeros(sample.response_len))
+                ref = policy.score(batch["input_ids"], None, batch["response_mask"], with_values=False,
+                                   temperature=temperature)
+            for row, sequence in enumerate(chunk):
+                sequence.old_logprobs = scored.logprobs[row][mask[row]].cpu()
+                sequence.ref_logprobs = ref.logprobs[row][mask[row]].cpu()
+                sequence.entropy = scored.entropy[row][mask[row]].cpu()
+                sequence.old_values = (scored.values[row][mask[row]].cpu() if scored.values is not None
+                                       else torch.zeros(sequence.response_len))
     finally:
         policy.train(was_training)
-    return samples
+    unique = sum(len(s.input_ids) for s in sequences)
+    return {"perf/tokens_processed": float(processed), "perf/unique_tokens": float(unique),
+            "perf/padding_fraction": 1.0 - unique / processed if processed else 0.0}
 
 
 def final_reward(episode: Episode, cfg: PPOConfig) -> float:
@@ -118,69 +165,134 @@ def turn_rewards(episode: Episode, cfg: PPOConfig) -> list[float]:
     return [
         (turn.reward if cfg.reward.use_env_step_rewards else 0.0)
         - (cfg.reward.illegal_move_penalty if turn.parse_error else 0.0)
-        for turn in episode.turns if turn.response_ids
+        for turn in episode.turns
     ]
 
 
-def assign_advantages(samples: list[TurnSample], episodes: list[Episode], cfg: PPOConfig, kl_coef: float,
+@dataclass
+class _TurnRef:
+    sequence: TrainSequence
+    span: slice  # the turn's slice of the sequence's per-reply-token tensors
+    turn: int
+
+
+def _episode_turns(sequences: list[TrainSequence]) -> dict[int, list[_TurnRef]]:
+    """Per episode, its trained turns in order, each pointing at its tokens."""
+    turns: dict[int, list[_TurnRef]] = {}
+    for sequence in sequences:
+        for span, turn in zip(sequence.span_slices(), sequence.turns):
+            turns.setdefault(sequence.episode, []).append(_TurnRef(sequence, span, turn))
+    for refs in turns.values():
+        refs.sort(key=lambda ref: ref.turn)
+    return turns
+
+
+def assign_advantages(sequences: list[TrainSequence], episodes: list[Episode], cfg: PPOConfig, kl_coef: float,
                       group_ids: list[int] | None) -> dict[str, float]:
-    """Per-token rewards (score, step rewards, -beta*KL), then GAE or group advantages, written into samples."""
-    rows: dict[int, list[TurnSample]] = {}
-    for sample in samples:
-        rows.setdefault(sample.episode, []).append(sample)
-    episode_ids = sorted(rows)
-    width = max(sum(s.response_len for s in rows[e]) for e in episode_ids)
+    """Rewards (score, step rewards, -beta*KL), advantages, returns and loss weights, written into the sequences."""
+    by_episode = _episode_turns(sequences)
+    episode_ids = sorted(by_episode)
     n = len(episode_ids)
-    rewards = torch.zeros(n, width)  # [E, T]
-    values = torch.zeros(n, width)
+    # [E, T] with one column per reply token in order across the episode's turns
+    width = max(sum(ref.span.stop - ref.span.start for ref in by_episode[e]) for e in episode_ids)
     kl = torch.zeros(n, width)
-    mask = torch.zeros(n, width)
+    token_mask = torch.zeros(n, width)
+    token_values = torch.zeros(n, width)
+    token_rewards = torch.zeros(n, width)  # env rewards at each turn's last token, before the KL
+    turn_of_token = torch.zeros(n, width, dtype=torch.long)
+    # [E, N] with one column per turn
+    max_turns = max(len(by_episode[e]) for e in episode_ids)
+    turn_mask = torch.zeros(n, max_turns)
+    turn_values = torch.zeros(n, max_turns)
+    turn_env_rewards = torch.zeros(n, max_turns)
     episode_returns = torch.zeros(n)
     for r, e in enumerate(episode_ids):
+        rewards = turn_rewards(episodes[e], cfg)
         position = 0
-        step_rewards = turn_rewards(episodes[e], cfg)
-        for sample, step_reward in zip(rows[e], step_rewards):
-            span = slice(position, position + sample.response_len)
-            kl[r, span] = kl_penalty(sample.old_logprobs, sample.ref_logprobs, cfg.kl_estimator)
-            values[r, span] = sample.old_values
-            mask[r, span] = 1
-            position += sample.response_len
-            rewards[r, position - 1] += step_reward
-        rewards[r, position - 1] += final_reward(episodes[e], cfg)
-        episode_returns[r] = rewards[r].sum()
+        for k, ref in enumerate(by_episode[e]):
+            length = ref.span.stop - ref.span.start
+            columns = slice(position, position + length)
+            kl[r, columns] = kl_penalty(ref.sequence.old_logprobs[ref.span], ref.sequence.ref_logprobs[ref.span],
+                                        cfg.kl_estimator)
+            token_values[r, columns] = ref.sequence.old_values[ref.span]
+            token_mask[r, columns] = 1
+            turn_of_token[r, columns] = k
+            reward = rewards[ref.turn] + (final_reward(episodes[e], cfg) if k == len(by_episode[e]) - 1 else 0.0)
+            token_rewards[r, position + length - 1] = reward
+            turn_env_rewards[r, k] = reward
+            turn_values[r, k] = ref.sequence.old_values[ref.span][0]
+            turn_mask[r, k] = 1
+            position += length
+        episode_returns[r] = turn_env_rewards[r].sum()
 
-    if cfg.advantage == "gae":
-        token_rewards = rewards - kl_coef * kl * mask
-        advantages, returns = compute_gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
-        if cfg.whiten_advantages:
-            advantages = masked_whiten(advantages, mask)
-    else:
+    value_mask = token_mask.clone()  # where a value is trained, [E, T]
+    if cfg.advantage == "group":
         assert group_ids is not None
-        by_episode = torch.tensor([group_ids[e] for e in episode_ids])
-        advantages = group_advantages(episode_returns, by_episode)[:, None].expand(n, width) * mask
-        returns = episode_returns[:, None].expand(n, width) * mask
+        groups = torch.tensor([group_ids[e] for e in episode_ids])
+        advantages = group_advantages(episode_returns, groups)[:, None].expand(n, width) * token_mask
+        returns = torch.zeros(n, width)
+        value_mask.zero_()
+    elif cfg.credit == "token":
+        advantages, returns = compute_gae(token_rewards - kl_coef * kl * token_mask, token_values, token_mask,
+                                          cfg.gamma, cfg.lam)
+    else:
+        turn_kl = torch.zeros(n, max_turns).scatter_add_(1, turn_of_token, kl * token_mask)
+        turn_advantages, turn_returns = compute_gae(turn_env_rewards - kl_coef * turn_kl * turn_mask, turn_values,
+                                                    turn_mask, cfg.gamma, cfg.lam)
+        advantages = turn_advantages.gather(1, turn_of_token) * token_mask
+        first_token = torch.zeros(n, width)
+        returns = torch.zeros(n, width)
+        for r, e in enumerate(episode_ids):
+            position = 0
+            for k, ref in enumerate(by_episode[e]):
+                first_token[r, position] = 1
+                returns[r, position] = turn_returns[r, k]
+                position += ref.span.stop - ref.span.start
+        value_mask = first_token
+    if cfg.whiten_advantages and cfg.advantage == "gae":
+        advantages = masked_whiten(advantages, token_mask)
 
+    token_weights = _loss_weights(token_mask, [episodes[e].game_name for e in episode_ids], cfg.loss_weighting)
+    value_weights = _loss_weights(value_mask, [episodes[e].game_name for e in episode_ids], cfg.loss_weighting)
     for r, e in enumerate(episode_ids):
         position = 0
-        for sample in rows[e]:
-            span = slice(position, position + sample.response_len)
-            sample.advantages = advantages[r, span].clone()
-            sample.returns = returns[r, span].clone()
-            position += sample.response_len
+        for ref in by_episode[e]:
+            length = ref.span.stop - ref.span.start
+            columns = slice(position, position + length)
+            for name, source in (("advantages", advantages), ("returns", returns), ("token_weights", token_weights),
+                                 ("value_weights", value_weights)):
+                if getattr(ref.sequence, name) is None:
+                    setattr(ref.sequence, name, torch.zeros(ref.sequence.response_len))
+                getattr(ref.sequence, name)[ref.span] = source[r, columns]
+            position += length
 
-    episode_kl = (kl * mask).sum(dim=1)
-    return {
-        "reward/kl_per_episode": float(episode_kl.mean()),
-        "reward/kl_per_token": float(masked_mean(kl, mask)),
+    tokens = token_mask.sum()
+    entropy = [s.entropy for s in sequences if s.entropy is not None]
+    stats = {
+        "reward/kl_per_token": float((kl * token_mask).sum() / tokens.clamp(min=1)),
+        "reward/kl_per_episode": float((kl * token_mask).sum(dim=1).mean()),
         "reward/episode_return": float(episode_returns.mean()),
-        "reward/token_reward_mean": float(masked_mean(rewards - kl_coef * kl * mask, mask)),
-        "reward/advantage_mean": float(masked_mean(advantages, mask)),
-        "value/mean": float(masked_mean(values, mask)),
+        "reward/advantage_mean": float(masked_mean(advantages, token_mask)),
+        "value/mean": float(masked_mean(token_values, value_mask if cfg.advantage == "gae" else token_mask)),
     }
+    if entropy:
+        stats["policy/entropy"] = float(torch.cat(entropy).mean())
+    return stats
 
 
-def sampler_gap(samples: list[TurnSample]) -> float | None:
+def _loss_weights(mask: torch.Tensor, games: list[str], weighting: str) -> torch.Tensor:
+    """[E, T] weights on `mask`: 1 per token, or each episode's (game's) tokens sharing one unit."""
+    if weighting == "token":
+        return mask.clone()
+    per_episode = mask / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    if weighting == "episode":
+        return per_episode
+    episodes_of_game = Counter(games)
+    return per_episode / torch.tensor([float(episodes_of_game[g]) for g in games])[:, None]
+
+
+def sampler_gap(sequences: list[TrainSequence]) -> float | None:
     """Mean |trainer - sampler| log-prob on the sampled tokens; large values mean the server runs other weights."""
-    gaps = [abs(float(o) - s) for sample in samples if sample.sampler_logprobs
-            for o, s in zip(sample.old_logprobs, sample.sampler_logprobs) if not math.isnan(s)]
+    gaps = [abs(float(o) - s) for sequence in sequences if sequence.sampler_logprobs
+            for o, s in zip(sequence.old_logprobs, sequence.sampler_logprobs) if not math.isnan(s)]
     return sum(gaps) / len(gaps) if gaps else None

@@ -118,7 +118,7 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str) -> dict[str, floa
     from transformers import AutoModelForCausalLM
 
     from policy import load_base_model, load_tokenizer, pick_device
-    from rollout import PromptBuilder
+    from prompts import PromptBuilder
 
     # float32 for the merge itself: W + BA rounded to 16 bits would blur whether the merge is right
     model_cfg = config.train.model.model_copy(update={"dtype": "float32"})

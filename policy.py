@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ppo import entropy_from_logits, logprobs_from_logits
+from ppo import logprobs_and_entropy_from_logits, logprobs_from_logits
 from utils import ConfigError, LoraConfig, ModelConfig, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,17 @@ def load_tokenizer(model_cfg: ModelConfig):
     if tokenizer.chat_template is None:
         raise ConfigError(f"The tokenizer of {path} has no chat template; a chat model is required.")
     return tokenizer
+
+
+def load_generation_config(model_cfg: ModelConfig):
+    """The model's generation config (its EOS ids matter) without loading weights; None if it has none."""
+    from transformers import GenerationConfig
+
+    path, gguf = resolve_model_path(model_cfg)
+    try:
+        return GenerationConfig.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def load_base_model(model_cfg: ModelConfig, device: torch.device):
@@ -122,9 +133,9 @@ def resolve_lora_targets(model: nn.Module, wanted: list[str]) -> list[str]:
 
 @dataclass
 class ScoredTokens:
-    logprobs: torch.Tensor  # [B, T], 0 outside the response mask
+    logprobs: torch.Tensor | None  # [B, T], 0 outside the response mask
     values: torch.Tensor | None  # [B, T]
-    entropy: torch.Tensor | None  # scalar, masked mean over response tokens
+    entropy: torch.Tensor | None  # [B, T], entropy of the next-token distribution at each response token
 
 
 class Policy(nn.Module):
@@ -156,37 +167,46 @@ class Policy(nn.Module):
     def score(
         self,
         input_ids: torch.Tensor,  # [B, T]
-        attention_mask: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor | None,  # [B, T]; None for right-padded rows (causal attention ignores the tail)
         response_mask: torch.Tensor,  # [B, T], 1 on generated tokens
         with_values: bool = True,
+        with_logprobs: bool = True,
         with_entropy: bool = False,
+        detach_trunk: bool = False,
         temperature: float = 1.0,
     ) -> ScoredTokens:
-        """Per-token log-probs (and values) of the response tokens of a right-padded batch."""
+        """Per-token log-probs, values and entropies of the response tokens. `detach_trunk` runs the
+        model without gradients, so only the value head can learn from the result (critic warm-up)."""
         decoder = self.model.get_base_model().get_decoder()
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+        with torch.no_grad() if detach_trunk else contextlib.nullcontext():
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
         # the state that predicts token t is the hidden state at t-1
         predictor = torch.zeros_like(response_mask, dtype=torch.bool)
         predictor[:, :-1] = response_mask[:, 1:].bool()
         target = torch.zeros_like(predictor)
         target[:, 1:] = predictor[:, :-1]
+        predicting = hidden[predictor]  # [N, H], N = response tokens
 
-        lm_head = self.model.get_base_model().get_output_embeddings()
-        logits = lm_head(hidden[predictor])  # [N, V], N = response tokens; fp32 happens per chunk in ppo.py
-        if temperature > 0 and temperature != 1.0:  # score the distribution that was sampled from
-            logits = logits / temperature
-        token_logprobs = logprobs_from_logits(logits.unsqueeze(0), input_ids[target].unsqueeze(0)).squeeze(0)
-        logprobs = torch.zeros(response_mask.shape, dtype=torch.float32, device=hidden.device)
-        logprobs[target] = token_logprobs
+        def scatter(per_token: torch.Tensor) -> torch.Tensor:
+            full = torch.zeros(response_mask.shape, dtype=torch.float32, device=hidden.device)
+            full[target] = per_token
+            return full
 
-        entropy = None
-        if with_entropy:
-            entropy = entropy_from_logits(logits.unsqueeze(0), torch.ones_like(token_logprobs).unsqueeze(0))
-        values = None
+        logprobs = entropy = values = None
+        if with_logprobs or with_entropy:
+            lm_head = self.model.get_base_model().get_output_embeddings()
+            logits = lm_head(predicting)  # [N, V]; fp32 happens per chunk in ppo.py
+            if temperature > 0 and temperature != 1.0:  # score the distribution that was sampled from
+                logits = logits / temperature
+            labels = input_ids[target].unsqueeze(0)
+            if with_entropy:
+                token_logprobs, token_entropy = logprobs_and_entropy_from_logits(logits.unsqueeze(0), labels)
+                entropy = scatter(token_entropy.squeeze(0))
+            else:
+                token_logprobs = logprobs_from_logits(logits.unsqueeze(0), labels)
+            logprobs = scatter(token_logprobs.squeeze(0))
         if with_values:
-            token_values = self.value_head(hidden[predictor].float()).squeeze(-1)
-            values = torch.zeros(response_mask.shape, dtype=torch.float32, device=hidden.device)
-            values[target] = token_values
+            values = scatter(self.value_head(predicting.float()).squeeze(-1))
         return ScoredTokens(logprobs=logprobs, values=values, entropy=entropy)
 
     # ------------------------------------------------------------------ persistence

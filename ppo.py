@@ -26,7 +26,7 @@ KL_KINDS = ("k1", "k2", "k3", "abs")
 def _map_row_chunks(
     fn: Callable[..., torch.Tensor], logits: torch.Tensor, *per_row: torch.Tensor, chunk_size: int | None
 ) -> torch.Tensor:
-    """Apply `fn(logits_rows, *per_row_rows) -> [n]` over chunks of the flattened rows of `logits`."""
+    """Apply `fn(logits_rows, *per_row_rows) -> [n, ...]` over chunks of the flattened rows of `logits`."""
     vocab = logits.shape[-1]
     rows = chunk_size or max(1, CHUNK_ELEMENTS // vocab)
     flat_logits = logits.reshape(-1, vocab)  # [B*T, V]
@@ -40,7 +40,8 @@ def _map_row_chunks(
         outputs.append(checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args))
     if not outputs:
         return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
-    return torch.cat(outputs).view(logits.shape[:-1])
+    merged = torch.cat(outputs)
+    return merged.view(*logits.shape[:-1], *merged.shape[1:])
 
 
 def _label_logprob(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -57,6 +58,14 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
     return log_partition.squeeze(-1) - torch.linalg.vecdot(probs, logits)
 
 
+def _label_logprob_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()  # [n, V]
+    log_partition = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1], shared by both
+    label_logprob = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - log_partition.squeeze(-1)
+    entropy = log_partition.squeeze(-1) - torch.linalg.vecdot((logits - log_partition).exp_(), logits)
+    return torch.stack([label_logprob, entropy], dim=-1)  # [n, 2]
+
+
 def logprobs_from_logits(
     logits: torch.Tensor, labels: torch.Tensor, *, chunk_size: int | None = None
 ) -> torch.Tensor:
@@ -65,6 +74,15 @@ def logprobs_from_logits(
     `chunk_size` is rows per chunk (default: about CHUNK_ELEMENTS logits per chunk).
     """
     return _map_row_chunks(_label_logprob, logits, labels, chunk_size=chunk_size)
+
+
+def logprobs_and_entropy_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, *, chunk_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both per-token log-probability of the label and entropy, in one pass over the vocabulary:
+    logits [B, T, V], labels [B, T] -> ([B, T], [B, T])."""
+    both = _map_row_chunks(_label_logprob_and_entropy, logits, labels, chunk_size=chunk_size)  # [B, T, 2]
+    return both[..., 0], both[..., 1]
 
 
 def entropy_from_logits(
@@ -169,14 +187,27 @@ def group_advantages(
     return advantages.to(returns.dtype)
 
 
+def weighted_mean(x: torch.Tensor, weights: torch.Tensor, total_weight: float | None = None) -> torch.Tensor:
+    """sum(weights * x) / total_weight (default: the sum of the weights); 0 where every weight is 0."""
+    # where, not x * weights alone: padding may hold inf/NaN, and 0 * inf is NaN
+    total = torch.where(weights != 0, x * weights, 0).sum()
+    if total_weight is None:
+        return total / weights.sum().clamp(min=1e-12)
+    return total / max(total_weight, 1e-12)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
-    mask: torch.Tensor,
+    weights: torch.Tensor,
     cliprange: float,
+    total_weight: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped-surrogate PPO loss, mean over valid tokens of the batch; all inputs [B, T]."""
+    """Clipped-surrogate PPO loss, all inputs [B, T]: the `weights`-weighted mean over tokens (a 0/1
+    mask gives the plain token mean), divided by `total_weight` instead when the batch is one
+    micro-batch of a larger minibatch. Stats are plain means over the tokens with weight > 0."""
+    mask = weights != 0
     log_ratio = logprobs - old_logprobs  # [B, T]
     clamped_log_ratio = torch.clamp(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(clamped_log_ratio)
@@ -184,7 +215,7 @@ def policy_loss(
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     # where, not maximum: on ties the gradient goes whole to the unclipped term
     clip_selected = clipped > unclipped
-    loss = masked_mean(torch.where(clip_selected, clipped, unclipped), mask)
+    loss = weighted_mean(torch.where(clip_selected, clipped, unclipped), weights.float(), total_weight)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(clip_selected.float(), mask).item(),
@@ -192,7 +223,7 @@ def policy_loss(
             "approx_kl_k3": masked_mean((ratio - 1.0) - clamped_log_ratio, mask).item(),
             "ratio_mean": masked_mean(ratio, mask).item(),
             # ratios are > 0, so a 0 at padding never wins; an empty mask gives 0
-            "ratio_max": torch.where(mask.bool(), ratio, 0).max().item() if ratio.numel() else 0.0,
+            "ratio_max": torch.where(mask, ratio, 0).max().item() if ratio.numel() else 0.0,
         }
     return loss, stats
 
@@ -201,15 +232,19 @@ def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
     returns: torch.Tensor,
-    mask: torch.Tensor,
+    weights: torch.Tensor,
     cliprange_value: float,
+    total_weight: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """0.5 * masked mean of max((V - R)^2, (V_clipped - R)^2), V_clipped within ±c of the old value."""
+    """0.5 * weighted mean of max((V - R)^2, (V_clipped - R)^2), V_clipped within ±c of the old value;
+    `weights` and `total_weight` as in `policy_loss`."""
+    mask = weights != 0
     clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     unclipped_error = (values - returns) ** 2  # [B, T]
     clipped_error = (clipped_values - returns) ** 2
     clip_selected = clipped_error > unclipped_error
-    loss = 0.5 * masked_mean(torch.where(clip_selected, clipped_error, unclipped_error), mask)
+    loss = 0.5 * weighted_mean(torch.where(clip_selected, clipped_error, unclipped_error), weights.float(),
+                               total_weight)
     with torch.no_grad():
         stats = {
             "vf_clipfrac": masked_mean(clip_selected.float(), mask).item(),
@@ -246,7 +281,10 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
 
 
 class AdaptiveKLController:
-    """KL coefficient that moves the measured KL towards `target` (proportional control, ±20% error cap)."""
+    """KL coefficient that moves the measured KL towards `target` (proportional control, ±20% error cap).
+
+    The trainer measures KL per generated token, so one target fits replies of any length and games
+    of any number of turns; `horizon` is in episodes."""
 
     def __init__(self, init_kl_coef: float, target: float, horizon: int):
         if init_kl_coef < 0 or target <= 0 or horizon <= 0:

@@ -79,7 +79,7 @@ class RunLogger:
         return (
             f"step {step:>5} | reward {f('env/reward_mean')} | score {f('env/score_mean')} | "
             f"success {f('env/success_rate', '.2f')} | illegal {f('env/illegal_rate', '.2f')} | "
-            f"kl {f('reward/kl_per_episode', '.4f')} | beta {f('kl/coef', '.4f')} | "
+            f"kl/token {f('reward/kl_per_token', '.4f')} | beta {f('kl/coef', '.4f')} | "
             f"stage {m.get('curriculum/stage', '-')} | tok/s {f('perf/tokens_per_s', '.1f')}"
         )
 

@@ -1,25 +1,30 @@
 """PPO + LoRA training of a chat model on the Affine game and trace environments.
 
 Algorithm (one step = sample -> rollout -> score -> advantages -> update -> curriculum -> log):
-- Episodes are multi-turn conversations; each turn's prompt is built from the chat messages under
-  a context strategy and the exact generated token ids are kept (never re-tokenised).
-- Old log-probs, values and reference log-probs are recomputed by the training model after the
-  rollout; the reference is the same model with the LoRA adapter disabled.
-- Rewards per token: -beta * KL(policy || reference) on every generated token (k1 by default),
-  env step rewards and an illegal-move penalty at the end of each turn, the final score (in
-  [0, 1], optionally centred) at the episode's last token.
-- `gae` (default): a scalar value head on the last hidden state, GAE(gamma, lambda) over the
-  episode's generated tokens in order across turns, advantages whitened over the batch, clipped
-  value loss. `group`: GRPO-style, `group_size` episodes of one task+seed, advantage = the
-  episode return normalised within its group, no critic, and the KL moves from the reward into
-  the loss (beta * k3).
-- Clipped surrogate loss averaged over all response tokens of a minibatch; micro-batches packed by
-  a token budget with gradient accumulation; grad-norm clipping; a non-finite loss skips the
-  update; epochs stop early when the approx KL to the rollout policy passes `ppo.kl_stop`.
-- beta follows the adaptive KL controller (target per-episode KL, horizon in episodes).
+- Episodes are multi-turn conversations kept as token ids: a turn's prompt is the previous
+  prompt + the exact sampled reply ids + the chat template's glue + the new observation, so one
+  sequence per episode is scored and trained (prompt tokens masked) when the template renders
+  the conversation append-only; otherwise a turn starts a new sequence (prompts.py).
+- Old log-probs, values, reference log-probs and the rollout policy's entropy are computed by the
+  training model after the rollout; the reference is the same model with the LoRA adapter off.
+- Rewards: -beta * KL(policy || reference) per generated token (k1 by default), env step rewards
+  and an illegal-move penalty at the end of each turn, the final score (in [0, 1], optionally
+  centred) at the episode's last turn. Episodes cut off by `generation.max_turns` have no outcome:
+  they are left out of the update and of the curriculum's statistics.
+- `gae` (default): a scalar value head on the last hidden state. With `ppo.credit` turn (default)
+  one value per turn and GAE(gamma, lambda) over turns, the turn's advantage on every token of
+  its reply; `token` runs GAE over reply tokens. Advantages whitened over the batch, clipped value
+  loss. `group`: GRPO-style, `group_size` episodes of one task+seed, advantage = the episode
+  return normalised within its group, no critic, and the KL moves from the reward into the loss
+  (beta * k3).
+- Clipped surrogate loss; each episode's tokens weigh one unit (`ppo.loss_weighting`), so long
+  games do not drown short ones. Micro-batches packed by a token budget with gradient
+  accumulation; grad-norm clipping; a non-finite loss skips the update; a minibatch whose
+  approx KL per token to the rollout policy passes `ppo.kl_stop` is not stepped and ends the epochs.
+- beta follows the adaptive KL controller (target KL per generated token, horizon in episodes).
 Departures from the textbook: LoRA dropout is off during PPO (the ratio must start at exactly 1);
-sampled tokens are scored at the sampling temperature; the value head trains alone for
-`value_head.warmup_steps` steps.
+sampled tokens are scored at the sampling temperature; for `value_head.warmup_steps` steps only
+the value head trains, on a detached trunk (the policy does not move).
 
 Run:  python train_ppo.py --preset cpu                  (offline CPU demo with SmolLM2-135M)
       python train_ppo.py                               (Qwen3-4B, 4-bit, vLLM at localhost:8000)
@@ -43,13 +48,16 @@ import torch
 from checkpoint import find_resumable, load_trainer_state, rng_state, save_checkpoint, set_rng_state
 from curriculum import Curriculum, Task
 from envs.factory import make_envs, playable_filter
-from experience import assign_advantages, final_reward, sampler_gap, score_turns, turn_rewards
+from experience import (assign_advantages, build_sequences, final_reward, sampler_gap, score_sequences,
+                        turn_rewards)
+from generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
 from policy import load_policy, pick_device
 from ppo import AdaptiveKLController, FixedKLController
-from rollout import Episode, LocalGenerator, PromptBuilder, RolloutRunner, VLLMError, VLLMGenerator, derive_seed
+from prompts import PromptBuilder
+from rollout import Episode, RolloutRunner
 from run_log import RunLogger, console, rollout_progress, setup_logging
 from update import TooManySkips, UpdateState, build_optimizer, ppo_update
-from utils import Config, ConfigError, add_config_arguments, load_config
+from utils import Config, ConfigError, add_config_arguments, check_training_config, derive_seed, load_config
 
 log = logging.getLogger("train_ppo")
 
@@ -105,6 +113,7 @@ class Trainer:
         except (ConnectionError, RuntimeError) as exc:  # an env server that is down, a container that won't start
             raise StartupError(f"Could not start the environments: {exc}") from None
         self.update_state = UpdateState()
+        self._warned_cut_off = False
         self.step = 0
         self.totals = {"episodes": 0, "episodes_failed": 0, "generated_tokens": 0}
         self.checkpoint_dir = run_dir / "checkpoints"
@@ -171,12 +180,13 @@ class Trainer:
             return play.result()
 
     def usable(self, episodes: list[Episode], group_ids: list[int] | None):
-        """Failed episodes are dropped; in group mode the whole group goes with them."""
-        failed = {i for i, e in enumerate(episodes) if e.error or not e.turns}
+        """Failed and cut-off episodes are dropped (a cut-off game has no outcome to learn from); in
+        group mode the whole group goes with them."""
+        dropped = {i for i, e in enumerate(episodes) if e.error or e.cut_off or not e.turns}
         if group_ids is not None:
-            bad_groups = {group_ids[i] for i in failed}
-            failed |= {i for i, g in enumerate(group_ids) if g in bad_groups}
-        keep = [i for i in range(len(episodes)) if i not in failed]
+            bad_groups = {group_ids[i] for i in dropped}
+            dropped |= {i for i, g in enumerate(group_ids) if g in bad_groups}
+        keep = [i for i in range(len(episodes)) if i not in dropped]
         errors = sum(1 for e in episodes if e.error)
         if errors > len(episodes) // 2:
             raise BatchFailed(
@@ -184,35 +194,41 @@ class Trainer:
                 f"{next(e.error for e in episodes if e.error)}). Check the environment servers and the "
                 "generation backend; the last checkpoint is intact."
             )
+        cut_off = sum(e.cut_off for e in episodes)
+        if cut_off > len(episodes) // 2 and not self._warned_cut_off:
+            self._warned_cut_off = True
+            log.warning("%d of %d episodes hit generation.max_turns=%d and are not trained on; raise it",
+                        cut_off, len(episodes), self.config.train.generation.max_turns)
         return [episodes[i] for i in keep], ([group_ids[i] for i in keep] if group_ids is not None else None)
 
     def learn(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
         """score -> advantages -> update -> adapt beta, on the episodes that can be trained on."""
         cfg = self.config.train
         started = time.perf_counter()
-        samples = score_turns(self.policy, episodes, cfg.ppo.micro_batch_tokens, self.temperature,
-                              with_values=cfg.ppo.advantage == "gae")
-        metrics = assign_advantages(samples, episodes, cfg.ppo, self.kl_ctl.value, group_ids)
-        metrics.update(self.update(samples, episodes))
+        sequences = build_sequences(episodes)
+        metrics = score_sequences(self.policy, sequences, cfg.ppo.micro_batch_tokens, self.temperature,
+                                  with_values=cfg.ppo.advantage == "gae")
+        metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids))
+        metrics.update(self.update(sequences, episodes))
         metrics["perf/update_seconds"] = time.perf_counter() - started
-        gap = sampler_gap(samples)
+        gap = sampler_gap(sequences)
         if gap is not None:
             metrics["vllm/logprob_gap"] = gap
-        self.kl_ctl.update(metrics["reward/kl_per_episode"], len(episodes))
+        self.kl_ctl.update(metrics["reward/kl_per_token"], len(episodes))
         return metrics
 
-    def update(self, samples, episodes: list[Episode]) -> dict[str, float]:
+    def update(self, sequences, episodes: list[Episode]) -> dict[str, float]:
         cfg = self.config.train
-        value_only = self.step < cfg.value_head.warmup_steps and cfg.ppo.advantage == "gae"
+        value_only = self.step < cfg.value_head.warmup_steps
         shuffle = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "minibatches", self.step))
-        return ppo_update(self.policy, self.optimizer, samples, cfg.ppo, self.kl_ctl.value, self.temperature,
+        return ppo_update(self.policy, self.optimizer, sequences, cfg.ppo, self.kl_ctl.value, self.temperature,
                           shuffle, self.update_state, value_only=value_only,
                           task_ids=[e.task.task_id for e in episodes])
 
     def advance_curriculum(self, episodes: list[Episode]) -> dict[str, Any]:
         stage_before = self.curriculum.stage.name
         for episode in episodes:
-            if not episode.error:
+            if not episode.error and not episode.cut_off:  # a cut-off game is neither won nor lost
                 self.curriculum.report(episode.task, episode.score, episode.success)
         stats = dict(self.curriculum.stats())
         stats["curriculum/stage"] = self.curriculum.stage.name
@@ -257,7 +273,7 @@ class Trainer:
     # ------------------------------------------------------------------ generation, checkpoints
     @property
     def temperature(self) -> float:
-        return self.config.train.generation.temperature or 1.0
+        return self.config.train.generation.temperature
 
     def _make_generator(self):
         cfg = self.config.train
@@ -265,7 +281,8 @@ class Trainer:
             return LocalGenerator(self.policy, cfg.generation, seed=cfg.run.seed)
         api_key = os.environ.get(self.config.env.vllm_api_key_env) if self.config.env.vllm_api_key_env else None
         return VLLMGenerator(self.config.env.vllm_url, cfg.model.name_or_path, self.policy.tokenizer,
-                             cfg.generation, cfg.lora.r, api_key=api_key)
+                             cfg.generation, cfg.lora.r,
+                             eos_token_ids(self.policy.tokenizer, self.policy.model.generation_config), api_key=api_key)
 
     async def push_adapter(self) -> None:
         """Save the LoRA weights alone and hot-load them into vLLM under a new name."""
@@ -357,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.env_config, args.curriculum_config, args.preset, overrides)
         cfg = config.train
+        check_training_config(cfg)
+        if cfg.generation.top_p < 1 or cfg.generation.top_k:
+            log.warning("generation.top_p/top_k truncate sampling, but old log-probs are scored on the full "
+                        "distribution (temperature only), so the PPO ratio starts slightly off-policy; "
+                        "keep top_p=1 and top_k=0 for training")
         if cfg.model.use_4bit and cfg.run.device != "cpu" and not torch.cuda.is_available():
             raise ConfigError(
                 "This configuration trains a 4-bit model, which needs a CUDA GPU, and none is visible. "

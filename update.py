@@ -1,4 +1,4 @@
-"""The PPO update: epochs over shuffled minibatches of turns, micro-batches packed by a token budget."""
+"""The PPO update: epochs over shuffled minibatches of sequences, micro-batches packed by a token budget."""
 from __future__ import annotations
 
 import logging
@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from experience import TurnSample, collate, pack_by_tokens
+from experience import TrainSequence, collate, plan_micro_batches
 from policy import Policy
-from ppo import explained_variance, kl_penalty, masked_mean, policy_loss, value_loss
+from ppo import explained_variance, kl_penalty, policy_loss, value_loss, weighted_mean
 from utils import PPOConfig
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def build_optimizer(policy: Policy, cfg: PPOConfig, value_lr: float) -> torch.op
 def ppo_update(
     policy: Policy,
     optimizer: torch.optim.Optimizer,
-    samples: list[TurnSample],
+    sequences: list[TrainSequence],
     cfg: PPOConfig,
     kl_coef: float,
     temperature: float,
@@ -50,27 +50,27 @@ def ppo_update(
     value_only: bool = False,
     task_ids: list[int] | None = None,
 ) -> dict[str, float]:
-    """`ppo_epochs` passes; returns the mean of each logged statistic over optimizer steps."""
-    use_critic = cfg.advantage == "gae"
+    """`ppo_epochs` passes; returns the mean of each logged statistic over optimizer steps.
+
+    Before each optimizer step the minibatch's approximate KL (k3, per token) to the rollout policy
+    is known from its forward pass; past `kl_stop` the step is not taken and the epochs end.
+    `value_only` trains the value head alone on a detached trunk (critic warm-up)."""
     pad_id = policy.tokenizer.pad_token_id
     stats: dict[str, list[float]] = {}
     early_stop = False
     policy.train()
     for epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(len(samples), generator=generator).tolist()
+        order = torch.randperm(len(sequences), generator=generator).tolist()
         minibatches = [order[i :: cfg.num_minibatches] for i in range(cfg.num_minibatches)]
-        epoch_kl = []
         for minibatch in minibatches:
             if not minibatch:
                 continue
-            step_stats = _optimizer_step(policy, optimizer, [samples[i] for i in minibatch], cfg, kl_coef,
-                                         temperature, pad_id, use_critic, value_only, state, task_ids)
+            step_stats = _optimizer_step(policy, optimizer, [sequences[i] for i in minibatch], cfg, kl_coef,
+                                         temperature, pad_id, value_only, state, task_ids)
+            early_stop = step_stats.pop("update/kl_stopped", 0.0) > 0
             for key, value in step_stats.items():
                 stats.setdefault(key, []).append(value)
-            if "policy/approx_kl_k3" in step_stats:
-                epoch_kl.append(step_stats["policy/approx_kl_k3"])
-            if cfg.kl_stop is not None and epoch_kl and sum(epoch_kl) / len(epoch_kl) > cfg.kl_stop:
-                early_stop = True
+            if early_stop:
                 break
         if early_stop:
             break
@@ -81,46 +81,61 @@ def ppo_update(
     return summary
 
 
-def _optimizer_step(policy, optimizer, minibatch, cfg, kl_coef, temperature, pad_id, use_critic, value_only,
-                    state: UpdateState, task_ids) -> dict[str, float]:
-    total_tokens = sum(s.response_len for s in minibatch)
-    minibatch = sorted(minibatch, key=lambda s: len(s.input_ids))
+def _optimizer_step(policy, optimizer, minibatch: list[TrainSequence], cfg: PPOConfig, kl_coef, temperature, pad_id,
+                    value_only, state: UpdateState, task_ids) -> dict[str, float]:
+    use_critic = cfg.advantage == "gae"
+    train_policy = not value_only
+    tokens = sum(s.response_len for s in minibatch)
+    policy_weight = float(sum(s.token_weights.sum() for s in minibatch))
+    value_weight = float(sum(s.value_weights.sum() for s in minibatch)) if use_critic else 0.0
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     finite = True
-    for group in pack_by_tokens([len(s.input_ids) for s in minibatch], cfg.micro_batch_tokens):
-        chunk = [minibatch[i] for i in group]
-        batch = collate(chunk, pad_id, policy.device)
+    for group in plan_micro_batches([len(s.input_ids) for s in minibatch], cfg.micro_batch_tokens):
+        batch = collate([minibatch[i] for i in group], pad_id, policy.device)
         mask = batch["response_mask"]
-        weight = float(mask.sum()) / total_tokens  # micro-batch share of the minibatch's token mean
-        scored = policy.score(batch["input_ids"], batch["attention_mask"], mask, with_values=use_critic,
-                              with_entropy=True, temperature=temperature)
+        share = float(mask.sum()) / tokens  # this micro-batch's share of the minibatch's token stats
+        scored = policy.score(batch["input_ids"], None, mask, with_values=use_critic, with_logprobs=train_policy,
+                              with_entropy=train_policy and cfg.entropy_coef > 0, detach_trunk=value_only,
+                              temperature=temperature)
         loss = torch.zeros((), device=policy.device)
-        parts: dict[str, float] = {}
-        if not value_only:
-            pg_loss, pg_stats = policy_loss(scored.logprobs, batch["old_logprobs"], batch["advantages"], mask,
-                                            cfg.cliprange)
-            loss = loss + pg_loss - cfg.entropy_coef * scored.entropy
-            parts["policy/loss"] = pg_loss.item()
-            parts.update({f"policy/{k}": float(v) for k, v in pg_stats.items()})
+        # Loss terms are already divided by the minibatch's total weight: they add up over micro-batches.
+        # Other stats are means over this micro-batch's tokens: they add up weighted by its token share.
+        losses: dict[str, float] = {}
+        means: dict[str, float] = {}
+        if train_policy:
+            pg_loss, pg_stats = policy_loss(scored.logprobs, batch["old_logprobs"], batch["advantages"],
+                                            batch["token_weights"], cfg.cliprange, total_weight=policy_weight)
+            loss = loss + pg_loss
+            losses["policy/loss"] = pg_loss.item()
+            means.update({f"policy/{k}": float(v) for k, v in pg_stats.items()})
+            if scored.entropy is not None:
+                entropy = weighted_mean(scored.entropy, batch["token_weights"], policy_weight)
+                loss = loss - cfg.entropy_coef * entropy
+                losses["policy/entropy_bonus"] = entropy.item()
             if not use_critic and kl_coef > 0:  # group mode keeps the reference close through the loss
-                kl_loss = masked_mean(kl_penalty(scored.logprobs, batch["ref_logprobs"], "k3"), mask)
+                kl_loss = weighted_mean(kl_penalty(scored.logprobs, batch["ref_logprobs"], "k3"),
+                                        batch["token_weights"], policy_weight)
                 loss = loss + kl_coef * kl_loss
-                parts["policy/kl_loss"] = kl_loss.item()
-        if use_critic:
-            vf_loss, vf_stats = value_loss(scored.values, batch["old_values"], batch["returns"], mask,
-                                           cfg.cliprange_value)
+                losses["policy/kl_loss"] = kl_loss.item()
+        if use_critic and value_weight > 0:
+            value_mask = batch["value_weights"] != 0
+            vf_loss, vf_stats = value_loss(scored.values, batch["old_values"], batch["returns"],
+                                           batch["value_weights"], cfg.cliprange_value, total_weight=value_weight)
             loss = loss + cfg.vf_coef * vf_loss
-            parts["value/loss"] = vf_loss.item()
-            parts.update({f"value/{k}": float(v) for k, v in vf_stats.items()})
-            parts["value/explained_variance"] = float(explained_variance(scored.values.detach(), batch["returns"], mask))
-        parts["policy/entropy"] = scored.entropy.item()
+            losses["value/loss"] = vf_loss.item()
+            means.update({f"value/{k}": float(v) for k, v in vf_stats.items()})
+            means["value/explained_variance"] = explained_variance(scored.values.detach(), batch["returns"],
+                                                                   value_mask)
         if not torch.isfinite(loss):
             finite = False
             break
-        (loss * weight).backward()
-        for key, value in parts.items():
-            sums[key] = sums.get(key, 0.0) + value * weight
+        if loss.requires_grad:
+            loss.backward()
+        for key, value in losses.items():
+            sums[key] = sums.get(key, 0.0) + value
+        for key, value in means.items():
+            sums[key] = sums.get(key, 0.0) + value * share
 
     grad_norm = float("nan")
     if finite:
@@ -139,6 +154,11 @@ def _optimizer_step(policy, optimizer, minibatch, cfg, kl_coef, temperature, pad
                 "The last good checkpoint is intact: lower ppo.learning_rate or check the rewards, then --resume."
             )
         return {"update/skipped": 1.0}
+    if cfg.kl_stop is not None and sums.get("policy/approx_kl_k3", 0.0) > cfg.kl_stop:
+        # the policy already moved too far from the one that sampled this data: keep it where it is
+        optimizer.zero_grad(set_to_none=True)
+        sums.update({"update/kl_stopped": 1.0, "update/skipped": 0.0})
+        return sums
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     state.consecutive_skips = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -30,6 +31,12 @@ BASE_CONFIG_FILES = {
 
 class ConfigError(Exception):
     """A configuration problem, explained in one paragraph for the user."""
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 32-bit seed from any printable parts (not Python's salted hash)."""
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "big")
 
 
 class Strict(BaseModel):
@@ -97,19 +104,28 @@ class PPOConfig(Strict):
     cliprange: float = Field(0.2, gt=0)
     cliprange_value: float = Field(0.2, gt=0)
     vf_coef: float = Field(0.1, ge=0)
-    entropy_coef: float = Field(0.0, ge=0)
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus; 0 computes no entropy in the update.")
+    credit: Literal["turn", "token"] = Field(
+        "turn", description="gae only: turn = one value per turn, GAE over turns, the turn's advantage on all "
+        "its tokens; token = GAE over reply tokens."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount per turn (credit turn) or per token (credit token).")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda per turn (credit turn) or per token (credit token).")
     advantage: Literal["gae", "group"] = Field("gae", description="gae = value head; group = GRPO-style baseline.")
     group_size: int = Field(4, ge=2, description="Episodes per task+seed group in group mode.")
     whiten_advantages: bool = Field(True)
+    loss_weighting: Literal["token", "episode", "game"] = Field(
+        "episode", description="token = every reply token counts once; episode = each episode counts once "
+        "whatever its length; game = each game in the batch counts once."
+    )
     init_kl_coef: float = Field(0.2, ge=0)
     adaptive_kl: bool = Field(True)
-    kl_target: float = Field(6.0, gt=0, description="Target episode KL (sum over tokens) for the adaptive controller.")
-    kl_horizon: int = Field(10000, ge=1)
+    kl_target: float = Field(0.05, gt=0, description="Target KL to the reference per generated token (adaptive controller).")
+    kl_horizon: int = Field(100, ge=1, description="Episodes over which the adaptive KL coefficient may change by ~20%.")
     kl_estimator: Literal["k1", "k2", "k3", "abs"] = Field("k1", description="Per-token KL penalty estimator.")
     kl_stop: float | None = Field(
-        0.5, gt=0, description="Stop the epochs early when the mean approx KL (k3) to the rollout policy passes this."
+        0.05, gt=0, description="Skip the optimizer step and end the epochs when a minibatch's approx KL (k3) "
+        "per token to the rollout policy passes this; null = never."
     )
     max_grad_norm: float = Field(1.0, gt=0)
     disable_dropout: bool = Field(True, description="Dropout off during PPO so the ratio starts at exactly 1.")
@@ -135,6 +151,7 @@ class GenerationConfig(Strict):
     context_strategy: Literal["full", "truncated", "last"] = Field("full")
     max_prompt_tokens: int = Field(4096, ge=16, description="Oldest turns are dropped past this budget.")
     max_concurrent_episodes: int = Field(32, ge=1)
+    reuse_kv_cache: bool = Field(True, description="local backend: keep each episode's KV cache between its turns.")
     max_turns: int = Field(200, ge=1, description="Model decisions per episode before it is cut off.")
     request_timeout: float = Field(300.0, gt=0, description="Seconds per vLLM request.")
     request_retries: int = Field(3, ge=0)
@@ -160,6 +177,20 @@ class TrainConfig(Strict):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+
+def check_training_config(train: TrainConfig) -> None:
+    """Options that are valid one by one but cannot train together; a one-line ConfigError names them."""
+    warmup = train.value_head.warmup_steps
+    if warmup and train.ppo.advantage == "group":
+        raise ConfigError(f"value_head.warmup_steps={warmup} trains a critic, but ppo.advantage='group' has none: "
+                          "set value_head.warmup_steps=0 or ppo.advantage=gae.")
+    if warmup >= train.run.max_steps:
+        raise ConfigError(f"value_head.warmup_steps={warmup} covers every step of run.max_steps="
+                          f"{train.run.max_steps}, so the policy would never train: lower the warm-up.")
+    if train.generation.temperature == 0:
+        raise ConfigError("generation.temperature=0 samples nothing for PPO to learn from (greedy replies): "
+                          "train with a temperature > 0; evaluate.py plays greedily on its own.")
 
 
 # ---------------------------------------------------------------- env_config.json

@@ -28,7 +28,9 @@ from curriculum import Task  # noqa: E402
 from envs.factory import make_envs  # noqa: E402
 from envs.tasks import game_task_id  # noqa: E402
 from policy import load_policy  # noqa: E402
-from rollout import LocalGenerator, PromptBuilder, RolloutRunner  # noqa: E402
+from generation import LocalGenerator  # noqa: E402
+from prompts import PromptBuilder  # noqa: E402
+from rollout import RolloutRunner  # noqa: E402
 from utils import load_config  # noqa: E402
 
 # Tuned on this machine so that ten CPU steps visibly move the model: larger batches and one epoch

@@ -24,7 +24,9 @@ from curriculum import Task  # noqa: E402
 from envs.factory import make_envs  # noqa: E402
 from envs.tasks import game_task_id  # noqa: E402
 from policy import load_policy  # noqa: E402
-from rollout import LocalGenerator, PromptBuilder, RolloutRunner  # noqa: E402
+from generation import LocalGenerator  # noqa: E402
+from prompts import PromptBuilder  # noqa: E402
+from rollout import RolloutRunner  # noqa: E402
 from utils import load_config  # noqa: E402
 
 
@@ -51,7 +53,7 @@ async def engine(runner: RolloutRunner, tasks: list[Task]):
     started = time.perf_counter()
     episodes = await runner.run(tasks, step=0)
     seconds = time.perf_counter() - started
-    prompts = [turn.prompt_ids for e in episodes for turn in e.turns]
+    prompts = [e.prompt_ids(turn) for e in episodes for turn in e.turns]
     return seconds, sum(e.generated_tokens for e in episodes), prompts
 
 

@@ -79,8 +79,9 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
         temperature = float(body.get("temperature", 1.0))
         generator = torch.Generator().manual_seed(int(body.get("seed") or 0))
         with lock:
+            stop_ids = {tokenizer.eos_token_id, *body.get("stop_token_ids", [])}
             tokens, logprobs, finish = _sample(model, adapter, prompt, int(body.get("max_tokens", 16)), temperature,
-                                               tokenizer.eos_token_id, generator, ignore_adapters)
+                                               stop_ids, generator, ignore_adapters)
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         shown = [f"token_id:{t}" if as_ids else tokenizer.decode([t]) for t in tokens]
         choice = {
@@ -97,7 +98,7 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
 
 
 @torch.no_grad()
-def _sample(model, adapter, prompt, max_tokens, temperature, eos_id, generator, ignore_adapters):
+def _sample(model, adapter, prompt, max_tokens, temperature, stop_ids, generator, ignore_adapters):
     from peft import PeftModel
 
     is_peft = isinstance(model, PeftModel)
@@ -118,7 +119,7 @@ def _sample(model, adapter, prompt, max_tokens, temperature, eos_id, generator, 
             tokens.append(token)
             logprobs.append(float(logp[token]))
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-            if token == eos_id:
+            if token in stop_ids:  # like vLLM, the stop token is part of the returned tokens
                 finish = "stop"
                 break
     return tokens, logprobs, finish

@@ -62,7 +62,7 @@ def played(turn_errors, score, done=True, kind="openspiel", task_id=200000000, *
                 stage="eval", replay=False)
     episode = Episode(task=task, env_kind=kind, score=score, success=score > (0.5 if kind == "openspiel" else 0),
                       done=done, info={"llm_player_id": 1} if kind == "openspiel" else {}, **fields)
-    episode.turns = [Turn(prompt_ids=[1], response_ids=[2, 3], response_text="x", sampler_logprobs=None,
+    episode.turns = [Turn(response_ids=[2, 3], response_text="x", sampler_logprobs=None,
                           parse_error=e) for e in turn_errors]
     return episode
 

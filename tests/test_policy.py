@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from curriculum import Task
-from experience import assign_advantages, score_turns
+from experience import assign_advantages, build_sequences, score_sequences
 from policy import load_policy, resolve_lora_targets
 from rollout import Episode, Turn
 from update import UpdateState, build_optimizer, ppo_update
@@ -115,15 +115,16 @@ def test_lora_targets_resolve_against_real_module_names(tiny_model_dir):
 
 
 def test_ppo_learns_a_synthetic_first_token_reward(tiny_policy):
-    """20 PPO updates with reward 1 when the first generated token is a digit raise that reward."""
+    """20 PPO updates with reward 1 when the first generated token is one of a tenth of the
+    vocabulary (ids divisible by 10) raise the probability of that set from about 0.1 to above 0.8."""
     torch.manual_seed(0)
     tok = tiny_policy.tokenizer
     prompt_ids = tok.apply_chat_template([{"role": "user", "content": "pick"}], add_generation_prompt=True,
                                          tokenize=True)
     prompt_ids = list(prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids)
-    digits = tok.convert_tokens_to_ids(list("0123456789"))
+    rewarded = list(range(0, len(tok), 10))
     cfg = PPOConfig(learning_rate=1e-2, ppo_epochs=4, batch_size=64, init_kl_coef=0.0, adaptive_kl=False,
-                    vf_coef=0.5, micro_batch_tokens=8192)
+                    vf_coef=0.5, micro_batch_tokens=8192, kl_stop=None)
     optimizer = build_optimizer(tiny_policy, cfg, value_lr=1e-2)
 
     def first_token_probs() -> torch.Tensor:
@@ -131,21 +132,23 @@ def test_ppo_learns_a_synthetic_first_token_reward(tiny_policy):
             logits = tiny_policy.model(input_ids=torch.tensor([prompt_ids])).logits[0, -1].float()
         return torch.softmax(logits, -1)
 
-    expected_reward_before = float(first_token_probs()[digits].sum())
+    expected_reward_before = float(first_token_probs()[rewarded].sum())
     state = UpdateState()
     generator = torch.Generator().manual_seed(0)
     for _ in range(20):
         firsts = torch.multinomial(first_token_probs(), cfg.batch_size, replacement=True).tolist()
         episodes = [
             Episode(task=Task("synthetic", i, i, None, "s", False), env_kind="synthetic",
-                    turns=[Turn(prompt_ids, [first], "", None)], score=float(first in digits), done=True)
+                    turns=[Turn([first], "", None, sequence=0, start=len(prompt_ids))],
+                    sequences=[prompt_ids + [first]], score=float(first % 10 == 0), done=True)
             for i, first in enumerate(firsts)
         ]
-        samples = score_turns(tiny_policy, episodes, cfg.micro_batch_tokens, 1.0, with_values=True)
-        assign_advantages(samples, episodes, cfg, kl_coef=0.0, group_ids=None)
-        ppo_update(tiny_policy, optimizer, samples, cfg, 0.0, 1.0, generator, state)
-    expected_reward_after = float(first_token_probs()[digits].sum())
-    assert expected_reward_before < 0.15  # 10 of 111 tokens
+        sequences = build_sequences(episodes)
+        score_sequences(tiny_policy, sequences, cfg.micro_batch_tokens, 1.0, with_values=True)
+        assign_advantages(sequences, episodes, cfg, kl_coef=0.0, group_ids=None)
+        ppo_update(tiny_policy, optimizer, sequences, cfg, 0.0, 1.0, generator, state)
+    expected_reward_after = float(first_token_probs()[rewarded].sum())
+    assert 0.03 < expected_reward_before < 0.2
     assert expected_reward_after > 0.8, f"expected reward {expected_reward_before:.3f} -> {expected_reward_after:.3f}"
 
 

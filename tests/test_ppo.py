@@ -258,6 +258,22 @@ def test_policy_loss_clamps_log_ratio_before_exp():
     close(stats["ratio_max"], 485165195.41, atol=100.0)
 
 
+def test_policy_loss_weighted_mean_and_micro_batch_normaliser():
+    # the four per-token terms of the clipping test: [-1.2, 0.8, -0.6, 1.5], weights [0.5, 0.5, 0.25, 0.25]
+    # sum w*l = -0.6 + 0.4 - 0.15 + 0.375 = 0.025; / sum w (1.5) = 0.0166667; / total_weight 2 = 0.0125
+    # gradients (unclipped tokens only): t2 -A*ratio*w/W = -0.6*0.25/1.5 = -0.1, t3 = 1.5*0.25/1.5 = 0.25
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 0.6, 1.5, math.e**3]])).requires_grad_(True)
+    advantages = torch.tensor([[1.0, -1.0, 1.0, -1.0, 5.0]])
+    weights = torch.tensor([[0.5, 0.5, 0.25, 0.25, 0.0]])
+    loss, stats = policy_loss(logprobs, torch.zeros(1, 5), advantages, weights, cliprange=0.2)
+    loss.backward()
+    close(loss.detach(), 0.0166667)
+    close(logprobs.grad, [[0.0, 0.0, -0.1, 0.25, 0.0]])
+    close(stats["clipfrac"], 0.5)  # stats stay plain token means
+    loss, _ = policy_loss(logprobs.detach(), torch.zeros(1, 5), advantages, weights, 0.2, total_weight=2.0)
+    close(loss, 0.0125)
+
+
 # ---------------------------------------------------------------- value loss
 def test_value_loss_clipping_values_and_gradients():
     # cliprange_value 0.2, old values 0.5, returns 1.0
@@ -275,6 +291,13 @@ def test_value_loss_clipping_values_and_gradients():
     close(values.grad, [[0.0, -0.1333333, -0.3333333, 0.0]])
     close(stats["vf_clipfrac"], 1 / 3)
     close(stats["value_mean"], 0.5333333)  # (1.0 + 0.6 + 0.0) / 3
+
+
+def test_value_loss_weighted():
+    # selected errors of the clipping test [0.09, 0.16, 1.0], weights [1, 0, 3]: 0.5 * (0.09 + 3.0) / 4 = 0.38625
+    values = torch.tensor([[1.0, 0.6, 0.0]])
+    loss, _ = value_loss(values, torch.full((1, 3), 0.5), torch.ones(1, 3), torch.tensor([[1.0, 0.0, 3.0]]), 0.2)
+    close(loss, 0.38625)
 
 
 def test_explained_variance():

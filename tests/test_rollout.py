@@ -6,7 +6,9 @@ import pytest
 
 from curriculum import Task
 from envs.base import step_result
-from rollout import LocalGenerator, PromptBuilder, RolloutRunner, _cut_at_eos, build_messages
+from generation import LocalGenerator, cut_at_eos
+from prompts import PromptBuilder
+from rollout import RolloutRunner, build_messages
 from utils import GenerationConfig
 
 CONVERSATION = [
@@ -40,14 +42,14 @@ def test_prompt_budget_drops_oldest_turns_but_keeps_system_and_pending_decision(
     full = builder.encode(CONVERSATION)
     without_turn_1 = builder.encode(CONVERSATION[:1] + CONVERSATION[3:])
     builder.max_prompt_tokens = len(full) - 1
-    assert builder.fit(CONVERSATION, keep_from=3) == without_turn_1
+    assert builder.fit(CONVERSATION, keep_from=3)[0] == without_turn_1
     builder.max_prompt_tokens = len(builder.encode(CONVERSATION[:1] + CONVERSATION[3:])) - 1
     assert builder.fit(CONVERSATION, keep_from=3) is None
 
 
 def test_generation_is_cut_after_the_first_eos():
-    assert _cut_at_eos([5, 6, 2, 0, 0], {2}) == [5, 6, 2]
-    assert _cut_at_eos([5, 6, 7], {2}) == [5, 6, 7]
+    assert cut_at_eos([5, 6, 2, 0, 0], {2}) == [5, 6, 2]
+    assert cut_at_eos([5, 6, 7], {2}) == [5, 6, 7]
 
 
 class CountingEnv:
@@ -123,7 +125,7 @@ def test_rollouts_are_reproducible_and_keep_exact_token_ids(tiny_policy):
     for episode in first:
         for turn in episode.turns:
             assert tiny_policy.tokenizer.decode(turn.response_ids, skip_special_tokens=True) == turn.response_text
-            assert turn.prompt_ids[-1] != tiny_policy.tokenizer.pad_token_id
+            assert episode.prompt_ids(turn)[-1] != tiny_policy.tokenizer.pad_token_id
 
 
 def test_an_env_failure_fails_that_episode_and_the_others_finish(tiny_policy):
@@ -137,6 +139,6 @@ def test_prompts_follow_the_context_strategy(tiny_policy, strategy):
     runner = _runner(tiny_policy, CountingEnv())
     runner.cfg.context_strategy = strategy
     episode = asyncio.run(runner.run(_tasks(1), step=0))[0]
-    second_prompt = tiny_policy.tokenizer.decode(episode.turns[1].prompt_ids)
+    second_prompt = tiny_policy.tokenizer.decode(episode.prompt_ids(episode.turns[1]))
     assert "move 2?" in second_prompt and "sys" in second_prompt
     assert ("move 1?" in second_prompt) == (strategy != "last")

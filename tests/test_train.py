@@ -69,6 +69,17 @@ def test_real_loop_runs_and_checkpoints(tiny_model_dir, tmp_path, advantage, str
 
 
 @pytest.mark.slow
+def test_cut_off_episodes_are_neither_trained_on_nor_counted_by_the_curriculum(tiny_model_dir, tmp_path):
+    assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "1",
+                                    "--set", "generation.max_turns=1")) == 0
+    [record] = metrics(tmp_path / "t")
+    cut_off = record["env/episodes_cut_off"]
+    assert cut_off > 0
+    assert record["curriculum/stage_episodes"] == 4 - cut_off - record["env/episodes_failed"]
+    assert ("policy/loss" in record) == (cut_off < 4)
+
+
+@pytest.mark.slow
 def test_resume_latest_reproduces_the_straight_run(tiny_model_dir, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert train_ppo.main(tiny_args(tiny_model_dir, straight, "--max-steps", "4", "--set",
@@ -202,6 +213,18 @@ def test_missing_config_file_is_reported(tmp_path):
     result = _run_cli("--env-config", str(tmp_path / "nope.json"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "nope.json does not exist" in result.stderr
+
+
+@pytest.mark.parametrize("sets,fields", [
+    (["value_head.warmup_steps=2", "ppo.advantage=group"], ["value_head.warmup_steps", "ppo.advantage"]),
+    (["value_head.warmup_steps=3"], ["value_head.warmup_steps", "run.max_steps"]),
+    (["generation.temperature=0"], ["generation.temperature"]),
+])
+def test_options_that_cannot_train_together_are_a_one_line_error(sets, fields):
+    result = _run_cli("--preset", "cpu", *[arg for s in sets for arg in ("--set", s)])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    message = result.stderr.strip()
+    assert len(message.splitlines()) == 1 and all(field in message for field in fields), message
 
 
 def test_default_config_without_cuda_points_to_the_cpu_preset():

@@ -1,0 +1,357 @@
+"""Where a turn's reply comes from: the training model itself, or a vLLM server.
+
+- `LocalGenerator`: the training model. Requests from all live episodes are batched into one
+  `generate` call per wave (a wave = every live episode waiting for its next reply), which also
+  makes sampling independent of thread timing, so a seeded run is reproducible. Each episode's KV
+  cache is kept between its turns: a turn prefills only the tokens its prompt does not share with
+  what the episode already processed (with `full` context the new observation; with `last` the
+  rules stay cached).
+- `VLLMGenerator`: an OpenAI-compatible vLLM server with LoRA adapters hot-loaded after updates.
+
+Both stop at every EOS id of the model (tokenizer and generation config) and return the exact
+sampled token ids.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from utils import GenerationConfig, derive_seed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # the sampler's own log-probs (vLLM), for the gap metric
+
+
+def eos_token_ids(tokenizer, generation_config=None) -> set[int]:
+    """Every id that ends a reply: the tokenizer's EOS and the generation config's (often a list)."""
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
+        if source is not None:
+            ids |= set(source if isinstance(source, (list, tuple)) else [source])
+    return ids
+
+
+def cut_at_eos(token_ids: list[int], eos_ids: set[int]) -> list[int]:
+    """Generated ids up to and including the first end-of-sequence token (the padding after it goes)."""
+    for position, token in enumerate(token_ids):
+        if token in eos_ids:
+            return token_ids[: position + 1]
+    return token_ids
+
+
+def cache_reuse_supported(model) -> bool:
+    """KV reuse across turns assumes every layer attends to the whole sequence (no sliding window)."""
+    config = model.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        return False
+    return not (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
+
+
+@dataclass
+class EpisodeCache:
+    """The keys/values an episode's last generate left behind: `ids[i]` sits at position i."""
+    ids: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [heads, len(ids), dim]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class LocalGenerator:
+    """Batched `generate` with the training model, one call per wave, KV caches kept per episode."""
+
+    def __init__(self, policy, gen_cfg: GenerationConfig, seed: int):
+        self.policy = policy
+        self.cfg = gen_cfg
+        self.seed = seed
+        self.tokenizer = policy.tokenizer
+        self.eos_ids = eos_token_ids(self.tokenizer, policy.model.generation_config)
+        self.reuse_cache = gen_cfg.reuse_kv_cache and cache_reuse_supported(policy.model)
+        self.seed_base = derive_seed(seed, "generate", 0)
+        self.live_episodes = 0
+        self._pending: list[tuple[int, list[int], asyncio.Future]] = []
+        self._caches: dict[int, EpisodeCache] = {}
+        self._wave_ready = asyncio.Event()
+        self._waves = 0
+        self._worker: asyncio.Task | None = None
+        self.generated_tokens = 0
+        self.prefilled_tokens = 0  # prompt tokens run through the model (the rest came from caches)
+        self.prompt_tokens = 0
+
+    def episode_started(self) -> None:
+        self.live_episodes += 1
+
+    def episode_finished(self, order_key: int | None = None) -> None:
+        self.live_episodes -= 1
+        self._caches.pop(order_key, None)
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        if self._pending and len(self._pending) >= self.live_episodes:
+            self._wave_ready.set()
+
+    async def generate(self, prompt_ids: list[int], order_key: int, seed: int) -> Generation:
+        loop = asyncio.get_running_loop()
+        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
+            # a new event loop (e.g. a second asyncio.run) needs its own event and worker
+            self._wave_ready = asyncio.Event()
+            self._worker = loop.create_task(self._run_waves())
+        future = loop.create_future()
+        self._pending.append((order_key, prompt_ids, future))
+        self._maybe_release()
+        return await future
+
+    async def _run_waves(self) -> None:
+        while True:
+            await self._wave_ready.wait()
+            self._wave_ready.clear()
+            wave, self._pending = sorted(self._pending, key=lambda p: p[0]), []
+            self._waves += 1
+            try:
+                outputs = await asyncio.to_thread(self._generate_batch, [(p[0], p[1]) for p in wave], self._waves)
+            except Exception as exc:  # hand the failure to every waiting episode
+                for _, _, future in wave:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, _, future), tokens in zip(wave, outputs):
+                if not future.done():
+                    future.set_result(Generation(tokens))
+
+    def reset_waves(self, step: int) -> None:
+        """A new batch of episodes: fresh sampling seeds, and no cache outlives the episodes it served."""
+        self.seed_base = derive_seed(self.seed, "generate", step)
+        self._waves = 0
+        self._caches.clear()
+
+    @torch.no_grad()
+    def _generate_batch(self, requests: list[tuple[int, list[int]]], wave: int) -> list[list[int]]:
+        # Each row is [left pad | cached prefix | left pad | new prompt tokens]; attention-mask
+        # positions make the gaps invisible, and generate derives positions from the mask.
+        reuse = []
+        for key, prompt in requests:
+            cache = self._caches.get(key) if self.reuse_cache else None
+            reuse.append(min(_common_prefix(cache.ids, prompt), len(prompt) - 1) if cache else 0)
+        cached_width = max(reuse)
+        width = cached_width + max(len(prompt) - n for (_, prompt), n in zip(requests, reuse))
+        pad_id = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(requests), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(requests), width), dtype=torch.long)
+        for row, ((_, prompt), n) in enumerate(zip(requests, reuse)):
+            input_ids[row, cached_width - n : cached_width] = torch.tensor(prompt[:n], dtype=torch.long)
+            input_ids[row, width - (len(prompt) - n) :] = torch.tensor(prompt[n:], dtype=torch.long)
+            attention[row, cached_width - n : cached_width] = 1
+            attention[row, width - (len(prompt) - n) :] = 1
+        self.prompt_tokens += sum(len(prompt) for _, prompt in requests)
+        self.prefilled_tokens += sum(len(prompt) - n for (_, prompt), n in zip(requests, reuse))
+
+        device = self.policy.device
+        kwargs: dict[str, Any] = {"do_sample": self.cfg.temperature > 0}
+        if self.cfg.temperature > 0:
+            kwargs.update(temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k or None)
+        if cached_width:
+            kwargs["past_key_values"] = self._batched_cache([key for key, _ in requests], reuse, cached_width, device)
+        torch.manual_seed(derive_seed(self.seed_base, wave))
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            out = self.policy.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                max_new_tokens=self.cfg.max_new_tokens, pad_token_id=pad_id, eos_token_id=sorted(self.eos_ids),
+                use_cache=True, return_dict_in_generate=True, **kwargs,
+            )
+        finally:
+            self.policy.train(was_training)
+        responses = [cut_at_eos(row, self.eos_ids) for row in out.sequences[:, width:].tolist()]
+        self.generated_tokens += sum(len(r) for r in responses)
+        if self.reuse_cache:
+            self._keep_caches(requests, responses, attention, out.past_key_values)
+        return responses
+
+    def _batched_cache(self, keys: list[int], reuse: list[int], width: int, device: torch.device):
+        """One DynamicCache holding each row's reused prefix, right-aligned to `width`."""
+        from transformers import DynamicCache
+
+        layers = []
+        for layer in range(len(self._caches[next(k for k, n in zip(keys, reuse) if n)].layers)):
+            sample_keys, sample_values = next(self._caches[k].layers[layer] for k, n in zip(keys, reuse) if n)
+            heads, _, dim = sample_keys.shape
+            batch_keys = sample_keys.new_zeros((len(keys), heads, width, dim))
+            batch_values = sample_values.new_zeros((len(keys), heads, width, sample_values.shape[-1]))
+            for row, (key, n) in enumerate(zip(keys, reuse)):
+                if n:
+                    cached_keys, cached_values = self._caches[key].layers[layer]
+                    batch_keys[row, :, width - n :] = cached_keys[:, :n]
+                    batch_values[row, :, width - n :] = cached_values[:, :n]
+            layers.append((batch_keys.to(device), batch_values.to(device)))
+        return DynamicCache(ddp_cache_data=layers)
+
+    def _keep_caches(self, requests, responses, attention: torch.Tensor, cache) -> None:
+        """Store each row's keys/values of prompt + reply (all but the last reply token, which was never fed)."""
+        width = attention.shape[1]
+        for row, ((key, prompt), reply) in enumerate(zip(requests, responses)):
+            fed = max(0, len(reply) - 1)
+            columns = torch.cat([attention[row].nonzero().squeeze(-1), torch.arange(width, width + fed)])
+            columns = columns.to(cache.layers[0].keys.device)
+            self._caches[key] = EpisodeCache(
+                ids=prompt + reply[:fed],
+                layers=[(layer.keys[row].index_select(1, columns), layer.values[row].index_select(1, columns))
+                        for layer in cache.layers],
+            )
+
+    async def close(self) -> None:
+        self._caches.clear()
+        if self._worker is not None and self._worker.get_loop() is asyncio.get_running_loop():
+            self._worker.cancel()
+
+
+class VLLMError(RuntimeError):
+    pass
+
+
+class VLLMGenerator:
+    """Requests to vLLM's OpenAI-compatible /v1/completions, prompts as token ids, LoRA hot-loaded."""
+
+    SERVER_HELP = (
+        "Start vLLM with runtime LoRA loading enabled, e.g.\n"
+        "  VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve {model} --enable-lora --max-loras 2 "
+        "--max-lora-rank {rank}{logprobs_mode}\n"
+        "(VLLM_ALLOW_RUNTIME_LORA_UPDATING must be set in the server's own environment)."
+    )
+
+    def __init__(self, base_url: str, base_model: str, tokenizer, gen_cfg: GenerationConfig, lora_rank: int,
+                 eos_ids: set[int], api_key: str | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.server_root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        self.base_model = base_model
+        self.tokenizer = tokenizer
+        self.cfg = gen_cfg
+        self.lora_rank = lora_rank
+        self.eos_ids = eos_ids
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(
+            headers=headers, timeout=httpx.Timeout(gen_cfg.request_timeout, connect=10.0)
+        )
+        self.active_adapter: str | None = None
+        self.loaded: list[str] = []
+        self.in_flight: dict[str, int] = {}
+        self.retries = 0
+        self.generated_tokens = 0
+
+    def help_text(self) -> str:
+        mode = " --logprobs-mode processed_logprobs" if self.cfg.temperature not in (0.0, 1.0) else ""
+        return self.SERVER_HELP.format(model=self.base_model, rank=self.lora_rank, logprobs_mode=mode)
+
+    async def check_server(self) -> None:
+        try:
+            response = await self.client.get(f"{self.base_url}/models", timeout=10.0)
+            response.raise_for_status()
+            served = [m.get("id") for m in response.json().get("data", [])]
+        except (httpx.HTTPError, ValueError) as exc:
+            raise VLLMError(
+                f"The vLLM server at {self.base_url} is not reachable ({type(exc).__name__}: {exc}). "
+                + self.help_text() + " Or set env.vllm_url, or use generation.backend=local."
+            ) from None
+        log.info("vLLM at %s serves %s", self.base_url, served)
+
+    async def _post(self, path: str, payload: dict[str, Any]) -> httpx.Response:
+        """POST with retries on transient failures (connect errors, timeouts, 429, 5xx)."""
+        for attempt in range(self.cfg.request_retries + 1):
+            try:
+                response = await self.client.post(f"{self.server_root}{path}", json=payload)
+                if response.status_code != 429 and response.status_code < 500:
+                    return response
+                failure = f"HTTP {response.status_code}: {response.text[:200]}"
+            except (httpx.TransportError, httpx.TimeoutException) as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+            if attempt == self.cfg.request_retries:
+                raise VLLMError(f"{path} failed after {attempt + 1} attempts: {failure}")
+            self.retries += 1
+            await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
+    async def load_adapter(self, adapter_dir: Path, name: str) -> None:
+        """Load a new adapter under a fresh name (never in place), then retire unused older ones."""
+        response = await self._post(
+            "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(adapter_dir).resolve())}
+        )
+        if response.status_code == 404:
+            raise VLLMError(
+                f"The vLLM server at {self.base_url} has no /v1/load_lora_adapter endpoint: runtime LoRA "
+                "updating is off. " + self.help_text()
+            )
+        if response.status_code >= 400:
+            raise VLLMError(f"vLLM refused adapter {name} from {adapter_dir}: HTTP {response.status_code} "
+                            f"{response.text[:300]}. " + self.help_text())
+        self.loaded.append(name)
+        self.active_adapter = name
+        await self.unload_unused()
+
+    async def unload_unused(self) -> None:
+        for name in [n for n in self.loaded if n != self.active_adapter and not self.in_flight.get(n)]:
+            response = await self._post("/v1/unload_lora_adapter", {"lora_name": name})
+            if response.status_code >= 400:
+                log.warning("could not unload adapter %s: HTTP %s", name, response.status_code)
+            self.loaded.remove(name)
+
+    async def generate(self, prompt_ids: list[int], order_key: int, seed: int) -> Generation:
+        model = self.active_adapter or self.base_model
+        payload: dict[str, Any] = {
+            "model": model,
+            "prompt": prompt_ids,
+            "max_tokens": self.cfg.max_new_tokens,
+            "temperature": self.cfg.temperature,
+            "top_p": self.cfg.top_p,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "stop_token_ids": sorted(self.eos_ids),
+            "seed": seed,
+        }
+        if self.cfg.top_k:
+            payload["top_k"] = self.cfg.top_k
+        self.in_flight[model] = self.in_flight.get(model, 0) + 1
+        try:
+            response = await self._post("/v1/completions", payload)
+        finally:
+            self.in_flight[model] -= 1
+        if response.status_code >= 400:
+            raise VLLMError(f"/v1/completions with model {model!r}: HTTP {response.status_code} {response.text[:300]}")
+        token_ids, logprobs = self._parse_logprobs(response.json()["choices"][0])
+        self.generated_tokens += len(token_ids)
+        return Generation(token_ids, logprobs)
+
+    @staticmethod
+    def _parse_logprobs(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
+        block = choice.get("logprobs") or {}
+        tokens = block.get("tokens")
+        if tokens is None:
+            raise VLLMError("vLLM returned no logprobs.tokens; the trainer needs logprobs=1 and "
+                            "return_tokens_as_token_ids support (vLLM >= 0.6).")
+        ids = []
+        for token in tokens:
+            if not (isinstance(token, str) and token.startswith("token_id:")):
+                raise VLLMError(f"expected 'token_id:<n>' tokens (return_tokens_as_token_ids), got {token!r}")
+            ids.append(int(token.split(":", 1)[1]))
+        logprobs = [float("nan") if lp is None else float(lp) for lp in block.get("token_logprobs", [])]
+        return ids, logprobs
+
+    async def close(self) -> None:
+        await self.client.aclose()

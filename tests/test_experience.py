@@ -1,0 +1,142 @@
+"""experience.py: episode sequences, turn-level credit, loss weights, on hand-built episodes."""
+import pytest
+import torch
+
+from curriculum import Task
+from experience import _loss_weights, assign_advantages, build_sequences, collate, plan_micro_batches
+from rollout import Episode, Turn
+from utils import PPOConfig
+
+PROMPT, GLUE = [1, 2, 3], [4, 5]
+
+
+def played(score: float, turns: int, reply_len: int, game: str = "g", task_id: int = 0) -> Episode:
+    """An episode held in one sequence: prompt, then per turn a reply and the glue to the next turn."""
+    sequence, episode_turns = list(PROMPT), []
+    for t in range(turns):
+        if t:
+            sequence += GLUE
+        episode_turns.append(Turn([7] * reply_len, "7", None, sequence=0, start=len(sequence)))
+        sequence += [7] * reply_len
+    return Episode(task=Task("e", task_id, 0, None, "s", False), env_kind="openspiel", turns=episode_turns,
+                   sequences=[sequence], score=score, done=True, game_name=game)
+
+
+def with_scores(sequences, values: float = 0.0):
+    """Old/ref log-probs equal (KL 0) and a constant value everywhere."""
+    for s in sequences:
+        s.old_logprobs = torch.zeros(s.response_len)
+        s.ref_logprobs = torch.zeros(s.response_len)
+        s.old_values = torch.full((s.response_len,), values)
+    return sequences
+
+
+def first_turn_advantage(sequence) -> float:
+    return float(sequence.advantages[sequence.span_slices()[0]][0])
+
+
+def test_an_append_only_episode_is_one_sequence_with_a_span_per_turn():
+    episode = played(1.0, turns=3, reply_len=2)
+    [sequence] = build_sequences([episode])
+    assert sequence.input_ids == [1, 2, 3, 7, 7, 4, 5, 7, 7, 4, 5, 7, 7]
+    assert sequence.spans == [(3, 5), (7, 9), (11, 13)] and sequence.turns == [0, 1, 2]
+    batch = collate([sequence], pad_id=0, device=torch.device("cpu"))
+    assert batch["response_mask"].tolist() == [[0, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]]
+
+
+def test_turns_in_separate_sequences_become_separate_training_rows():
+    episode = Episode(task=Task("e", 0, 0, None, "s", False), env_kind="openspiel", done=True,
+                      turns=[Turn([7, 8], "", None, sequence=0, start=2), Turn([9], "", None, sequence=1, start=3)],
+                      sequences=[[1, 2, 7, 8], [1, 2, 5, 9]])
+    first, second = build_sequences([episode])
+    assert (first.input_ids, first.spans, second.input_ids, second.spans) == ([1, 2, 7, 8], [(2, 4)],
+                                                                              [1, 2, 5, 9], [(3, 4)])
+
+
+@pytest.mark.parametrize("reply_len", [200, 3])
+def test_turn_credit_reaches_the_first_turn_of_a_long_episode(reply_len):
+    # 7 turns, reward only at the end, values 0, gamma 1, lambda 0.95 per turn:
+    # won: A_t = 0.95^(6-t) (first turn 0.735), lost: 0 -> after whitening won > 0 > lost
+    won, lost = played(1.0, 7, reply_len), played(0.0, 7, reply_len)
+    sequences = with_scores(build_sequences([won, lost]))
+    cfg = PPOConfig(whiten_advantages=False)
+    assign_advantages(sequences, [won, lost], cfg, kl_coef=0.0, group_ids=None)
+    assert first_turn_advantage(sequences[0]) == pytest.approx(0.95**6, abs=1e-6)
+    assert first_turn_advantage(sequences[1]) == 0.0
+    # every token of a turn carries the turn's advantage
+    assert torch.all(sequences[0].advantages[: reply_len] == sequences[0].advantages[0])
+    with_scores(sequences)
+    assign_advantages(sequences, [won, lost], PPOConfig(), kl_coef=0.0, group_ids=None)
+    assert first_turn_advantage(sequences[0]) > 0.5 and first_turn_advantage(sequences[1]) < -0.5
+
+
+def test_token_credit_with_long_replies_barely_reaches_the_first_turn():
+    # the failure mode turn credit fixes: lambda 0.95 per token, 6 x 200 tokens between the outcome and turn 1
+    won, lost = played(1.0, 7, 200), played(0.0, 7, 200)
+    sequences = with_scores(build_sequences([won, lost]))
+    assign_advantages(sequences, [won, lost], PPOConfig(credit="token", whiten_advantages=False), 0.0, None)
+    assert first_turn_advantage(sequences[0]) < 1e-4
+
+
+def test_turn_values_are_read_at_each_turns_first_token_and_returns_trained_there():
+    # values 0.5 at every token; won: turn rewards [0, 0, 1], gamma 1, lambda 0.5
+    # deltas: d0 = 0.5 - 0.5 = 0, d1 = 0, d2 = 1 - 0.5 = 0.5
+    # A2 = 0.5, A1 = 0 + 0.5 * 0.5 = 0.25, A0 = 0 + 0.5 * 0.25 = 0.125; returns = A + 0.5
+    episode = played(1.0, 3, 2)
+    sequences = with_scores(build_sequences([episode]), values=0.5)
+    assign_advantages(sequences, [episode], PPOConfig(lam=0.5, whiten_advantages=False), 0.0, None)
+    [s] = sequences
+    assert s.advantages.tolist() == pytest.approx([0.125, 0.125, 0.25, 0.25, 0.5, 0.5])
+    assert s.returns.tolist() == pytest.approx([0.625, 0, 0.75, 0, 1.0, 0])
+    assert s.value_weights.tolist() == pytest.approx([1 / 3, 0, 1 / 3, 0, 1 / 3, 0])
+
+
+def test_turn_reward_includes_the_kl_summed_over_the_turns_tokens():
+    # one turn of 4 tokens, KL (k1) 0.25 per token, beta 0.5: reward 1 - 0.5 * 1.0 = 0.5
+    episode = played(1.0, 1, 4)
+    sequences = with_scores(build_sequences([episode]))
+    sequences[0].old_logprobs = torch.full((4,), -1.0)
+    sequences[0].ref_logprobs = torch.full((4,), -1.25)
+    stats = assign_advantages(sequences, [episode], PPOConfig(whiten_advantages=False), 0.5, None)
+    assert sequences[0].advantages.tolist() == pytest.approx([0.5] * 4)
+    assert stats["reward/kl_per_token"] == pytest.approx(0.25) and stats["reward/kl_per_episode"] == pytest.approx(1.0)
+
+
+def test_loss_weights_per_token_episode_and_game():
+    # three episodes of 6, 2 and 4 tokens; games a, a, b
+    mask = torch.tensor([[1.0] * 6, [1.0] * 2 + [0.0] * 4, [1.0] * 4 + [0.0] * 2])
+    games = ["a", "a", "b"]
+    assert torch.equal(_loss_weights(mask, games, "token"), mask)
+    episode = _loss_weights(mask, games, "episode")
+    assert episode.sum(dim=1).tolist() == pytest.approx([1, 1, 1]) and float(episode[0, 0]) == pytest.approx(1 / 6)
+    game = _loss_weights(mask, games, "game")
+    assert game.sum(dim=1).tolist() == pytest.approx([0.5, 0.5, 1.0])
+    assert float(game[0, 0]) == pytest.approx(1 / 12) and float(game[2, 5]) == 0.0
+
+
+def test_a_sixty_turn_episode_weighs_as_much_as_a_two_turn_one():
+    long, short = played(1.0, 60, 3, task_id=1), played(0.0, 2, 3, task_id=2)
+    sequences = with_scores(build_sequences([long, short]))
+    assign_advantages(sequences, [long, short], PPOConfig(), 0.0, None)
+    assert float(sequences[0].token_weights.sum()) == pytest.approx(float(sequences[1].token_weights.sum()))
+    assign_advantages(sequences, [long, short], PPOConfig(loss_weighting="token"), 0.0, None)
+    assert float(sequences[0].token_weights.sum()) == 30 * float(sequences[1].token_weights.sum())
+
+
+def test_group_advantages_are_the_normalised_episode_return_on_every_token():
+    a, b = played(1.0, 2, 2), played(0.0, 2, 2)
+    sequences = with_scores(build_sequences([a, b]))
+    assign_advantages(sequences, [a, b], PPOConfig(advantage="group", group_size=2, batch_size=2), 0.0, [0, 0])
+    # returns 1 and 0: mean 0.5, sample std 0.7071 -> +-0.7071
+    assert sequences[0].advantages.tolist() == pytest.approx([0.70710] * 4, abs=1e-4)
+    assert sequences[1].advantages.tolist() == pytest.approx([-0.70710] * 4, abs=1e-4)
+    assert float(sequences[0].value_weights.sum()) == 0.0
+
+
+def test_micro_batches_respect_the_budget_and_keep_padding_small():
+    lengths = [100, 90, 400, 95, 410, 105]
+    groups = plan_micro_batches(lengths, budget=420)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    for group in groups:
+        assert len(group) == 1 or max(lengths[i] for i in group) * len(group) <= 420
+    assert [sorted(lengths[i] for i in g) for g in groups] == [[90, 95, 100, 105], [400], [410]]

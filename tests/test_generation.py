@@ -1,0 +1,84 @@
+"""generation.py: per-episode KV cache reuse, every EOS id stops a reply, vLLM token ids kept exactly."""
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from generation import LocalGenerator, VLLMGenerator, eos_token_ids
+from prompts import PromptBuilder
+from rollout import RolloutRunner
+from test_rollout import CountingEnv, _tasks
+from utils import GenerationConfig
+
+
+def play(policy, reuse: bool, temperature: float, strategy: str = "full"):
+    cfg = GenerationConfig(backend="local", max_new_tokens=5, max_concurrent_episodes=3, context_strategy=strategy,
+                           reuse_kv_cache=reuse, temperature=temperature)
+    generator = LocalGenerator(policy, cfg, seed=0)
+    runner = RolloutRunner({"game": ("openspiel", CountingEnv())}, generator, PromptBuilder(policy.tokenizer, 4096),
+                           cfg)
+    episodes = asyncio.run(runner.run(_tasks(5), step=0))
+    return [[t.response_ids for t in e.turns] for e in episodes], generator
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("strategy", ["full", "last"])
+def test_reusing_each_episodes_kv_cache_changes_nothing_but_the_prefill(tiny_policy, temperature, strategy):
+    with_cache, reused = play(tiny_policy, True, temperature, strategy)
+    without, fresh = play(tiny_policy, False, temperature, strategy)
+    assert with_cache == without
+    assert fresh.prefilled_tokens == fresh.prompt_tokens
+    assert reused.prefilled_tokens < 0.8 * reused.prompt_tokens  # later turns only prefill what is new
+
+
+def test_full_context_episodes_are_one_token_sequence(tiny_policy):
+    cfg = GenerationConfig(backend="local", max_new_tokens=4, context_strategy="full")
+    runner = RolloutRunner({"game": ("openspiel", CountingEnv())}, LocalGenerator(tiny_policy, cfg, seed=0),
+                           PromptBuilder(tiny_policy.tokenizer, 4096), cfg)
+    episode = asyncio.run(runner.run(_tasks(1), step=0))[0]
+    assert len(episode.sequences) == 1 and [t.sequence for t in episode.turns] == [0, 0]
+    sequence = episode.sequences[0]
+    for turn in episode.turns:  # each reply sits in the sequence exactly where its prompt ended
+        assert sequence[turn.start: turn.start + len(turn.response_ids)] == turn.response_ids
+
+
+def test_every_eos_id_of_the_generation_config_ends_a_reply(tiny_policy):
+    cfg = GenerationConfig(backend="local", max_new_tokens=4, temperature=0.0, reuse_kv_cache=False)
+    prompt = PromptBuilder(tiny_policy.tokenizer, 4096).encode([{"role": "user", "content": "go"}])
+    generator = LocalGenerator(tiny_policy, cfg, seed=0)
+    first_token = generator._generate_batch([(0, prompt)], 1)[0][0]
+    config = tiny_policy.model.generation_config
+    original = config.eos_token_id
+    config.eos_token_id = [tiny_policy.tokenizer.eos_token_id, first_token]
+    try:
+        generator = LocalGenerator(tiny_policy, cfg, seed=0)
+        assert first_token in generator.eos_ids
+        assert generator._generate_batch([(0, prompt)], 1)[0] == [first_token]
+    finally:
+        config.eos_token_id = original
+
+
+def test_eos_ids_come_from_tokenizer_and_generation_config(tiny_policy):
+    class Config:
+        eos_token_id = [5, 9]
+
+    assert eos_token_ids(tiny_policy.tokenizer, Config()) == {tiny_policy.tokenizer.eos_token_id, 5, 9}
+    assert eos_token_ids(tiny_policy.tokenizer, None) == {tiny_policy.tokenizer.eos_token_id}
+
+
+def test_vllm_generator_keeps_the_sampled_ids_and_never_adds_an_eos(tiny_policy):
+    requests = []
+
+    def serve(request: httpx.Request) -> httpx.Response:
+        requests.append(json.loads(request.content))
+        # stopped by a stop string: the last token is not an EOS and must stay that way
+        return httpx.Response(200, json={"choices": [{"finish_reason": "stop", "text": "x", "logprobs": {
+            "tokens": ["token_id:11", "token_id:12"], "token_logprobs": [-0.5, None]}}]})
+
+    generator = VLLMGenerator("http://vllm/v1", "base", tiny_policy.tokenizer, GenerationConfig(), 8, {2, 3})
+    generator.client = httpx.AsyncClient(transport=httpx.MockTransport(serve))
+    generation = asyncio.run(generator.generate([1, 2], order_key=0, seed=5))
+    assert generation.token_ids == [11, 12]
+    assert generation.logprobs[0] == -0.5 and generation.logprobs[1] != generation.logprobs[1]  # NaN
+    assert requests[0]["stop_token_ids"] == [2, 3] and requests[0]["prompt"] == [1, 2]

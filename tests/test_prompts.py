@@ -1,0 +1,86 @@
+"""prompts.py: later turns continue the episode's exact token ids while the template is append-only."""
+import pytest
+
+from prompts import PromptBuilder, TokenHistory
+from tiny import make_tokenizer
+
+SYSTEM = {"role": "system", "content": "rules"}
+
+# Like Qwen3: earlier assistant turns are rendered without their <think> block.
+STRIPPING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+    "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+def history(tokenizer, budget=4096, template=None):
+    if template:
+        tokenizer = make_tokenizer()
+        tokenizer.chat_template = template
+    return TokenHistory(PromptBuilder(tokenizer, budget), {tokenizer.eos_token_id})
+
+
+def test_second_turn_extends_the_first_with_the_sampled_ids_and_the_template_glue(tokenizer):
+    h = history(tokenizer)
+    first = [SYSTEM, {"role": "user", "content": "move 1?"}]
+    ids, sequence, start = h.prompt(first, keep_from=1)
+    assert ids == h.builder.encode(first) and (sequence, start) == (0, len(ids))
+    # "7", "7" as two tokens: re-tokenising the text "77" would give other ids, the history keeps these
+    reply = tokenizer("7", add_special_tokens=False)["input_ids"] * 2 + [tokenizer.eos_token_id]
+    h.add_reply(reply, "77")
+    second = first + [{"role": "assistant", "content": "77"}, {"role": "user", "content": "move 2?"}]
+    ids2, sequence2, start2 = h.prompt(second, keep_from=3)
+    assert sequence2 == 0 and ids2[: start + len(reply)] == ids + reply and start2 == len(ids2)
+    glue = ids2[start + len(reply):]
+    assert tokenizer.decode(glue) == "\n<|im_start|>user\nmove 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(ids2) == h.builder.render(second)  # the same text, our token ids
+    assert h.sequences == [ids2]
+
+
+def test_a_reply_cut_off_before_eos_gets_the_end_of_turn_token_as_glue(tokenizer):
+    h = history(tokenizer)
+    first = [SYSTEM, {"role": "user", "content": "go"}]
+    ids, _, _ = h.prompt(first, 1)
+    reply = tokenizer("ab", add_special_tokens=False)["input_ids"]
+    h.add_reply(reply, "ab")
+    ids2, _, _ = h.prompt(first + [{"role": "assistant", "content": "ab"}, {"role": "user", "content": "again"}], 3)
+    assert tokenizer.decode(ids2[len(ids) + len(reply):]).startswith("<|im_end|>\n<|im_start|>user")
+
+
+def test_a_template_that_rerenders_history_starts_a_new_sequence(tokenizer):
+    h = history(tokenizer, template=STRIPPING_TEMPLATE)
+    tok = h.builder.tokenizer
+    first = [SYSTEM, {"role": "user", "content": "go"}]
+    h.prompt(first, 1)
+    reply_text = "<think>hmm</think>1"
+    h.add_reply(tok(reply_text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], reply_text)
+    second = first + [{"role": "assistant", "content": reply_text}, {"role": "user", "content": "next"}]
+    ids2, sequence2, start2 = h.prompt(second, 3)
+    assert sequence2 == 1 and start2 == len(ids2) and len(h.sequences) == 2
+    assert ids2 == h.builder.encode(second) and "hmm" not in tok.decode(ids2)
+
+
+def test_the_last_strategy_shows_a_fresh_prompt_each_turn(tokenizer):
+    h = history(tokenizer)
+    h.prompt([SYSTEM, {"role": "user", "content": "state 1"}], 1)
+    h.add_reply([tokenizer.eos_token_id], "")
+    _, sequence, _ = h.prompt([SYSTEM, {"role": "user", "content": "state 2"}], 1)
+    assert sequence == 1
+
+
+def test_a_continuation_over_budget_falls_back_to_a_trimmed_fresh_prompt(tokenizer):
+    first = [SYSTEM, {"role": "user", "content": "move 1?"}]
+    second = first + [{"role": "assistant", "content": "7"}, {"role": "user", "content": "move 2?"}]
+    budget = len(PromptBuilder(tokenizer, 10**6).encode(second)) - 1
+    h = history(tokenizer, budget=budget)
+    h.prompt(first, 1)
+    h.add_reply(tokenizer("7", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], "7")
+    ids2, sequence2, _ = h.prompt(second, keep_from=3)
+    assert sequence2 == 1 and ids2 == h.builder.encode([SYSTEM, second[3]])

@@ -1,0 +1,82 @@
+"""update.py on a tiny model: critic warm-up leaves the policy alone, KL early stop, no entropy at coef 0."""
+import torch
+
+import policy as policy_module
+from curriculum import Task
+from experience import assign_advantages, build_sequences, collate, score_sequences
+from rollout import Episode, Turn
+from update import UpdateState, build_optimizer, ppo_update
+from utils import PPOConfig
+
+
+def episodes_for(policy, n=6):
+    tok = policy.tokenizer
+    prompt = tok("<|im_start|>user\nplay<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    replies = [tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+               for text in ("3 7", "the game", "1", "Raise", "0", "call it")]
+    episodes = []
+    for i in range(n):
+        reply = replies[i % len(replies)]
+        episodes.append(Episode(task=Task("e", i, i, None, "s", False), env_kind="openspiel", done=True,
+                                turns=[Turn(reply, "", None, sequence=0, start=len(prompt))],
+                                sequences=[prompt + reply], score=float(i % 2), game_name="g"))
+    return episodes
+
+
+def prepared(policy, cfg):
+    episodes = episodes_for(policy)
+    sequences = build_sequences(episodes)
+    score_sequences(policy, sequences, cfg.micro_batch_tokens, 1.0, with_values=True)
+    assign_advantages(sequences, episodes, cfg, 0.0, None)
+    return sequences
+
+
+def current_logprobs(policy, sequences):
+    batch = collate(sequences, policy.tokenizer.pad_token_id, policy.device)
+    with torch.no_grad():
+        return policy.score(batch["input_ids"], None, batch["response_mask"], with_values=False).logprobs
+
+
+def test_critic_warm_up_moves_the_value_head_and_not_the_policy(tiny_policy):
+    cfg = PPOConfig(learning_rate=1e-2, ppo_epochs=3, vf_coef=1.0, kl_stop=None)
+    sequences = prepared(tiny_policy, cfg)
+    lora_before = {n: p.detach().clone() for n, p in tiny_policy.named_parameters() if "lora_" in n}
+    value_before = tiny_policy.value_head.weight.detach().clone()
+    logprobs_before = current_logprobs(tiny_policy, sequences)
+    optimizer = build_optimizer(tiny_policy, cfg, value_lr=1e-2)
+    stats = ppo_update(tiny_policy, optimizer, sequences, cfg, 0.0, 1.0, torch.Generator().manual_seed(0),
+                       UpdateState(), value_only=True)
+    assert "value/loss" in stats and "policy/loss" not in stats
+    assert all(torch.equal(p, lora_before[n]) for n, p in tiny_policy.named_parameters() if "lora_" in n)
+    assert torch.equal(current_logprobs(tiny_policy, sequences), logprobs_before)
+    assert not torch.equal(tiny_policy.value_head.weight, value_before)
+
+
+def test_a_minibatch_past_kl_stop_is_not_stepped_and_ends_the_epochs(tiny_policy):
+    # epoch 1 starts at ratio 1 (KL 0) and steps; by epoch 2 the policy has moved past the tiny limit
+    cfg = PPOConfig(learning_rate=5e-2, ppo_epochs=4, kl_stop=1e-6)
+    sequences = prepared(tiny_policy, cfg)
+    state = UpdateState()
+    stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-2), sequences, cfg, 0.0, 1.0,
+                       torch.Generator().manual_seed(0), state)
+    assert stats["update/early_stopped"] == 1.0 and stats["update/epochs_run"] == 2.0
+    assert state.optimizer_steps == 1
+
+
+def test_no_entropy_is_computed_in_the_update_when_its_coefficient_is_zero(tiny_policy, monkeypatch):
+    cfg = PPOConfig(learning_rate=1e-3, ppo_epochs=1)
+    sequences = prepared(tiny_policy, cfg)
+    assert all(s.entropy is not None for s in sequences)  # the scoring pass logs the rollout policy's
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("full-vocabulary entropy computed in the update")
+
+    monkeypatch.setattr(policy_module, "logprobs_and_entropy_from_logits", forbidden)
+    stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-3), sequences, cfg, 0.0, 1.0,
+                       torch.Generator().manual_seed(0), UpdateState())
+    assert "policy/entropy_bonus" not in stats
+    cfg = PPOConfig(learning_rate=1e-3, ppo_epochs=1, entropy_coef=0.01)
+    monkeypatch.undo()
+    stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-3), sequences, cfg, 0.0, 1.0,
+                       torch.Generator().manual_seed(0), UpdateState())
+    assert stats["policy/entropy_bonus"] > 0
