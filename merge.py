@@ -95,23 +95,6 @@ def check_saved_weights(expected: dict[str, torch.Tensor], saved: dict[str, torc
         )
 
 
-def plain_weights(model):
-    """The model without the quantizer a GGUF load leaves attached once its weights are dequantized
-    (save_pretrained refuses any model that still has one); an error if weights are still packed."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is None:
-        return model
-    packed = [name for name, tensor in model.state_dict().items() if not tensor.is_floating_point()]
-    if packed:
-        raise ConfigError(
-            f"The base model's weights are still quantized ({packed[0]} is {model.state_dict()[packed[0]].dtype}), "
-            "so the merged model cannot be saved as a standard folder. Point model.name_or_path at a "
-            "float16/bfloat16/float32 copy of the base model."
-        )
-    quantizer.remove_quantization_config(model)
-    return model
-
-
 def merge(config, adapter_dir: Path, output: Path, dtype: str) -> dict[str, float]:
     """Merge in float32 and check against base + adapter; cast to `dtype`, save to a temporary folder,
     load it back and check its weights; rename into place. Returns max logit differences to base + adapter."""
@@ -130,7 +113,7 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str) -> dict[str, floa
     merged = model.merge_and_unload()
     differences = {"merge": check_logits(reference, prompt_logits(merged, input_ids), MERGE_TOLERANCE,
                                          "merged model vs base + adapter")}
-    merged = plain_weights(merged).to(getattr(torch, dtype))
+    merged = merged.to(getattr(torch, dtype))
 
     staging = output.parent / f".{output.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)

@@ -16,12 +16,27 @@ import torch
 from torch import nn
 
 from ppo import logprobs_and_entropy_from_logits, logprobs_from_logits
-from utils import ConfigError, LoraConfig, ModelConfig, resolve_model_path
+from model_files import model_source
+from utils import ConfigError, LoraConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 
 ADAPTER_DIR = "adapter"  # the only folder vLLM loads: LoRA weights + adapter_config.json
 VALUE_HEAD_FILE = "value_head.pt"
+
+
+def return_freed_memory_to_the_os() -> None:
+    """Make glibc give large freed blocks back at once. Its default mmap threshold grows to 32 MiB
+    after the first large free, after which activation buffers come from the heap and stay mapped:
+    a 135M model's CPU update then peaked near 6 GB RSS instead of about 2.5 GB. No-op off glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 256 * 1024)
 
 
 def pick_device(requested: str) -> torch.device:
@@ -41,9 +56,8 @@ def _torch_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_tokenizer(model_cfg: ModelConfig):
     from transformers import AutoTokenizer
 
-    path, gguf = resolve_model_path(model_cfg)
-    kwargs = {"gguf_file": gguf} if gguf else {}
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code, **kwargs)
+    path = model_source(model_cfg)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.chat_template is None:
@@ -55,9 +69,8 @@ def load_generation_config(model_cfg: ModelConfig):
     """The model's generation config (its EOS ids matter) without loading weights; None if it has none."""
     from transformers import GenerationConfig
 
-    path, gguf = resolve_model_path(model_cfg)
     try:
-        return GenerationConfig.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
+        return GenerationConfig.from_pretrained(model_source(model_cfg))
     except (OSError, ValueError, TypeError):
         return None
 
@@ -66,10 +79,8 @@ def load_base_model(model_cfg: ModelConfig, device: torch.device):
     """The frozen base model: Hub id, local folder or GGUF; NF4 4-bit on CUDA when asked."""
     from transformers import AutoModelForCausalLM
 
-    path, gguf = resolve_model_path(model_cfg)
+    path = model_source(model_cfg)
     kwargs: dict = {"trust_remote_code": model_cfg.trust_remote_code}
-    if gguf:
-        kwargs["gguf_file"] = gguf
     dtype = _torch_dtype(model_cfg.dtype, device)
     if model_cfg.use_4bit:
         if device.type != "cuda":
@@ -92,9 +103,8 @@ def load_base_model(model_cfg: ModelConfig, device: torch.device):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except OSError as exc:
         raise ConfigError(
-            f"Could not load model.name_or_path={path!r}"
-            + (f" with gguf_file={gguf!r}" if gguf else "")
-            + f": {exc}. Check the path, or that the Hub is reachable for a Hub id."
+            f"Could not load model.name_or_path={path!r}: {exc}. Check the path, or that the Hub is reachable "
+            "for a Hub id."
         ) from None
     if model_cfg.use_4bit:
         from peft import prepare_model_for_kbit_training

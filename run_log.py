@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,6 +24,17 @@ def setup_logging(level: int = logging.INFO) -> None:
                         handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)], force=True)
     for noisy in ("httpx", "urllib3", "filelock", "transformers", "datasets", "affinetes"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    silence_known_library_warnings()
+
+
+def silence_known_library_warnings() -> None:
+    """Warnings that libraries print about themselves, which users read as faults of the run."""
+    # peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    # peft imports bitsandbytes whenever it is installed; on CPUs with AVX512-BF16 bitsandbytes then
+    # asks for an optional kernel package, for 4-bit CPU matmuls this trainer never runs
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        lambda record: "gemm_4bit_forward" not in record.getMessage())
 
 
 def _plain(value: Any) -> Any:

