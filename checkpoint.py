@@ -105,7 +105,8 @@ def save_checkpoint(checkpoint_dir: Path, step: int, write_model: Callable[[Path
     return final
 
 
-def _steps(checkpoint_dir: Path) -> list[tuple[int, Path]]:
+def list_checkpoints(checkpoint_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every checkpoint folder, complete or not, by step."""
     found = []
     for path in checkpoint_dir.iterdir() if checkpoint_dir.is_dir() else []:
         match = CHECKPOINT_RE.match(path.name)
@@ -115,7 +116,7 @@ def _steps(checkpoint_dir: Path) -> list[tuple[int, Path]]:
 
 
 def _prune(checkpoint_dir: Path, keep_last: int) -> None:
-    for _, path in _steps(checkpoint_dir)[:-keep_last]:
+    for _, path in list_checkpoints(checkpoint_dir)[:-keep_last]:
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -143,7 +144,7 @@ def clean_temporaries(checkpoint_dir: Path) -> None:
 def find_resumable(checkpoint_dir: Path) -> Path | None:
     """The highest-step checkpoint whose manifest verifies (older ones are the fallback)."""
     clean_temporaries(checkpoint_dir)
-    for step, path in reversed(_steps(checkpoint_dir)):
+    for step, path in reversed(list_checkpoints(checkpoint_dir)):
         if verify(path):
             return path
         log.warning("checkpoint %s is incomplete or corrupt; falling back to an older one", path.name)

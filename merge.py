@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from policy import adapter_folder
 from run_log import console, setup_logging
 from utils import ConfigError, add_config_arguments, load_config
 
@@ -39,15 +40,6 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 class MergeCheckFailed(RuntimeError):
     """The merged model's logits differ from base + adapter (or the saved copy from the merged one)."""
-
-
-def adapter_folder(path: Path) -> Path:
-    """The peft adapter folder of a checkpoint (`<ckpt>/adapter/`) or a bare adapter folder."""
-    for candidate in (path / "adapter", path):
-        if (candidate / "adapter_config.json").is_file():
-            return candidate
-    raise ConfigError(f"{path} is neither a checkpoint folder (expected {path}/adapter/adapter_config.json) "
-                      "nor a LoRA adapter folder (expected adapter_config.json in it).")
 
 
 def load_adapter_model(base, adapter_dir: Path, base_name: str):

@@ -227,15 +227,34 @@ class Policy(nn.Module):
         torch.save(self.value_head.state_dict(), folder / VALUE_HEAD_FILE)
 
     def load(self, folder: Path) -> None:
+        """A checkpoint folder's adapter and value head."""
+        folder = Path(folder)
+        self.load_adapter(folder / ADAPTER_DIR)
+        self.value_head.load_state_dict(torch.load(folder / VALUE_HEAD_FILE, map_location=self.device))
+
+    def load_adapter(self, adapter_dir: Path) -> None:
+        """LoRA weights from a peft adapter folder; a ConfigError when they do not fit this model's LoRA."""
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        folder = Path(folder)
-        weights = load_file(str(folder / ADAPTER_DIR / "adapter_model.safetensors"), device=str(self.device))
-        result = set_peft_model_state_dict(self.model, weights)
+        weights = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"), device=str(self.device))
+        try:
+            result = set_peft_model_state_dict(self.model, weights)
+        except RuntimeError as exc:  # size mismatch: another rank or another base model
+            raise ConfigError(f"The adapter in {adapter_dir} does not fit this model's LoRA (check lora.r and "
+                              f"model.name_or_path): {str(exc).splitlines()[0][:200]}") from None
         if getattr(result, "unexpected_keys", None):
-            raise ValueError(f"adapter in {folder} does not fit this model: unexpected keys {result.unexpected_keys[:3]}")
-        self.value_head.load_state_dict(torch.load(folder / VALUE_HEAD_FILE, map_location=self.device))
+            raise ConfigError(f"The adapter in {adapter_dir} does not fit this model: unexpected keys "
+                              f"{result.unexpected_keys[:3]}")
+
+
+def adapter_folder(path: Path) -> Path:
+    """The peft adapter folder of a checkpoint (`<ckpt>/adapter/`) or a bare adapter folder."""
+    for candidate in (Path(path) / ADAPTER_DIR, Path(path)):
+        if (candidate / "adapter_config.json").is_file():
+            return candidate
+    raise ConfigError(f"{path} is neither a checkpoint folder (expected {path}/{ADAPTER_DIR}/adapter_config.json) "
+                      "nor a LoRA adapter folder (expected adapter_config.json in it).")
 
 
 def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: torch.device) -> Policy:

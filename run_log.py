@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,8 +49,7 @@ class RunLogger:
                  resumed_step: int = 0):
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
-        if resumed_step:  # drop lines written after the checkpoint we resume from
-            self._truncate_after(resumed_step)
+        self._truncate_after(resumed_step)  # lines after the checkpoint we start from belong to no run now
         self.wandb_run = None
         self.wandb_id = wandb_id
         if cfg.wandb_project and cfg.wandb_mode != "disabled":
@@ -60,11 +60,19 @@ class RunLogger:
             self.wandb_id = self.wandb_run.id
 
     def _truncate_after(self, step: int) -> None:
+        """Keep the lines of steps up to `step`; a line torn by a kill mid-write is dropped too."""
         if not self.metrics_path.exists():
             return
-        kept = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except ValueError:
+                continue
+        staging = self.metrics_path.with_suffix(".jsonl.tmp")
+        staging.write_text("".join(line + "\n" for line in kept))
+        os.replace(staging, self.metrics_path)  # a kill now leaves the old or the new file, never half of one
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}

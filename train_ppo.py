@@ -45,13 +45,14 @@ from typing import Any
 
 import torch
 
-from checkpoint import find_resumable, load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from checkpoint import (find_resumable, list_checkpoints, load_trainer_state, rng_state, save_checkpoint,
+                        set_rng_state)
 from curriculum import Curriculum, Task
 from envs.factory import make_envs, playable_filter
 from experience import (assign_advantages, build_sequences, final_reward, sampler_gap, score_sequences,
                         turn_rewards)
 from generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
-from policy import load_policy, pick_device, return_freed_memory_to_the_os
+from policy import VALUE_HEAD_FILE, adapter_folder, load_policy, pick_device, return_freed_memory_to_the_os
 from ppo import AdaptiveKLController, FixedKLController
 from prompts import PromptBuilder
 from rollout import Episode, RolloutRunner
@@ -95,7 +96,7 @@ class StartupError(RuntimeError):
 class Trainer:
     """Everything one run owns; `train()` is the loop."""
 
-    def __init__(self, config: Config, run_dir: Path, resume: str | None):
+    def __init__(self, config: Config, run_dir: Path, resume: str | None, init_adapter: Path | None = None):
         self.config, self.run_dir = config, run_dir
         cfg = config.train
         self.device = pick_device(cfg.run.device)
@@ -119,6 +120,8 @@ class Trainer:
         self.totals = {"episodes": 0, "episodes_failed": 0, "generated_tokens": 0}
         self.checkpoint_dir = run_dir / "checkpoints"
         wandb_id = self._resume(resume) if resume else None
+        if init_adapter is not None:
+            self._init_adapter(init_adapter)
         self.logger = RunLogger(run_dir, cfg.logging, config.model_dump(mode="json"), wandb_id, self.step)
         self.generator = self._make_generator()
         self.runner = RolloutRunner(self.envs, self.generator,
@@ -321,6 +324,9 @@ class Trainer:
             if not (checkpoint / "manifest.json").is_file():
                 raise ConfigError(f"--resume {resume}: not a checkpoint folder (no manifest.json).")
         state = load_trainer_state(checkpoint)
+        if "optimizer" not in state:
+            raise ConfigError(f"--resume {checkpoint}: this checkpoint holds no PPO run to continue (e.g. an SFT "
+                              f"warm start); start PPO from its adapter with --init-adapter {checkpoint}.")
         self.policy.load(checkpoint)
         self.optimizer.load_state_dict(state["optimizer"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
@@ -331,6 +337,14 @@ class Trainer:
         set_rng_state(state["rng"])
         log.info("resumed from %s (step %d)", checkpoint, self.step)
         return state.get("wandb_id")
+
+    def _init_adapter(self, path: Path) -> None:
+        """Start from another run's adapter (e.g. sft_warmstart.py's), and its value head when there is one."""
+        self.policy.load_adapter(adapter_folder(path))
+        value_head = Path(path) / VALUE_HEAD_FILE
+        if value_head.is_file():
+            self.policy.value_head.load_state_dict(torch.load(value_head, map_location=self.policy.device))
+        log.info("initial adapter from %s", path)
 
     async def close(self) -> None:
         self.stop.restore()
@@ -357,7 +371,10 @@ def _group_by(items, key) -> dict[str, list]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_arguments(parser, set_example="ppo.learning_rate=2e-5")
-    parser.add_argument("--resume", help="checkpoint folder, or 'latest'")
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--resume", help="checkpoint folder, or 'latest'")
+    resume.add_argument("--init-adapter", type=Path,
+                        help="start a new run from this adapter (a checkpoint or adapter folder, e.g. sft_warmstart.py's)")
     parser.add_argument("--output-dir", help="parent folder of run folders (overrides run.output_dir)")
     parser.add_argument("--max-steps", type=int, help="overrides run.max_steps")
     return parser.parse_args(argv)
@@ -387,9 +404,16 @@ def main(argv: list[str] | None = None) -> int:
                 "or set model.use_4bit=false."
             )
         torch.manual_seed(cfg.run.seed)
+        if args.init_adapter is not None:
+            adapter_folder(args.init_adapter)  # a wrong path fails now, not after the model has loaded
         run_dir = Path(cfg.run.output_dir) / cfg.run.name
+        earlier = list_checkpoints(run_dir / "checkpoints")
+        if earlier and not args.resume:
+            raise ConfigError(f"{run_dir} already holds checkpoints of an earlier run (newest: {earlier[-1][1].name}); "
+                              "continue it with --resume latest, or start a new run elsewhere (--set run.name=NEW "
+                              "or --output-dir DIR).")
         run_dir.mkdir(parents=True, exist_ok=True)
-        trainer = Trainer(config, run_dir, args.resume)
+        trainer = Trainer(config, run_dir, args.resume, args.init_adapter)
         asyncio.run(_train_and_close(trainer))
     except ConfigError as exc:
         console.print(f"[red]Configuration error:[/red] {exc}", highlight=False, soft_wrap=True)

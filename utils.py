@@ -209,6 +209,10 @@ class EnvSpec(Strict):
     source: Literal["embedded", "hf"] = Field("embedded", description="trace only: task source.")
     skip_degenerate: bool = Field(False, description="trace only: drop tasks with empty/crashing ground truth.")
     execution_timeout: float = Field(10.0, gt=0, description="trace only: seconds per program run.")
+    unsafe_rlimit_only_sandbox: bool = Field(
+        False, description="trace only: run programs without bubblewrap (rlimits only, no file-system or "
+        "network isolation) instead of refusing to start."
+    )
     url: str | list[str] | None = Field(None, description="url mode: base URL(s) of env servers.")
     image: str | None = Field(None, description="docker mode: affinetes image.")
     replicas: int = Field(1, ge=1, description="docker mode: containers (episodes stay on one).")

@@ -24,7 +24,7 @@ def make_env(spec, seed: int) -> Env:
     from envs.trace_env import TraceEnv
 
     return TraceEnv(source=spec.source, skip_degenerate=spec.skip_degenerate, timeout=spec.execution_timeout,
-                    seed=seed)
+                    seed=seed, unsafe_rlimit_only_sandbox=spec.unsafe_rlimit_only_sandbox)
 
 
 def make_envs(env_config, seed: int) -> dict[str, tuple[str, Env]]:

@@ -9,8 +9,11 @@ Layers, strongest first (which ones are active is probed once and logged):
 3. rlimits on CPU seconds, address space, file size, process count; no core files.
 4. A scrubbed environment, its own session (killed as a group), a wall timeout and output caps.
 
-Without bubblewrap the program runs on the host file system; an unprivileged uid then only keeps
-it out of what is not world-writable, and the network is reachable. `detect_protections` says so.
+Without a working bubblewrap, `run_python` refuses to run anything (`SandboxUnavailable`, with
+the command that installs it) unless the caller opts into the unsafe rlimit-only mode
+(`use_bwrap=False`; the trace env's `unsafe_rlimit_only_sandbox`). There the program runs on the
+host file system, an unprivileged uid only keeps it out of what is not world-writable, and the
+network is reachable.
 """
 from __future__ import annotations
 
@@ -71,6 +74,13 @@ except BaseException as exc:
     sys.stderr.flush()
     os._exit({LAUNCH_ERROR_EXIT})
 """
+
+
+INSTALL_BWRAP = "apt-get install -y bubblewrap"
+
+
+class SandboxUnavailable(RuntimeError):
+    """No isolation layer works here and the caller did not opt into running code without one."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +161,7 @@ def detect_protections(use_bwrap: bool = True) -> Protections:
             message = protections.describe()
             if protections.bwrap_path and protections.drop_uid:
                 logger.info(message)
-            else:
+            elif protections.bwrap_path or not use_bwrap:  # a missing bwrap is require_isolation's error
                 logger.warning(message)
             _probed[use_bwrap] = protections
         return _probed[use_bwrap]
@@ -159,9 +169,11 @@ def detect_protections(use_bwrap: bool = True) -> Protections:
 
 def _probe(use_bwrap: bool) -> Protections:
     is_root = os.geteuid() == 0
-    bwrap = shutil.which("bwrap") if use_bwrap else None
-    if bwrap and _works(Protections(bwrap_path=bwrap, drop_uid=is_root, process_limit=True)):
-        return Protections(bwrap_path=bwrap, drop_uid=is_root, process_limit=True)
+    if use_bwrap:
+        bwrap = shutil.which("bwrap")
+        if bwrap and _works(Protections(bwrap_path=bwrap, drop_uid=is_root, process_limit=True)):
+            return Protections(bwrap_path=bwrap, drop_uid=is_root, process_limit=True)
+        return Protections(bwrap_path=None, drop_uid=False, process_limit=False)
     if is_root:
         if not _runs_as_other_uid():
             logger.warning("%s cannot be executed by an unprivileged uid (e.g. it lives under /root), so without "
@@ -190,6 +202,18 @@ def _runs_as_other_uid() -> bool:
         return False
 
 
+def require_isolation() -> Protections:
+    """The protections of the default (bubblewrap) sandbox; SandboxUnavailable when bubblewrap does not work here."""
+    protections = detect_protections(use_bwrap=True)
+    if protections.bwrap_path is None:
+        raise SandboxUnavailable(
+            "Trace programs (model-written and dataset code) run only inside bubblewrap, which is not installed "
+            f"or does not work here. Install it: '{INSTALL_BWRAP}' (as root). Or, at your own risk, set the trace "
+            "env's unsafe_rlimit_only_sandbox=true to run them with rlimits only: no file-system or network isolation."
+        )
+    return protections
+
+
 def run_python(
     code: str,
     stdin: str = "",
@@ -199,10 +223,13 @@ def run_python(
     use_bwrap: bool = True,
 ) -> RunResult:
     """Run `code` as a Python program with `stdin` as its input, inside the sandbox; never raises for
-    anything the program does, and returns within about `timeout` seconds plus cleanup."""
+    anything the program does, and returns within about `timeout` seconds plus cleanup.
+    `use_bwrap=False` is the unsafe rlimit-only mode; by default a missing bubblewrap raises
+    SandboxUnavailable."""
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-    return _run(detect_protections(use_bwrap), code, stdin, timeout, limits)
+    protections = require_isolation() if use_bwrap else detect_protections(use_bwrap=False)
+    return _run(protections, code, stdin, timeout, limits)
 
 
 async def run_python_async(

@@ -114,7 +114,7 @@ def build_env(args: argparse.Namespace) -> Env:
     from envs.trace_env import TraceEnv
 
     return TraceEnv(source=args.source, skip_degenerate=args.skip_degenerate, timeout=args.execution_timeout,
-                    seed=args.seed)
+                    seed=args.seed, unsafe_rlimit_only_sandbox=args.unsafe_rlimit_only_sandbox)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -130,8 +130,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-degenerate", action="store_true",
                         help="trace: skip tasks whose expected output is empty")
     parser.add_argument("--execution-timeout", type=float, help="trace: seconds per program run (default 10)")
+    parser.add_argument("--unsafe-rlimit-only-sandbox", action="store_true",
+                        help="trace: run programs without bubblewrap (rlimits only; no file-system or network isolation)")
     args = parser.parse_args(argv)
-    foreign = (["--source", "--skip-degenerate", "--execution-timeout"] if args.env == "openspiel"
+    foreign = (["--source", "--skip-degenerate", "--execution-timeout", "--unsafe-rlimit-only-sandbox"]
+               if args.env == "openspiel"
                else ["--format", "--mcts-simulations"])
     given = [flag for flag in foreign if getattr(args, flag[2:].replace("-", "_")) not in (None, False)]
     if given:
@@ -160,9 +163,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
+    from envs.sandbox import SandboxUnavailable
+
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    env = build_env(args)
+    try:
+        env = build_env(args)
+    except SandboxUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     # Binding here (not in uvicorn) lets --port 0 work and the start line name the real port.
     sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from envs.base import StepResult, step_result
-from envs.sandbox import RunResult, SandboxLimits, run_python_async
+from envs.sandbox import RunResult, SandboxLimits, require_isolation, run_python_async
 from envs.tasks import TRACE_LEVEL_STRIDE, TRACE_LEVELS
 from envs.trace_programs import generate_program
 
@@ -263,6 +263,7 @@ class TraceEnv:
         max_concurrent_runs: int = 4,
         dataset: Any = None,
         sandbox_limits: SandboxLimits = SandboxLimits(),
+        unsafe_rlimit_only_sandbox: bool = False,
     ):
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
@@ -272,6 +273,9 @@ class TraceEnv:
             raise ValueError(f"max_concurrent_runs must be >= 1, got {max_concurrent_runs}")
         if dataset is not None and source != "hf":
             raise ValueError("dataset rows are only used with source='hf'")
+        if not unsafe_rlimit_only_sandbox:
+            require_isolation()  # fail at start-up, not at the first episode
+        self.use_bwrap = not unsafe_rlimit_only_sandbox
         self.source = source
         self.skip_degenerate = skip_degenerate
         self.timeout = timeout
@@ -407,7 +411,8 @@ class TraceEnv:
             location = {"dataset_index": index}
         transformed, parsed = inject_debug_prints(source, seed=task_id)
         async with self._runs:
-            run = await run_python_async(transformed, inputs, self.timeout, limits=self.sandbox_limits)
+            run = await run_python_async(transformed, inputs, self.timeout, limits=self.sandbox_limits,
+                                         use_bwrap=self.use_bwrap)
         self.sandbox_runs += 1
         if run.killed_reason == "launch_error":  # our failure, not the task's: never cache it as an answer
             raise RuntimeError(f"the sandbox could not start the program: {run.stderr.strip()[-300:]}")

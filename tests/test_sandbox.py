@@ -1,8 +1,15 @@
 """The sandbox that runs trace programs: normal runs, and hostile programs that must hit a limit.
 
-Limits are small so each hostile program is stopped within about a second. Tests of the bubblewrap
-layer need a working `bwrap`; the uid-drop fallback is exercised with the system interpreter,
-which (unlike a pyenv interpreter under /root) another uid may execute.
+The default configuration runs programs only inside bubblewrap and refuses to run anything
+without it (tested by hiding `bwrap`). The hostile suite runs through that default path and covers:
+fork and process bombs, memory, disk fill, writes outside the sandbox's temp dirs and into the
+project, reads of the user's home and of the project, network (host loopback, outside, DNS),
+signals to the parent and other host processes, environment secrets, long sleeps, busy loops,
+infinite output and shell escapes. `.ci/run` installs bubblewrap, so CI runs all of it; on a
+machine without it they are skipped (and the refusal test says why that is safe).
+Limits are small so each hostile program is stopped within about a second. The unsafe
+rlimit-only mode is exercised with the system interpreter, which (unlike a pyenv interpreter
+under /root) another uid may execute.
 """
 from __future__ import annotations
 
@@ -20,14 +27,16 @@ from pathlib import Path
 import pytest
 
 from envs import sandbox
-from envs.sandbox import SandboxLimits, detect_protections, run_python, run_python_async
+from envs.sandbox import SandboxLimits, SandboxUnavailable, detect_protections, run_python, run_python_async
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = SandboxLimits(memory_bytes=256 << 20, file_size_bytes=1 << 20, max_processes=8,
                       output_bytes=64 << 10, scratch_bytes=8 << 20)
 HAS_BWRAP = detect_protections().bwrap_path is not None
 IS_ROOT = os.geteuid() == 0
-needs_bwrap = pytest.mark.skipif(not HAS_BWRAP, reason="bubblewrap is not usable on this machine")
+# Programs run the default way only in bubblewrap; without it they are refused (see the refusal test).
+needs_bwrap = pytest.mark.skipif(not HAS_BWRAP, reason="bubblewrap is not usable on this machine, so the default "
+                                 "sandbox refuses to run programs (test_no_bubblewrap_means_no_program_runs)")
 SYSTEM_PYTHON = "/usr/bin/python3"
 
 
@@ -56,6 +65,7 @@ def leftover_sandbox_processes() -> list[int]:
 
 
 # ---------------------------------------------------------------- ordinary programs
+@needs_bwrap
 def test_prints_stdout_and_reads_stdin():
     result = run("""
         name = input()
@@ -67,6 +77,7 @@ def test_prints_stdout_and_reads_stdin():
     assert (result.returncode, result.timed_out, result.killed_reason, result.ok) == (0, False, None, True)
 
 
+@needs_bwrap
 def test_crash_keeps_partial_stdout_and_the_traceback():
     result = run("""
         print('before')
@@ -77,27 +88,32 @@ def test_crash_keeps_partial_stdout_and_the_traceback():
     assert (result.returncode, result.killed_reason, result.ok) == (1, None, False)
 
 
+@needs_bwrap
 def test_exit_code_is_passed_through():
     result = run("import sys\nprint('bye')\nsys.exit(3)")
     assert (result.stdout, result.returncode, result.killed_reason) == ("bye\n", 3, None)
 
 
+@needs_bwrap
 def test_string_hashes_are_fixed_so_set_order_is_reproducible():
     code = "print(hash('abc'), list({'pear', 'fig', 'kiwi', 'plum'}))"
     assert run(code).stdout == run(code).stdout
     assert run("print(hash('abc'))").stdout == "-4594863902769663758\n"  # hash seed 0
 
 
+@needs_bwrap
 def test_invalid_utf8_output_is_replaced_not_fatal():
     result = run("import sys\nsys.stdout.buffer.write(b'ok\\xff\\r\\n')")
     assert result.stdout == "ok\ufffd\n"
 
 
+@needs_bwrap
 def test_unread_large_stdin_does_not_block():
     result = run("print('ignored my input')", stdin="x" * (1 << 20))
     assert (result.stdout, result.returncode) == ("ignored my input\n", 0)
 
 
+@needs_bwrap
 def test_async_wrapper_runs_programs_concurrently():
     async def main():
         return await asyncio.gather(*(run_python_async(f"print({i} * {i})", limits=SMALL) for i in range(4)))
@@ -113,6 +129,7 @@ def test_limits_are_validated():
 
 
 # ---------------------------------------------------------------- hostile programs
+@needs_bwrap
 def test_infinite_loop_is_killed_at_the_wall_timeout():
     result = run("""
         print('started', flush=True)
@@ -124,12 +141,14 @@ def test_infinite_loop_is_killed_at_the_wall_timeout():
     assert leftover_sandbox_processes() == []
 
 
+@needs_bwrap
 def test_cpu_seconds_limit_stops_a_busy_program_before_the_wall_timeout():
     limits = SandboxLimits(cpu_seconds=1, memory_bytes=256 << 20)
     result = run("while True:\n    pass", timeout=20.0, limits=limits)
     assert (result.timed_out, result.killed_reason, result.returncode) == (False, "cpu_time", -24)  # SIGXCPU
 
 
+@needs_bwrap
 @pytest.mark.skipif(not IS_ROOT, reason="the per-run uid that makes RLIMIT_NPROC exact needs root")
 def test_fork_bomb_is_capped_at_the_process_limit():
     result = run("""
@@ -150,6 +169,7 @@ def test_fork_bomb_is_capped_at_the_process_limit():
     assert leftover_sandbox_processes() == []  # the sleeping children died with the sandbox
 
 
+@needs_bwrap
 @pytest.mark.skipif(not IS_ROOT, reason="the per-run uid that makes RLIMIT_NPROC exact needs root")
 def test_endless_fork_bomb_times_out_and_leaves_no_process():
     result = run("""
@@ -164,6 +184,7 @@ def test_endless_fork_bomb_times_out_and_leaves_no_process():
     assert leftover_sandbox_processes() == []
 
 
+@needs_bwrap
 def test_multi_gigabyte_allocation_raises_memory_error():
     result = run("""
         try:
@@ -179,6 +200,7 @@ def test_multi_gigabyte_allocation_raises_memory_error():
     assert (result.returncode, result.timed_out) == (1, False)
 
 
+@needs_bwrap
 def test_writing_a_gigabyte_file_stops_at_the_file_size_limit():
     result = run("""
         import errno, os
@@ -299,6 +321,7 @@ def test_a_spawned_shell_is_confined_like_the_program(monkeypatch):
         assert int(uid_line) >= sandbox._UID_BASE  # the shell runs as the run's unprivileged uid
 
 
+@needs_bwrap
 def test_runaway_recursion_ends_with_an_error_not_a_hang():
     default_limit = run("""
         def down(n):
@@ -320,6 +343,7 @@ def test_runaway_recursion_ends_with_an_error_not_a_hang():
     assert unlimited.stderr.strip().splitlines()[-1].startswith(("MemoryError", "SystemError"))
 
 
+@needs_bwrap
 def test_output_flood_is_cut_at_the_cap_and_killed():
     result = run("while True:\n    print('x' * 1000)", timeout=10.0)
     assert (result.killed_reason, result.timed_out, result.returncode) == ("output_limit", False, -9)
@@ -327,11 +351,13 @@ def test_output_flood_is_cut_at_the_cap_and_killed():
     assert set(result.stdout) == {"x", "\n"}
 
 
+@needs_bwrap
 def test_stderr_flood_is_cut_at_the_cap_too():
     result = run("import sys\nwhile True:\n    sys.stderr.write('e' * 4096)", timeout=10.0)
     assert (result.killed_reason, len(result.stderr), result.stdout) == ("output_limit", 64 << 10, "")
 
 
+@needs_bwrap
 def test_background_child_holding_the_pipe_does_not_stall_the_run():
     result = run("""
         import os, time
@@ -345,6 +371,7 @@ def test_background_child_holding_the_pipe_does_not_stall_the_run():
     assert leftover_sandbox_processes() == []
 
 
+@needs_bwrap
 def test_parent_keeps_its_file_descriptors_and_still_runs_programs():
     before = len(os.listdir("/proc/self/fd"))
     for code in ("while True:\n    print('y' * 100)", "raise SystemExit(7)", "import os\nos.kill(os.getpid(), 9)"):
@@ -355,7 +382,91 @@ def test_parent_keeps_its_file_descriptors_and_still_runs_programs():
     assert run("print('still fine')").stdout == "still fine\n"
 
 
-# ---------------------------------------------------------------- fallback without bubblewrap
+@needs_bwrap
+def test_reads_of_the_users_home_and_the_project_find_nothing():
+    home = Path.home()
+    interpreter_roots = sandbox._interpreter_roots()
+    # the interpreter's own folder is bound read-only (it may live in the home); nothing else of the home is
+    private = [str(p) for p in sorted(home.iterdir())[:20]
+               if not any(root == str(p) or root.startswith(str(p) + "/") for root in interpreter_roots)]
+    private += [str(REPO / "train_ppo.py"), str(REPO / "config"), "/etc/shadow", "/etc/passwd", "/proc/1/environ"]
+    result = run(f"""
+        import os
+        for path in {private!r}:
+            try:
+                with open(path, 'rb') as handle:
+                    handle.read(1)
+                print('READ', path)
+            except IsADirectoryError:
+                print('LISTED', path, len(os.listdir(path)))
+            except OSError as exc:
+                print(type(exc).__name__, path)
+    """)
+    lines = result.stdout.splitlines()
+    assert len(lines) == len(private) and not any(line.startswith(("READ", "LISTED")) for line in lines), lines
+
+
+@needs_bwrap
+def test_signals_reach_no_process_outside_the_sandbox():
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        result = run(f"""
+            import os, signal
+            for target in [os.getppid(), {os.getpid()}, {bystander.pid}, 1]:
+                try:
+                    os.kill(target, signal.SIGKILL)
+                    print('sent', target)
+                except OSError as exc:
+                    print(type(exc).__name__, target)
+            os.kill(-1, signal.SIGKILL)  # everything this uid may signal: only the sandbox's own processes
+        """)
+        assert result.killed_reason == "signal SIGKILL" or result.returncode is not None
+        assert bystander.poll() is None, "a host process was killed from inside the sandbox"
+    finally:
+        bystander.kill()
+        bystander.wait()
+    assert leftover_sandbox_processes() == []
+
+
+@needs_bwrap
+def test_a_long_sleep_is_killed_at_the_wall_timeout():
+    result = run("import time\nprint('napping', flush=True)\ntime.sleep(3600)", timeout=1.0)
+    assert (result.timed_out, result.killed_reason, result.stdout) == (True, "timeout", "napping\n")
+    assert result.duration_s < 1.0 + sandbox.KILL_GRACE_S
+    assert leftover_sandbox_processes() == []
+
+
+@needs_bwrap
+def test_no_name_resolution_or_outside_traffic():
+    result = run("""
+        import socket
+        for attempt in (lambda: socket.getaddrinfo('pypi.org', 443),
+                        lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('8.8.8.8', 53))):
+            try:
+                attempt()
+                print('reached')
+            except OSError as exc:
+                print(type(exc).__name__)
+    """)
+    assert "reached" not in result.stdout and len(result.stdout.splitlines()) == 2
+
+
+def test_no_bubblewrap_means_no_program_runs(monkeypatch, tmp_path):
+    """The default configuration never falls back to a weaker sandbox on its own."""
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "bwrap" else "/usr/bin/" + name)
+    monkeypatch.setattr(sandbox, "_probed", {})
+    marker = tmp_path / "ran"
+    with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap.*unsafe_rlimit_only_sandbox"):
+        run_python(f"open({str(marker)!r}, 'w')")
+    assert not marker.exists()
+    from envs.trace_env import TraceEnv
+
+    with pytest.raises(SandboxUnavailable):
+        TraceEnv()
+    assert TraceEnv(unsafe_rlimit_only_sandbox=True).use_bwrap is False  # the explicit, unsafe opt-in
+
+
+# ---------------------------------------------------------------- the unsafe rlimit-only mode
 def test_fallback_still_enforces_timeout_output_cap_and_scrubbed_env(monkeypatch):
     monkeypatch.setenv("TRACE_SANDBOX_TEST_SECRET", "hunter2")
     assert run("while True:\n    pass", timeout=1.0, use_bwrap=False).killed_reason == "timeout"

@@ -227,6 +227,14 @@ def test_options_that_cannot_train_together_are_a_one_line_error(sets, fields):
     assert len(message.splitlines()) == 1 and all(field in message for field in fields), message
 
 
+def test_a_fresh_start_refuses_a_run_folder_with_checkpoints(tmp_path):
+    (tmp_path / "cpu-demo" / "checkpoints" / "checkpoint-3").mkdir(parents=True)
+    result = _run_cli("--preset", "cpu", "--output-dir", str(tmp_path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "checkpoint-3" in result.stderr and "--resume latest" in result.stderr
+    assert (tmp_path / "cpu-demo" / "checkpoints" / "checkpoint-3").is_dir()
+
+
 def test_default_config_without_cuda_points_to_the_cpu_preset():
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")

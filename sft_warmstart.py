@@ -1,0 +1,298 @@
+"""Warm start from expert play: expert episodes in the env's evaluate() conversation, then supervised
+fine-tuning of the LoRA adapter on the expert's replies, written as a checkpoint PPO starts from.
+
+1. Generate: for every game, `--episodes` episodes against the env's opponent, both seats (seed
+   parity), the model's moves chosen by the game's expert (experts.py: CFR+ for leduc_poker, MCTS
+   for sequential games, Monte Carlo search for goofspiel). Every core plays episodes; the
+   conversations go to `sft_data.jsonl` in the shape `logging.log_samples_every` writes.
+2. Train: each conversation becomes token sequences exactly as a rollout builds them (the chat
+   template, the configured context strategy, continued sequences); the loss is the mean negative
+   log-likelihood of the assistant tokens (EOS included), everything else masked.
+3. Save `checkpoints/checkpoint-<optimizer steps>` (adapter + a zero value head).
+
+Run:  python sft_warmstart.py --preset cpu --games leduc_poker,goofspiel --episodes 200
+      python train_ppo.py --preset cpu --init-adapter runs/sft-warmstart/checkpoints/checkpoint-50
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from run_log import console, rollout_progress, setup_logging
+from utils import ConfigError, add_config_arguments, derive_seed, load_config
+
+log = logging.getLogger("sft_warmstart")
+
+DEFAULT_GAMES = "leduc_poker,liars_dice,goofspiel"
+DATA_FILE = "sft_data.jsonl"
+SFT_STATE_KIND = "sft-warmstart"
+
+
+@dataclass(frozen=True)
+class ExpertJob:
+    game: str
+    task_id: int
+    seed: int
+    opponent: str
+    budget: int  # MCTS simulations, or Monte Carlo playouts per bid
+    cfr_iterations: int
+    with_reason: bool
+    opponent_simulations: int | None = None
+
+
+def plan_jobs(games: list[str], episodes: int, seed: int, opponent: str, config_ids: list[int], budget: int | None,
+              cfr_iterations: int, with_reason: bool, opponent_simulations: int | None = None) -> list[ExpertJob]:
+    """`episodes` jobs per game over the config ids; consecutive seeds alternate the model's seat."""
+    from envs.tasks import game_task_id
+    from experts import expert_kind
+
+    jobs = []
+    for game in games:
+        kind = expert_kind(game)
+        game_budget = budget or {"mcts": 300, "montecarlo": 20, "cfr": 0}[kind]
+        for i in range(episodes):
+            episode_seed = (derive_seed(seed, "sft", game, i) & ~1) | (i % 2)  # parity = the model's seat
+            jobs.append(ExpertJob(game, game_task_id(game, config_ids[i % len(config_ids)]), episode_seed,
+                                  opponent, game_budget, cfr_iterations, with_reason, opponent_simulations))
+    return jobs
+
+
+def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
+    """One episode of the env's evaluate() game with the expert in the model's seat, as a conversation."""
+    from envs.openspiel_episode import Episode
+    from experts import Expert, expert_kind
+
+    episode = Episode(uuid.uuid4().hex, task_id=job.task_id, seed=job.seed, opponent=job.opponent,
+                      observation_format="evaluate", max_parse_attempts=3, mcts_simulations=job.opponent_simulations)
+    expert = Expert(expert_kind(job.game), episode.game, episode.player, job.seed, job.budget, job.cfr_iterations)
+    result = episode.start()
+    messages = [{"role": "system", "content": episode.system_prompt}, {"role": "user", "content": result["observation"]}]
+    while not result["done"]:
+        action, reason = expert.choose(episode.state, dict(zip(episode.legal, episode.labels)))
+        reply = f"<think>{reason}</think>{action}" if job.with_reason else str(action)
+        messages.append({"role": "assistant", "content": reply})
+        result = episode.step(reply)
+        if not result["done"]:
+            messages.append({"role": "user", "content": result["observation"]})
+    return {"step": 0, "env": "openspiel", "task_id": job.task_id, "seed": job.seed, "game": job.game,
+            "score": episode.score, "error": None, "messages": messages, "expert": expert.kind,
+            "opponent": job.opponent, "llm_player_id": episode.player}
+
+
+def generate(jobs: list[ExpertJob], workers: int, path: Path | None) -> list[dict[str, Any]]:
+    """Play every job on `workers` processes; records in job order, also written to `path` as JSONL."""
+    records: list[dict[str, Any] | None] = [None] * len(jobs)
+    with rollout_progress(len(jobs), f"expert episodes ({workers} processes)") as advance:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            futures = {pool.submit(play_expert_episode, job): i for i, job in enumerate(jobs)}
+            for future in as_completed(futures):
+                records[futures[future]] = future.result()
+                advance()
+    if path is not None:
+        staging = path.with_suffix(".jsonl.tmp")
+        staging.write_text("".join(json.dumps(r) + "\n" for r in records))
+        os.replace(staging, path)
+    return [r for r in records if r is not None]
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    try:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--data {path}: cannot read conversations ({exc}).") from None
+    if not records or not all(isinstance(r.get("messages"), list) for r in records):
+        raise ConfigError(f"--data {path}: expected JSONL lines with a 'messages' list (as sft_data.jsonl holds).")
+    return records
+
+
+def conversations_to_episodes(records: list[dict[str, Any]], builder, strategy: str, eos_ids: set[int]):
+    """Rollout-shaped episodes (token sequences + turns) of recorded conversations, built the way a rollout
+    prompts: the same context strategy, and each reply's ids followed by an EOS."""
+    from curriculum import Task
+    from prompts import TokenHistory
+    from rollout import Episode, Turn, build_messages
+
+    eos = builder.tokenizer.eos_token_id  # the token that ends an assistant turn in the chat template
+    episodes = []
+    for record in records:
+        messages = record["messages"]
+        has_system = bool(messages) and messages[0]["role"] == "system"
+        history = TokenHistory(builder, eos_ids)
+        episode = Episode(task=Task("openspiel", record.get("task_id", 0), record.get("seed", 0), None, "sft", False),
+                          env_kind="openspiel", sequences=history.sequences, game_name=record.get("game", ""),
+                          done=True, score=float(record.get("score", 0.0)))
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            shown = build_messages(messages[:i], i - 1, strategy, None)
+            prompt = history.prompt(shown, i - 1 if strategy != "last" else int(has_system))
+            if prompt is None:
+                break  # longer than generation.max_prompt_tokens: the rest of this game is not trained on
+            _, sequence, start = prompt
+            reply_ids = builder.tokenize(message["content"]) + [eos]
+            history.add_reply(reply_ids, message["content"])
+            episode.turns.append(Turn(reply_ids, message["content"], None, sequence=sequence, start=start))
+        episodes.append(episode)
+    return episodes
+
+
+def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: int, token_budget: int,
+              seed: int, max_grad_norm: float = 1.0) -> list[dict[str, float]]:
+    """Masked SFT: minibatches of `batch_size` sequences, micro-batches by `token_budget`; per-epoch stats."""
+    import torch
+
+    from experience import collate, plan_micro_batches
+
+    optimizer = torch.optim.AdamW(policy.adapter_parameters(), lr=learning_rate, weight_decay=0.0)
+    order_rng = torch.Generator().manual_seed(seed)
+    pad_id = policy.tokenizer.pad_token_id
+    policy.train()
+    history = []
+    steps = 0
+    for epoch in range(epochs):
+        order = torch.randperm(len(sequences), generator=order_rng).tolist()
+        total_loss = total_tokens = 0.0
+        with rollout_progress((len(order) + batch_size - 1) // batch_size, f"SFT epoch {epoch + 1}/{epochs}") as advance:
+            for first in range(0, len(order), batch_size):
+                minibatch = [sequences[i] for i in order[first:first + batch_size]]
+                tokens = sum(s.response_len for s in minibatch)
+                optimizer.zero_grad(set_to_none=True)
+                for group in plan_micro_batches([len(s.input_ids) for s in minibatch], token_budget):
+                    batch = collate([minibatch[i] for i in group], pad_id, policy.device)
+                    mask = batch["response_mask"]
+                    scored = policy.score(batch["input_ids"], None, mask, with_values=False)
+                    loss = -(scored.logprobs * mask).sum() / tokens
+                    loss.backward()
+                    total_loss += loss.item() * tokens
+                torch.nn.utils.clip_grad_norm_(policy.adapter_parameters(), max_grad_norm)
+                optimizer.step()
+                steps += 1
+                total_tokens += tokens
+                advance()
+        history.append({"epoch": epoch + 1, "loss": total_loss / max(1.0, total_tokens), "optimizer_steps": steps})
+        console.print(f"SFT epoch {epoch + 1}: mean NLL per reply token {history[-1]['loss']:.4f}", highlight=False)
+    optimizer.zero_grad(set_to_none=True)
+    policy.eval()
+    return history
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--games", default=DEFAULT_GAMES, help="comma-separated games with an expert")
+    parser.add_argument("--episodes", type=int, default=100, help="expert episodes per game")
+    parser.add_argument("--config-ids", default="0", help="comma-separated game variants to cycle through")
+    parser.add_argument("--opponent", choices=("random", "mcts"), default="random", help="the env's opponent")
+    parser.add_argument("--opponent-simulations", type=int, help="MCTS opponent's simulations (default: the env's)")
+    parser.add_argument("--expert-budget", type=int,
+                        help="MCTS simulations (default 300) or Monte Carlo playouts per bid (default 20)")
+    parser.add_argument("--cfr-iterations", type=int, default=300, help="CFR+ iterations for leduc_poker")
+    parser.add_argument("--reason", action="store_true", help="replies '<think>one-line reason</think>ID'")
+    parser.add_argument("--data", type=Path, help="train on this JSONL instead of generating episodes")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes playing episodes")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--batch-size", type=int, default=16, help="conversations per optimizer step")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/sft-warmstart"))
+    add_config_arguments(parser, set_example="generation.context_strategy=full")
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    """The games to play; ConfigError naming the option for anything that cannot work."""
+    from experts import ExpertUnavailable, expert_kind
+
+    games = [g.strip() for g in args.games.split(",") if g.strip()]
+    if args.data is None:
+        if args.episodes < 1:
+            raise ConfigError(f"--episodes must be at least 1, got {args.episodes}.")
+        if not games:
+            raise ConfigError("--games is empty; name games with an expert, e.g. --games leduc_poker,goofspiel.")
+        for game in games:
+            try:
+                expert_kind(game)
+            except ExpertUnavailable as exc:
+                raise ConfigError(f"--games: {exc}.") from None
+    for name in ("epochs", "batch_size", "workers", "cfr_iterations"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
+    if args.learning_rate <= 0:
+        raise ConfigError(f"--learning-rate must be > 0, got {args.learning_rate}.")
+    if args.expert_budget is not None and args.expert_budget < 1:
+        raise ConfigError(f"--expert-budget must be at least 1, got {args.expert_budget}.")
+    try:
+        args.config_id_list = [int(c) for c in args.config_ids.split(",")]
+    except ValueError:
+        raise ConfigError(f"--config-ids: expected comma-separated integers, got {args.config_ids!r}.") from None
+    return games
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging()
+    try:
+        config = load_config(args.config, args.env_config, args.curriculum_config, args.preset, args.set)
+        games = check_args(args)
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        if args.data is not None:
+            records = read_records(args.data)
+        else:
+            jobs = plan_jobs(games, args.episodes, config.train.run.seed, args.opponent, args.config_id_list,
+                             args.expert_budget, args.cfr_iterations, args.reason, args.opponent_simulations)
+            started = time.perf_counter()
+            records = generate(jobs, args.workers, args.output_dir / DATA_FILE)
+            console.print(f"{len(records)} expert episodes in {time.perf_counter() - started:.0f} s -> "
+                          f"{args.output_dir / DATA_FILE}", highlight=False)
+        checkpoint = warm_start(config, records, args)
+    except ConfigError as exc:
+        console.print(f"[red]Configuration error:[/red] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    console.print(f"saved {checkpoint}\ncontinue with PPO: python train_ppo.py "
+                  f"{' '.join('--preset ' + p for p in args.preset)} --init-adapter {checkpoint}",
+                  highlight=False, soft_wrap=True)
+    return 0
+
+
+def warm_start(config, records: list[dict[str, Any]], args: argparse.Namespace) -> Path:
+    """SFT on `records`, then a checkpoint in `args.output_dir/checkpoints`; returns its path."""
+    import torch
+
+    from checkpoint import save_checkpoint
+    from experience import build_sequences
+    from generation import eos_token_ids
+    from policy import load_policy, pick_device, return_freed_memory_to_the_os
+    from prompts import PromptBuilder
+
+    cfg = config.train
+    device = pick_device(cfg.run.device)
+    return_freed_memory_to_the_os()
+    torch.manual_seed(cfg.run.seed)
+    policy = load_policy(cfg.model, cfg.lora, device)
+    builder = PromptBuilder(policy.tokenizer, cfg.generation.max_prompt_tokens, cfg.model.chat_template_kwargs)
+    episodes = conversations_to_episodes(records, builder, cfg.generation.context_strategy,
+                                         eos_token_ids(policy.tokenizer, policy.model.generation_config))
+    sequences = build_sequences(episodes)
+    if not sequences:
+        raise ConfigError("no assistant reply fits generation.max_prompt_tokens; nothing to train on.")
+    console.print(f"SFT on {sum(len(e.turns) for e in episodes)} expert replies in {len(sequences)} sequences "
+                  f"({sum(s.response_len for s in sequences)} reply tokens)", highlight=False)
+    history = train_sft(policy, sequences, args.epochs, args.learning_rate, args.batch_size,
+                        cfg.ppo.micro_batch_tokens, cfg.run.seed)
+    state = {"kind": SFT_STATE_KIND, "step": history[-1]["optimizer_steps"], "history": history,
+             "config": config.model_dump(mode="json"),
+             "sft": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    (args.output_dir / "sft_metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    return save_checkpoint(args.output_dir / "checkpoints", history[-1]["optimizer_steps"], policy.save, state,
+                           keep_last=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

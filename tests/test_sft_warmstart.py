@@ -1,0 +1,128 @@
+"""sft_warmstart.py and experts.py: expert episodes in the env's conversation, masked SFT, PPO from the result."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import sft_warmstart
+import train_ppo
+from experience import build_sequences
+from experts import ExpertUnavailable, expert_kind
+from prompts import PromptBuilder
+from sft_warmstart import conversations_to_episodes, generate, plan_jobs, play_expert_episode, train_sft
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def jobs(game, n, **kwargs):
+    options = {"opponent": "random", "config_ids": [0], "budget": None, "cfr_iterations": 20, "with_reason": False}
+    return plan_jobs([game], n, seed=0, **{**options, **kwargs})
+
+
+def test_each_game_gets_its_expert_and_unknown_ones_are_refused():
+    assert [expert_kind(g) for g in ("leduc_poker", "goofspiel", "liars_dice", "hex")] == \
+        ["cfr", "montecarlo", "mcts", "mcts"]
+    with pytest.raises(ExpertUnavailable, match="unknown game 'kuhn'"):
+        expert_kind("kuhn")
+    with pytest.raises(ExpertUnavailable, match="no expert plays blackjack"):
+        expert_kind("blackjack")
+
+
+def test_expert_episodes_are_the_envs_conversation_from_both_seats():
+    planned = jobs("leduc_poker", 4)
+    assert [j.seed % 2 for j in planned] == [0, 1, 0, 1]
+    records = [play_expert_episode(job) for job in planned]
+    for record in records:
+        roles = [m["role"] for m in record["messages"]]
+        assert roles[:2] == ["system", "user"] and roles[-1] == "assistant"
+        assert all(a != b for a, b in zip(roles[1:], roles[2:]))  # user and assistant alternate
+        replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+        assert all(r in {"0", "1", "2"} for r in replies)  # ID-only answers, never a retry prompt
+        assert "attempt" not in " ".join(m["content"] for m in record["messages"] if m["role"] == "user").lower()
+    assert {r["llm_player_id"] for r in records} == {0, 1}
+    assert play_expert_episode(planned[0]) == records[0]  # reproducible from the seed
+
+
+def test_reasons_go_inside_think_tags_the_env_ignores():
+    [record] = [play_expert_episode(job) for job in jobs("goofspiel", 1, budget=2, with_reason=True)]
+    reply = next(m["content"] for m in record["messages"] if m["role"] == "assistant")
+    assert reply.startswith("<think>") and "</think>" in reply and reply.split("</think>")[1].isdigit()
+
+
+@pytest.mark.slow
+def test_experts_beat_a_random_opponent():
+    goofspiel = [play_expert_episode(job)["score"] for job in jobs("goofspiel", 12, budget=10)]
+    assert sum(goofspiel) / len(goofspiel) > 0.7  # random play scores 0.5
+    leduc = [play_expert_episode(job)["score"] for job in jobs("leduc_poker", 40, cfr_iterations=100)]
+    assert sum(leduc) / len(leduc) > 0.5  # (chips won + 13) / 26: above 0.5 means chips won on average
+
+
+def test_generation_on_several_processes_matches_one_process(tmp_path):
+    planned = jobs("liars_dice", 3, budget=5) + jobs("leduc_poker", 2)
+    parallel = generate(planned, workers=2, path=tmp_path / "data.jsonl")
+    assert parallel == [play_expert_episode(job) for job in planned]
+    assert [json.loads(line) for line in (tmp_path / "data.jsonl").read_text().splitlines()] == parallel
+
+
+def test_conversations_become_rollout_sequences_with_only_the_replies_trained(tiny_policy):
+    records = [play_expert_episode(job) for job in jobs("leduc_poker", 2)]
+    builder = PromptBuilder(tiny_policy.tokenizer, 8192)
+    eos = tiny_policy.tokenizer.eos_token_id
+    episodes = conversations_to_episodes(records, builder, "full", {eos})
+    for record, episode, sequence in zip(records, episodes, build_sequences(episodes)):
+        replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+        assert len(episode.sequences) == 1 and [t.response_text for t in episode.turns] == replies
+        trained = [sequence.input_ids[start:end] for start, end in sequence.spans]
+        assert trained == [builder.tokenize(r) + [eos] for r in replies]
+        first_prompt = builder.encode(record["messages"][:2])
+        assert sequence.input_ids[: len(first_prompt)] == first_prompt
+    last = conversations_to_episodes(records, builder, "last", {eos})
+    assert all(len(e.sequences) == len(e.turns) for e in last)  # a fresh prompt per decision
+
+
+def test_sft_raises_the_likelihood_of_the_expert_replies(tiny_policy):
+    records = [play_expert_episode(job) for job in jobs("leduc_poker", 6)]
+    episodes = conversations_to_episodes(records, PromptBuilder(tiny_policy.tokenizer, 8192), "full",
+                                         {tiny_policy.tokenizer.eos_token_id})
+    history = train_sft(tiny_policy, build_sequences(episodes), epochs=4, learning_rate=1e-2, batch_size=3,
+                        token_budget=8192, seed=0)
+    assert history[-1]["loss"] < 0.5 * history[0]["loss"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "sft_warmstart.py"), *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--games", "kuhn_poker"], "--games: unknown game 'kuhn_poker'"),
+    (["--games", "blackjack"], "--games: no expert plays blackjack"),
+    (["--episodes", "0"], "--episodes must be at least 1"),
+])
+def test_bad_options_are_a_one_line_error_naming_the_option(args, expected):
+    result = _cli("--preset", "cpu", *args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.slow
+def test_warm_start_checkpoint_starts_a_ppo_run(tiny_model_dir, tmp_path):
+    from test_train import tiny_args
+
+    sets = ["--set", f"model.name_or_path={tiny_model_dir}", "--set", "model.use_4bit=false",
+            "--set", "model.dtype=float32", "--set", "run.device=cpu", "--set", "model.gradient_checkpointing=false"]
+    assert sft_warmstart.main(["--games", "leduc_poker,goofspiel", "--episodes", "4", "--expert-budget", "2",
+                               "--cfr-iterations", "20", "--epochs", "1", "--workers", "1",
+                               "--output-dir", str(tmp_path / "sft"), *sets]) == 0
+    [checkpoint] = (tmp_path / "sft" / "checkpoints").glob("checkpoint-*")
+    assert len((tmp_path / "sft" / "sft_data.jsonl").read_text().splitlines()) == 8
+    run = tiny_args(tiny_model_dir, tmp_path / "ppo", "--max-steps", "1")
+    assert train_ppo.main(run + ["--init-adapter", str(checkpoint)]) == 0
+    from safetensors.torch import load_file
+
+    sft = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
+    assert any(float(t.abs().max()) > 0 for k, t in sft.items() if "lora_B" in k)  # SFT moved the adapter
+    assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path / "other", "--resume", str(checkpoint))) == 2
