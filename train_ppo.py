@@ -54,6 +54,7 @@ from experience import (assign_advantages, build_sequences, final_reward, sample
 from generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
 from policy import VALUE_HEAD_FILE, adapter_folder, load_policy, pick_device, return_freed_memory_to_the_os
 from ppo import AdaptiveKLController, FixedKLController
+from model_files import model_source
 from prompts import PromptBuilder
 from rollout import Episode, RolloutRunner
 from run_log import RunLogger, console, rollout_progress, setup_logging
@@ -286,16 +287,17 @@ class Trainer:
         api_key = os.environ.get(self.config.env.vllm_api_key_env) if self.config.env.vllm_api_key_env else None
         return VLLMGenerator(self.config.env.vllm_url, cfg.model.name_or_path, self.policy.tokenizer,
                              cfg.generation, cfg.lora.r,
-                             eos_token_ids(self.policy.tokenizer, self.policy.model.generation_config), api_key=api_key)
+                             eos_token_ids(self.policy.tokenizer, self.policy.model.generation_config), api_key=api_key,
+                             served_from=model_source(cfg.model))
 
     async def push_adapter(self) -> None:
         """Save the LoRA weights alone and hot-load them into vLLM under a new name."""
         folder = self.run_dir / "vllm_adapters" / f"step-{self.step}"
         self.policy.model.save_pretrained(folder)
         await self.generator.load_adapter(folder, f"{self.run_dir.name}-step-{self.step}")
-        still_loaded = {"step-" + name.rsplit("-step-", 1)[1] for name in self.generator.loaded}
+        in_use = {path.name for path in self.generator.loaded.values()}
         for old in (self.run_dir / "vllm_adapters").iterdir():
-            if old.name not in still_loaded:
+            if old.name not in in_use:
                 shutil.rmtree(old, ignore_errors=True)
 
     def save(self) -> None:

@@ -1,115 +1,182 @@
-"""Does training improve the model? Train with the cpu preset for a fixed budget, then evaluate base vs
-trained on held-out seeds (greedy, like the validators) and print JSON per game.
+"""Does training make the model play better? Train SmolLM2-135M on CPU with the real loop, then play
+base and trained models greedily on held-out seeds (the validators' evaluate() conversation, both
+seats) and print, per game and opponent: legal-move rate and mean score, with 95 % intervals, and
+the paired score difference to the base model.
 
-    python bench/learning.py                              # defaults below, SmolLM2-135M on CPU
-    python bench/learning.py --steps 20 --games leduc_poker,blackjack --eval-episodes 24 --set ppo.learning_rate=1e-4
+    python bench/learning.py                                   # PPO: leduc_poker + goofspiel, short reasons
+    python bench/learning.py --games goofspiel,leduc_poker --max-new-tokens 32 --steps 20
+    python bench/learning.py --warm-start                      # base / SFT / SFT+PPO / expert, vs random and MCTS
 
-The training run is the real `train_ppo.py` loop (same code path as a user's run); evaluation plays
-the evaluate() conversation through the same rollout engine with temperature 0, the adapter on
-(trained) or off (base), on seeds the training never used.
+PPO runs `train_ppo.py` (cpu preset + the overrides below; context `full`, turn-level credit);
+`--warm-start` first runs `sft_warmstart.py` on expert episodes and starts PPO from its adapter.
+Evaluation is `evaluate.py`'s (greedy, full conversation, seeds derived from EVAL_SEED that
+training never draws), intervals are `report.py`'s: Wilson for the legal-move rate over replies,
+Student t for mean scores and paired differences.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import evaluate  # noqa: E402
+import report  # noqa: E402
+import sft_warmstart  # noqa: E402
 import train_ppo  # noqa: E402
 from checkpoint import find_resumable  # noqa: E402
-from curriculum import Task  # noqa: E402
-from envs.factory import make_envs  # noqa: E402
-from envs.tasks import game_task_id  # noqa: E402
-from policy import load_policy  # noqa: E402
-from generation import LocalGenerator  # noqa: E402
-from prompts import PromptBuilder  # noqa: E402
-from rollout import RolloutRunner  # noqa: E402
+from envs.tasks import game_name_of  # noqa: E402
 from utils import load_config  # noqa: E402
 
-# Tuned on this machine so that ten CPU steps visibly move the model: larger batches and one epoch
-# give a steadier gradient per minute than the preset's 4×2, and 2e-4 is the highest rate at which
-# the KL to the base stayed small (under ~0.6 nats per episode).
-TUNED_OVERRIDES = ["ppo.batch_size=8", "ppo.ppo_epochs=1", "ppo.learning_rate=2e-4", "ppo.init_kl_coef=0.05",
-                   "generation.max_new_tokens=8", "generation.max_concurrent_episodes=8"]
-HELD_OUT_SEED = 900_000  # training seeds come from the curriculum RNG; these are a separate range
+# Tuned on this machine so that a CPU budget visibly moves the model: 8 episodes and one epoch per
+# step give a steadier gradient per minute than more epochs, and 2e-4 was the fastest rate that kept
+# the KL to the base small.
+TRAIN_OVERRIDES = ["ppo.batch_size=8", "ppo.ppo_epochs=1", "ppo.learning_rate=2e-4", "ppo.init_kl_coef=0.05",
+                   "ppo.kl_target=0.2", "generation.context_strategy=full", "generation.max_concurrent_episodes=8",
+                   "generation.max_prompt_tokens=4096"]
+EVAL_SEED = 900_000  # training draws its seeds from the curriculum's generator; these are derived apart
 
 
-async def play_both(runner: RolloutRunner, policy, tasks: list[Task]):
-    """Same tasks and seeds with the adapter on (trained) and off (base)."""
-    trained = await runner.run(tasks, step=10**6)
-    with policy.reference():
-        base = await runner.run(tasks, step=10**6)
-    return trained, base
+def train(games: list[str], steps: int, out: Path, overrides: list[str], init_adapter: Path | None) -> Path:
+    """The real train_ppo loop; returns the final checkpoint (a stopped run is an error, not a result)."""
+    stages = json.dumps([{"name": "bench", "opponent": "random", "min_episodes": 10**6,
+                          "tasks": [{"env": "openspiel", "games": games, "config_ids": [0]}]}])
+    args = ["--preset", "cpu", "--output-dir", str(out), "--max-steps", str(steps), "--set", "run.name=ppo",
+            "--set", f"curriculum.stages={stages}"]
+    for override in overrides:
+        args += ["--set", override]
+    if init_adapter is not None:
+        args += ["--init-adapter", str(init_adapter)]
+    if train_ppo.main(args) != 0:
+        sys.exit("training failed")
+    checkpoint = find_resumable(out / "ppo" / "checkpoints")
+    if checkpoint is None or checkpoint.name != f"checkpoint-{steps}":
+        sys.exit(f"training stopped early ({checkpoint}); no evaluation of a partial run")
+    return checkpoint
 
 
-def summarise(episodes) -> dict:
-    by_game: dict[str, list] = {}
-    for episode in episodes:
-        by_game.setdefault(episode.game_name, []).append(episode)
-    summary = {}
-    for game, group in sorted(by_game.items()):
-        turns = sum(len(e.turns) for e in group)
-        illegal = sum(e.illegal_moves for e in group)
-        summary[game] = {
-            "episodes": len(group),
-            "legal_move_rate": round(1 - illegal / turns, 4) if turns else None,
-            "mean_score": round(sum(e.score for e in group) / len(group), 4),
-            "win_rate": round(sum(e.score > 0.5 for e in group) / len(group), 4),
-            # a game forfeited after 3 unusable replies ends with no returns
-            "games_lost_to_parse_errors": sum(1 for e in group if e.done and e.info.get("returns") is None),
-        }
-    return summary
+def play(config, games: list[str], episodes: int, opponent: str, adapter: Path | None, label: str,
+         with_base: bool) -> list[dict]:
+    """evaluate.py's episodes (greedy, full context, held-out seeds, both seats) for one model (+ the base)."""
+    tasks = [t for game in games for t in evaluate.game_tasks(game, episodes, EVAL_SEED, opponent, "openspiel")]
+    specs = evaluate.eval_env_specs(config, {"openspiel"})
+    adapter_dir = evaluate.adapter_folder(adapter) if adapter else None
+    records = asyncio.run(evaluate.evaluate(config, tasks, specs, adapter_dir, with_base and adapter is not None,
+                                            None))
+    for record in records:
+        record["model"] = record["model"] if record["model"] == "base" else label
+    return records
+
+
+def expert_records(games: list[str], episodes: int, opponent: str, simulations: int, workers: int) -> list[dict]:
+    """The experts themselves on the same tasks and seeds, as evaluation records."""
+    tasks = [t for game in games for t in evaluate.game_tasks(game, episodes, EVAL_SEED, opponent, "openspiel")]
+    jobs = [sft_warmstart.expert_job(game_name_of(t.task_id), t.task_id, t.seed, opponent,
+                                     opponent_simulations=simulations) for t in tasks]
+    played = sft_warmstart.generate(jobs, workers, None)
+    return [{"model": "expert", "game": r["game"], "task_id": r["task_id"], "seed": r["seed"], "score": r["score"],
+             "outcome": "win" if r["score"] > 0.5 else "draw" if r["score"] == 0.5 else "loss",
+             "turns": sum(m["role"] == "assistant" for m in r["messages"]), "illegal_moves": 0,
+             "parse_failed_game": False, "generated_tokens": 0, "error": None} for r in played]
+
+
+def table(records: list[dict], opponent: str, models: list[str]) -> tuple[dict, list[str]]:
+    """Per game and model: legal-move rate, mean score and paired difference to base, with intervals."""
+    summary = report.summarize(records)
+    rows, result = [], {}
+    for game in sorted({r["game"] for r in records}):
+        for model in models:
+            s = summary.get(model, {}).get(game)
+            if s is None:
+                continue
+            pair = report.paired_differences(records, model, "base").get(game) if model != "base" else None
+            legal = None if s["illegal_rate"] is None else 1 - s["illegal_rate"]
+            legal_ci = None if s["illegal_rate_ci95"] is None else [1 - s["illegal_rate_ci95"][1],
+                                                                    1 - s["illegal_rate_ci95"][0]]
+            result.setdefault(game, {})[model] = {
+                "episodes": s["episodes"], "errors": s["errors"], "legal_move_rate": legal, "legal_ci95": legal_ci,
+                "mean_score": s["mean_score"], "score_ci95": s["score_ci95"],
+                "score_minus_base": pair and pair["score_diff"], "score_minus_base_ci95": pair and pair["score_diff_ci95"],
+            }
+            rows.append(f"| {game} | {opponent} | {model} | {_ci(legal, legal_ci)} | {_ci(s['mean_score'], s['score_ci95'])}"
+                        f" | {_ci(pair and pair['score_diff'], pair and pair['score_diff_ci95'], signed=True)} |")
+    return result, rows
+
+
+def _ci(value, interval, signed: bool = False) -> str:
+    if value is None:
+        return "-"
+    text = f"{value:+.3f}" if signed else f"{value:.3f}"
+    return text + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--games", default="leduc_poker,blackjack")
-    parser.add_argument("--eval-episodes", type=int, default=16, help="per game, both seats")
-    parser.add_argument("--output-dir", default="runs/bench-learning")
+    parser.add_argument("--games", help="default leduc_poker,goofspiel; with --warm-start leduc_poker,liars_dice,goofspiel")
+    parser.add_argument("--steps", type=int, default=20, help="PPO steps")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="reply length: room for a short reason")
+    parser.add_argument("--eval-episodes", type=int, default=24, help="per game and opponent, both seats")
+    parser.add_argument("--opponents", default=None, help="default random; with --warm-start random,mcts")
+    parser.add_argument("--mcts-simulations", type=int, default=300,
+                        help="the MCTS opponent's simulations in evaluation (validators: 3000 for poker and dice)")
+    parser.add_argument("--warm-start", action="store_true", help="SFT on expert play first; add SFT and expert rows")
+    parser.add_argument("--sft-episodes", type=int, default=100, help="expert episodes per game for SFT")
+    parser.add_argument("--sft-epochs", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"))
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
     args = parser.parse_args()
-    games = args.games.split(",")
-    stages = json.dumps([{"name": "easy", "opponent": "random", "min_episodes": 10**6,
-                          "tasks": [{"env": "openspiel", "games": games, "config_ids": [0]}]}])
-    overrides = ["run.name=learning", f"curriculum.stages={stages}", *TUNED_OVERRIDES, *args.set]
-    train_args = ["--preset", "cpu", "--output-dir", args.output_dir, "--max-steps", str(args.steps)]
-    for override in overrides:
-        train_args += ["--set", override]
+    games = (args.games or ("leduc_poker,liars_dice,goofspiel" if args.warm_start else "leduc_poker,goofspiel")).split(",")
+    opponents = (args.opponents or ("random,mcts" if args.warm_start else "random")).split(",")
+    overrides = [*TRAIN_OVERRIDES, f"generation.max_new_tokens={args.max_new_tokens}", *args.set]
+    shutil.rmtree(args.output_dir, ignore_errors=True)  # this bench's own scratch folder
+    args.output_dir.mkdir(parents=True)
+    timings: dict[str, float] = {}
 
+    sft_checkpoint = None
+    if args.warm_start:
+        started = time.perf_counter()
+        sft_args = ["--preset", "cpu", "--games", ",".join(games), "--episodes", str(args.sft_episodes),
+                    "--epochs", str(args.sft_epochs), "--workers", str(args.workers),
+                    "--output-dir", str(args.output_dir / "sft")]
+        for override in overrides:
+            sft_args += ["--set", override]
+        if sft_warmstart.main(sft_args) != 0:
+            sys.exit("warm start failed")
+        sft_checkpoint = find_resumable(args.output_dir / "sft" / "checkpoints")
+        timings["sft_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
-    if train_ppo.main(train_args) != 0:
-        sys.exit("training failed")
-    train_seconds = time.perf_counter() - started
+    trained = train(games, args.steps, args.output_dir, overrides, sft_checkpoint)
+    timings["ppo_seconds"] = time.perf_counter() - started
 
-    config = load_config(presets=["cpu"], overrides=[*overrides, "generation.temperature=0",
-                                                      "generation.context_strategy=full",
-                                                      "generation.max_concurrent_episodes=8"])
-    policy = load_policy(config.train.model, config.train.lora, torch.device("cpu"))
-    checkpoint = find_resumable(Path(args.output_dir) / "learning" / "checkpoints")
-    if checkpoint is None or checkpoint.name != f"checkpoint-{args.steps}":
-        sys.exit(f"training stopped early ({checkpoint}); no evaluation of a partial run")
-    policy.load(checkpoint)
-    gen_cfg = config.train.generation
-    runner = RolloutRunner(make_envs(config.env, seed=0), LocalGenerator(policy, gen_cfg, seed=0),
-                           PromptBuilder(policy.tokenizer, gen_cfg.max_prompt_tokens), gen_cfg)
-    tasks = [Task("openspiel", game_task_id(game, 0), HELD_OUT_SEED + i, "random", "eval", False)
-             for game in games for i in range(args.eval_episodes)]
-    trained_episodes, base_episodes = asyncio.run(play_both(runner, policy, tasks))
-    trained, base = summarise(trained_episodes), summarise(base_episodes)
-    print(json.dumps({
-        "model": "SmolLM2-135M-Instruct (cpu preset)", "train_steps": args.steps,
-        "train_episodes": args.steps * config.train.ppo.batch_size, "train_seconds": round(train_seconds),
-        "checkpoint": str(checkpoint), "opponent": "random", "eval_temperature": 0,
-        "per_game": {game: {"base": base.get(game), "trained": trained.get(game)} for game in games},
-    }, indent=2))
+    eval_sets = [*overrides, "generation.temperature=0", f"env.envs.openspiel.mcts_simulations={args.mcts_simulations}"]
+    config = load_config(presets=["cpu"], overrides=eval_sets)
+    trained_label = "sft+ppo" if args.warm_start else "ppo"
+    models = ["base", *(["sft"] if args.warm_start else []), trained_label, *(["expert"] if args.warm_start else [])]
+    results, rows = {}, []
+    started = time.perf_counter()
+    for opponent in opponents:
+        records = play(config, games, args.eval_episodes, opponent, trained, trained_label, with_base=True)
+        if sft_checkpoint is not None:
+            records += play(config, games, args.eval_episodes, opponent, sft_checkpoint, "sft", with_base=False)
+            records += expert_records(games, args.eval_episodes, opponent, args.mcts_simulations, args.workers)
+        results[opponent], opponent_rows = table(records, opponent, models)
+        rows += opponent_rows
+    timings["eval_seconds"] = time.perf_counter() - started
+    print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "games": games, "ppo_steps": args.steps,
+                      "train_episodes": args.steps * 8, "max_new_tokens": args.max_new_tokens,
+                      "eval_episodes_per_game": args.eval_episodes, "mcts_simulations": args.mcts_simulations,
+                      "checkpoint": str(trained), "seconds": {k: round(v) for k, v in timings.items()},
+                      "results": results}, indent=1))
+    print("\n| game | opponent | model | legal-move rate [95% CI] | mean score [95% CI] | score - base [95% CI] |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Implements what the trainer uses, the way vLLM documents it: `GET /v1/models`,
 is on, like vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING).
 
 Run: python tests/fake_vllm.py --model DIR --port P [--no-runtime-lora] [--ignore-adapters]
+        [--served-model-name NAME] [--max-model-len N]
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from fastapi import FastAPI, HTTPException, Request
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
-def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool = False) -> FastAPI:
+def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool = False, served_name: str | None = None,
+              max_model_len: int = 32768) -> FastAPI:
     from peft import PeftModel
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -27,8 +29,10 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
     lock = threading.Lock()
     app = FastAPI()
 
+    served_name = served_name or model_dir
+
     def model_for(name: str):
-        if name == model_dir or name == "base":
+        if name == served_name:
             return state["model"], None
         if name not in state["adapters"]:
             raise HTTPException(404, f"The model `{name}` does not exist.")
@@ -36,8 +40,10 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
 
     @app.get("/v1/models")
     def models():
-        ids = [model_dir] + list(state["adapters"])
-        return {"object": "list", "data": [{"id": i, "object": "model"} for i in ids]}
+        base = {"id": served_name, "object": "model", "root": model_dir, "max_model_len": max_model_len}
+        adapters = [{"id": name, "object": "model", "root": path, "parent": served_name}
+                    for name, path in state["adapters"].items()]
+        return {"object": "list", "data": [base] + adapters}
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora(request: Request):
@@ -139,6 +145,8 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--no-runtime-lora", action="store_true")
     parser.add_argument("--ignore-adapters", action="store_true", help="accept adapters but keep serving the base")
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--max-model-len", type=int, default=32768)
     args = parser.parse_args()
-    uvicorn.run(build_app(args.model, not args.no_runtime_lora, args.ignore_adapters), host="127.0.0.1",
-                port=args.port, log_level="warning")
+    uvicorn.run(build_app(args.model, not args.no_runtime_lora, args.ignore_adapters, args.served_model_name,
+                          args.max_model_len), host="127.0.0.1", port=args.port, log_level="warning")

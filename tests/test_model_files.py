@@ -71,3 +71,34 @@ def test_smollm2_gguf_converts_to_a_folder_with_the_same_weights(tmp_path):
         logits = policy.model(input_ids=ids).logits
         assert torch.equal(logits, direct(input_ids=ids).logits)  # the exact dequantised weights
     assert logits.shape[-1] == len(policy.tokenizer) and torch.isfinite(logits).all()
+
+
+def test_4bit_quantises_a_gguf_model_from_its_converted_folder(tmp_path, monkeypatch):
+    """The NF4 path never hands a GGUF file to from_pretrained (transformers refuses that combination)."""
+    import types
+
+    import peft
+    import transformers
+
+    from policy import load_base_model
+
+    def fake_convert(gguf, folder, trust_remote_code):
+        folder.mkdir()
+        (folder / SOURCE_FILE).write_text("{}")
+
+    calls = []
+
+    def fake_from_pretrained(path, **kwargs):
+        calls.append((path, kwargs))
+        return types.SimpleNamespace(config=types.SimpleNamespace())
+
+    monkeypatch.setattr(model_files, "_convert", fake_convert)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
+    monkeypatch.setattr(peft, "prepare_model_for_kbit_training", lambda model, **kwargs: model)
+    (tmp_path / "m.gguf").write_bytes(b"gguf")
+    model_cfg = ModelConfig(name_or_path=str(tmp_path), gguf_file="m.gguf", use_4bit=True,
+                            cache_dir=str(tmp_path / "cache"))
+    load_base_model(model_cfg, torch.device("cuda"))
+    [(path, kwargs)] = calls
+    assert path == str(converted_folder(tmp_path / "m.gguf", tmp_path / "cache")) and "gguf_file" not in kwargs
+    assert kwargs["quantization_config"].load_in_4bit and kwargs["quantization_config"].bnb_4bit_quant_type == "nf4"

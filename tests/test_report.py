@@ -84,6 +84,8 @@ def test_game_summary_rates_leave_errored_episodes_out():
     assert summary["score_ci95"] == pytest.approx([0.236818, 0.863182], abs=1e-5)
     # illegal: (3*1 + 3 + 3) unusable replies / (4*3 + 3*4 + 5 + 5 + 4) replies = 9 / 38
     assert summary["illegal_rate"] == pytest.approx(9 / 38)
+    # Wilson 9/38: centre (0.236842 + 1.96^2/76) / (1 + 1.96^2/38) = 0.260998, half width 0.131061
+    assert summary["illegal_rate_ci95"] == pytest.approx([0.129937, 0.392068], abs=1e-5)
     # parse errors: 2 of the 10 scored episodes were lost to three failed parses
     assert summary["parse_error_rate"] == pytest.approx(0.2)
     assert summary["mean_turns"] == pytest.approx(3.8)

