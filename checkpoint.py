@@ -117,7 +117,11 @@ def list_checkpoints(checkpoint_dir: Path) -> list[tuple[int, Path]]:
 
 def _prune(checkpoint_dir: Path, keep_last: int) -> None:
     for _, path in list_checkpoints(checkpoint_dir)[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+        # renamed first: a kill mid-delete leaves a .tmp- folder (cleaned at the next resume), never a
+        # half-deleted checkpoint-N that looks like a checkpoint
+        doomed = checkpoint_dir / f".tmp-pruned-{path.name}-{os.getpid()}"
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def verify(checkpoint: Path) -> bool:

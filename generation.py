@@ -191,17 +191,16 @@ class LocalGenerator:
         """One DynamicCache holding each row's reused prefix, right-aligned to `width`."""
         from transformers import DynamicCache
 
+        reused = [(row, self._caches[key], n) for row, (key, n) in enumerate(zip(keys, reuse)) if n]
         layers = []
-        for layer in range(len(self._caches[next(k for k, n in zip(keys, reuse) if n)].layers)):
-            sample_keys, sample_values = next(self._caches[k].layers[layer] for k, n in zip(keys, reuse) if n)
-            heads, _, dim = sample_keys.shape
-            batch_keys = sample_keys.new_zeros((len(keys), heads, width, dim))
-            batch_values = sample_values.new_zeros((len(keys), heads, width, sample_values.shape[-1]))
-            for row, (key, n) in enumerate(zip(keys, reuse)):
-                if n:
-                    cached_keys, cached_values = self._caches[key].layers[layer]
-                    batch_keys[row, :, width - n :] = cached_keys[:, :n]
-                    batch_values[row, :, width - n :] = cached_values[:, :n]
+        for layer in range(len(reused[0][1].layers)):
+            sample_keys, sample_values = reused[0][1].layers[layer]
+            batch_keys = sample_keys.new_zeros((len(keys), sample_keys.shape[0], width, sample_keys.shape[2]))
+            batch_values = sample_values.new_zeros((len(keys), sample_values.shape[0], width, sample_values.shape[2]))
+            for row, cache, n in reused:
+                cached_keys, cached_values = cache.layers[layer]
+                batch_keys[row, :, width - n:] = cached_keys[:, :n]
+                batch_values[row, :, width - n:] = cached_values[:, :n]
             layers.append((batch_keys.to(device), batch_values.to(device)))
         return DynamicCache(ddp_cache_data=layers)
 

@@ -55,7 +55,7 @@ FIGURES = (
     )),
     Figure("illegal_rate.png", (Panel("Illegal moves per model reply", ("env/illegal_rate",), ylabel="rate"),)),
     Figure("kl_beta.png", (
-        Panel("KL to the reference", ("reward/kl_per_episode",), ylabel="nats per episode"),
+        Panel("KL to the reference", ("reward/kl_per_token",), ylabel="nats per token (the controller's target)"),
         Panel("KL coefficient β", ("kl/coef",)),
         Panel("Approx KL to the rollout policy", ("policy/approx_kl_k3",), ylabel="nats per token"),
     )),

@@ -350,6 +350,18 @@ def test_adaptive_kl_controller_trajectory_short_horizon():
     close(trajectory, [0.204, 0.19992, 0.19992, 0.1959216, 0.197880816], atol=1e-12)
 
 
+def test_default_controller_moves_beta_within_a_short_run():
+    # defaults: target 0.05 nats per token, horizon 100 episodes; 20 steps of 8 episodes at KL 0.1 per token
+    # (error clipped to +0.2): beta = 0.2 * (1 + 0.2 * 8 / 100)^20 = 0.2 * 1.016^20 = 0.274729
+    from utils import PPOConfig
+
+    cfg = PPOConfig()
+    controller = AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
+    for _ in range(20):
+        controller.update(0.1, n_steps=8)
+    close(controller.value, 0.2747288, atol=1e-6)
+
+
 def test_kl_controllers_state_round_trip():
     controller = AdaptiveKLController(0.2, 6.0, 100)
     controller.update(12.0, 10)

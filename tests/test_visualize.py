@@ -12,7 +12,7 @@ def step_record(step, stage, success):
         "env/reward_mean": 0.1 * step, "env/score_mean": 0.05 * step, "env/success_rate": success,
         "env/illegal_rate": 0.5 / step, "game/leduc_poker/success": success, "game/leduc_poker/score": 0.4,
         "game/liars_dice/success": success / 2, "game/liars_dice/score": 0.2, f"stage/{stage}/success": success,
-        "reward/kl_per_episode": 0.01 * step, "kl/coef": 0.2 - 0.01 * step, "policy/approx_kl_k3": 0.001,
+        "reward/kl_per_token": 0.01 * step, "kl/coef": 0.2 - 0.01 * step, "policy/approx_kl_k3": 0.001,
         "policy/loss": -0.01, "value/loss": 0.3 / step, "policy/entropy": 1.2, "value/explained_variance": None,
         "policy/clipfrac": 0.05, "value/vf_clipfrac": 0.1,
     }
