@@ -206,10 +206,12 @@ def assign_advantages(sequences: list[TrainSequence], episodes: list[Episode], c
     turn_values = torch.zeros(n, max_turns)
     turn_env_rewards = torch.zeros(n, max_turns)
     episode_returns = torch.zeros(n)
+    turn_starts: list[tuple[int, int, int]] = []  # (episode row, column of the turn's first token, turn column)
     for r, e in enumerate(episode_ids):
         rewards = turn_rewards(episodes[e], cfg)
         position = 0
         for k, ref in enumerate(by_episode[e]):
+            turn_starts.append((r, position, k))
             length = ref.span.stop - ref.span.start
             columns = slice(position, position + length)
             kl[r, columns] = kl_penalty(ref.sequence.old_logprobs[ref.span], ref.sequence.ref_logprobs[ref.span],
@@ -240,15 +242,12 @@ def assign_advantages(sequences: list[TrainSequence], episodes: list[Episode], c
         turn_advantages, turn_returns = compute_gae(turn_env_rewards - kl_coef * turn_kl * turn_mask, turn_values,
                                                     turn_mask, cfg.gamma, cfg.lam)
         advantages = turn_advantages.gather(1, turn_of_token) * token_mask
-        first_token = torch.zeros(n, width)
+        # a turn's value and return sit at its first token
+        rows, columns, turn_columns = (torch.tensor(index) for index in zip(*turn_starts))
+        value_mask = torch.zeros(n, width)
+        value_mask[rows, columns] = 1
         returns = torch.zeros(n, width)
-        for r, e in enumerate(episode_ids):
-            position = 0
-            for k, ref in enumerate(by_episode[e]):
-                first_token[r, position] = 1
-                returns[r, position] = turn_returns[r, k]
-                position += ref.span.stop - ref.span.start
-        value_mask = first_token
+        returns[rows, columns] = turn_returns[rows, turn_columns]
     if cfg.whiten_advantages and cfg.advantage == "gae":
         advantages = masked_whiten(advantages, token_mask)
 

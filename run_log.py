@@ -108,6 +108,39 @@ class RunLogger:
             self.wandb_run.finish()
 
 
+def episode_summary(episodes, rollout_seconds: float, rewards: dict[int, float]) -> dict[str, Any]:
+    """The env/ and perf/ numbers of one step's episodes; `rewards` maps id(episode) to its total reward."""
+    ok = [e for e in episodes if not e.error]
+    turns = sum(len(e.turns) for e in ok)
+    tokens = sum(e.generated_tokens for e in episodes)
+    metrics: dict[str, Any] = {
+        "env/episodes": len(episodes),
+        "env/episodes_failed": len(episodes) - len(ok),
+        "env/episodes_cut_off": sum(e.cut_off for e in episodes),
+        "env/score_mean": _mean([e.score for e in ok]),
+        "env/reward_mean": _mean([rewards[id(e)] for e in ok]),
+        "env/success_rate": _mean([float(e.success) for e in ok]),
+        "env/illegal_rate": sum(e.illegal_moves for e in ok) / turns if turns else 0.0,
+        "env/turns_mean": _mean([len(e.turns) for e in ok]),
+        "env/response_length": tokens / max(1, sum(len(e.turns) for e in episodes)),
+        "perf/rollout_seconds": rollout_seconds,
+        "perf/tokens_per_s": tokens / rollout_seconds if rollout_seconds > 0 else 0.0,
+    }
+    for prefix, key in (("game", lambda e: e.game_name), ("stage", lambda e: e.task.stage)):
+        groups: dict[str, list] = {}
+        for episode in ok:
+            groups.setdefault(key(episode), []).append(episode)
+        for name, group in groups.items():
+            if prefix == "game":
+                metrics[f"game/{name}/score"] = _mean([e.score for e in group])
+            metrics[f"{prefix}/{name}/success"] = _mean([float(e.success) for e in group])
+    return metrics
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
 @contextmanager
 def rollout_progress(total: int, description: str) -> Iterator[Any]:
     """A progress bar over finished episodes; yields a callback to advance it."""

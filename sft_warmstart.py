@@ -81,7 +81,8 @@ def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
                       observation_format="evaluate", max_parse_attempts=3, mcts_simulations=job.opponent_simulations)
     expert = Expert(expert_kind(job.game), episode.game, episode.player, job.seed, job.budget, job.cfr_iterations)
     result = episode.start()
-    messages = [{"role": "system", "content": episode.system_prompt}, {"role": "user", "content": result["observation"]}]
+    messages = [{"role": "system", "content": episode.system_prompt},
+                {"role": "user", "content": result["observation"]}]
     while not result["done"]:
         action, reason = expert.choose(episode.state, dict(zip(episode.legal, episode.labels)))
         reply = f"<think>{reason}</think>{action}" if job.with_reason else str(action)
@@ -167,7 +168,8 @@ def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: 
     for epoch in range(epochs):
         order = torch.randperm(len(sequences), generator=order_rng).tolist()
         total_loss = total_tokens = 0.0
-        with rollout_progress((len(order) + batch_size - 1) // batch_size, f"SFT epoch {epoch + 1}/{epochs}") as advance:
+        batches = (len(order) + batch_size - 1) // batch_size
+        with rollout_progress(batches, f"SFT epoch {epoch + 1}/{epochs}") as advance:
             for first in range(0, len(order), batch_size):
                 minibatch = [sequences[i] for i in order[first:first + batch_size]]
                 tokens = sum(s.response_len for s in minibatch)

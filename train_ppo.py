@@ -57,7 +57,7 @@ from ppo import AdaptiveKLController, FixedKLController
 from model_files import model_source
 from prompts import PromptBuilder
 from rollout import Episode, RolloutRunner
-from run_log import RunLogger, console, rollout_progress, setup_logging
+from run_log import RunLogger, console, episode_summary, rollout_progress, setup_logging
 from update import TooManySkips, UpdateState, build_optimizer, ppo_update
 from utils import Config, ConfigError, add_config_arguments, check_training_config, derive_seed, load_config
 
@@ -244,32 +244,13 @@ class Trainer:
 
     def episode_metrics(self, episodes: list[Episode], rollout_seconds: float) -> dict[str, Any]:
         ppo = self.config.train.ppo
-        ok = [e for e in episodes if not e.error]
-        turns = sum(len(e.turns) for e in ok)
-        tokens = sum(e.generated_tokens for e in episodes)
+        rewards = {id(e): final_reward(e, ppo) + sum(turn_rewards(e, ppo)) for e in episodes}
+        metrics = episode_summary(episodes, rollout_seconds, rewards)
         self.totals["episodes"] += len(episodes)
-        self.totals["episodes_failed"] += len(episodes) - len(ok)
-        self.totals["generated_tokens"] += tokens
-        metrics: dict[str, Any] = {
-            "env/episodes": len(episodes),
-            "env/episodes_failed": len(episodes) - len(ok),
-            "env/episodes_cut_off": sum(e.cut_off for e in episodes),
-            "env/score_mean": _mean([e.score for e in ok]),
-            "env/reward_mean": _mean([final_reward(e, ppo) + sum(turn_rewards(e, ppo)) for e in ok]),
-            "env/success_rate": _mean([float(e.success) for e in ok]),
-            "env/illegal_rate": sum(e.illegal_moves for e in ok) / turns if turns else 0.0,
-            "env/turns_mean": _mean([len(e.turns) for e in ok]),
-            "env/response_length": tokens / max(1, sum(len(e.turns) for e in episodes)),
-            "perf/rollout_seconds": rollout_seconds,
-            "perf/tokens_per_s": tokens / rollout_seconds if rollout_seconds > 0 else 0.0,
-            "totals/episodes": self.totals["episodes"],
-            "totals/episodes_failed": self.totals["episodes_failed"],
-        }
-        for key, group in _group_by(ok, lambda e: f"game/{e.game_name}").items():
-            metrics[f"{key}/score"] = _mean([e.score for e in group])
-            metrics[f"{key}/success"] = _mean([float(e.success) for e in group])
-        for key, group in _group_by(ok, lambda e: f"stage/{e.task.stage}").items():
-            metrics[f"{key}/success"] = _mean([float(e.success) for e in group])
+        self.totals["episodes_failed"] += metrics["env/episodes_failed"]
+        self.totals["generated_tokens"] += sum(e.generated_tokens for e in episodes)
+        metrics["totals/episodes"] = self.totals["episodes"]
+        metrics["totals/episodes_failed"] = self.totals["episodes_failed"]
         for name, (_, env) in self.envs.items():
             counts = env.error_counts() if hasattr(env, "error_counts") else {}
             metrics.update({f"env_errors/{name}/{k}": v for k, v in counts.items()})
@@ -359,24 +340,14 @@ class Trainer:
         self.logger.close()
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
-
-def _group_by(items, key) -> dict[str, list]:
-    groups: dict[str, list] = {}
-    for item in items:
-        groups.setdefault(key(item), []).append(item)
-    return groups
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_arguments(parser, set_example="ppo.learning_rate=2e-5")
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument("--resume", help="checkpoint folder, or 'latest'")
     resume.add_argument("--init-adapter", type=Path,
-                        help="start a new run from this adapter (a checkpoint or adapter folder, e.g. sft_warmstart.py's)")
+                        help="start a new run from this adapter (a checkpoint or adapter folder, e.g. "
+                        "sft_warmstart.py's)")
     parser.add_argument("--output-dir", help="parent folder of run folders (overrides run.output_dir)")
     parser.add_argument("--max-steps", type=int, help="overrides run.max_steps")
     return parser.parse_args(argv)

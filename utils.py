@@ -123,8 +123,10 @@ class PPOConfig(Strict):
     )
     init_kl_coef: float = Field(0.2, ge=0)
     adaptive_kl: bool = Field(True)
-    kl_target: float = Field(0.05, gt=0, description="Target KL to the reference per generated token (adaptive controller).")
-    kl_horizon: int = Field(100, ge=1, description="Episodes over which the adaptive KL coefficient may change by ~20%.")
+    kl_target: float = Field(0.05, gt=0, description="Target KL to the reference per generated token "
+                             "(adaptive controller).")
+    kl_horizon: int = Field(100, ge=1, description="Episodes over which the adaptive KL coefficient may change "
+                            "by ~20%.")
     kl_estimator: Literal["k1", "k2", "k3", "abs"] = Field("k1", description="Per-token KL penalty estimator.")
     kl_stop: float | None = Field(
         0.05, gt=0, description="Skip the optimizer step and end the epochs when a minibatch's approx KL (k3) "

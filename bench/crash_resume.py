@@ -77,21 +77,25 @@ def checkpoint_report(checkpoints: Path) -> dict:
                      if CHECKPOINT_RE.match(p.name)) if checkpoints.exists() else []
     unreadable = [p.name for _, p in folders if not verify(p)]
     newest_complete = next((p.name for _, p in reversed(folders) if verify(p)), None)
-    found = find_resumable(checkpoints) if checkpoints.exists() else None
-    return {"checkpoints": [p.name for _, p in folders], "unreadable": unreadable,
+    half_written = any(p.name.startswith(".tmp-checkpoint-") for p in checkpoints.iterdir()) \
+        if checkpoints.exists() else False
+    found = find_resumable(checkpoints) if checkpoints.exists() else None  # also removes the half-written one
+    return {"checkpoints": [p.name for _, p in folders], "unreadable": unreadable, "half_written_left": half_written,
             "resume_picks_newest": (found.name if found else None) == newest_complete}
 
 
 def kill_once(command: list[str], phases_file: Path, phase: str, rng: random.Random, timeout: float) -> str | None:
-    """Start the run, SIGKILL it a random moment into the next `phase`; the phase killed in (None: it finished)."""
+    """Start the run, SIGKILL it a random moment into the 1st, 2nd or 3rd `phase` it starts (so runs make
+    progress between kills); returns the phase it was killed in (None: the run finished first)."""
     seen = len(phases_file.read_text().splitlines()) if phases_file.exists() else 0
+    occurrence = rng.randint(1, 3)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
     # checkpoint writes of a tiny model take tens of ms: aim inside them; the other phases last seconds
-    delay = rng.uniform(0.0, 0.03) if phase == "checkpoint" else rng.uniform(0.0, 1.5)
+    delay = rng.uniform(0.0, 0.03) if phase == "checkpoint" else rng.uniform(0.0, 0.5)
     while process.poll() is None and time.monotonic() < deadline:
         started = phases_file.read_text().splitlines()[seen:] if phases_file.exists() else []
-        if any(line.split()[0] == phase for line in started):
+        if sum(line.split()[0] == phase for line in started) >= occurrence:
             time.sleep(delay)
             break
         time.sleep(0.005)
@@ -145,13 +149,15 @@ def main() -> None:
             kills.append({"run": run_index, "aimed_at": phase, "killed_in": killed_in, **report})
             print(json.dumps(kills[-1]), file=sys.stderr)
         got = [deterministic(r) for r in metrics(out / "run")]
-        runs.append({"run": run_index, "resumes": resumes, "steps": len(got), "metrics_equal_uninterrupted": got == expected})
+        runs.append({"run": run_index, "resumes": resumes, "steps": len(got),
+                     "metrics_equal_uninterrupted": got == expected})
         run_index += 1
 
     summary = {
         "kills": len(kills),
         "killed_in": {phase: sum(k["killed_in"] == phase for k in kills) for phase in (*PHASES, "start-up")},
         "unreadable_checkpoints": sum(len(k["unreadable"]) for k in kills),
+        "kills_mid_checkpoint_write": sum(k["half_written_left"] for k in kills),
         "resume_latest_found_newest_complete": sum(k["resume_picks_newest"] for k in kills),
         "runs": runs,
         "all_runs_reproduce_uninterrupted_metrics": all(r["metrics_equal_uninterrupted"] for r in runs),

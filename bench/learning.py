@@ -102,11 +102,26 @@ def table(records: list[dict], opponent: str, models: list[str]) -> tuple[dict, 
             result.setdefault(game, {})[model] = {
                 "episodes": s["episodes"], "errors": s["errors"], "legal_move_rate": legal, "legal_ci95": legal_ci,
                 "mean_score": s["mean_score"], "score_ci95": s["score_ci95"],
-                "score_minus_base": pair and pair["score_diff"], "score_minus_base_ci95": pair and pair["score_diff_ci95"],
+                "score_minus_base": pair and pair["score_diff"],
+                "score_minus_base_ci95": pair and pair["score_diff_ci95"],
             }
-            rows.append(f"| {game} | {opponent} | {model} | {_ci(legal, legal_ci)} | {_ci(s['mean_score'], s['score_ci95'])}"
-                        f" | {_ci(pair and pair['score_diff'], pair and pair['score_diff_ci95'], signed=True)} |")
+            difference = _ci(pair and pair["score_diff"], pair and pair["score_diff_ci95"], signed=True)
+            rows.append(f"| {game} | {opponent} | {model} | {_ci(legal, legal_ci)} | "
+                        f"{_ci(s['mean_score'], s['score_ci95'])} | {difference} |")
     return result, rows
+
+
+def leduc_best_response_vs_random() -> float:
+    """The highest mean score any policy can reach against the env's uniform random opponent in
+    leduc_poker, both seats averaged: open_spiel's exact best response, scored (return + 13) / 26."""
+    import pyspiel
+    from open_spiel.python import policy as policy_lib
+    from open_spiel.python.algorithms import best_response
+
+    game = pyspiel.load_game("leduc_poker", {"players": 2})
+    uniform = policy_lib.UniformRandomPolicy(game)
+    values = [best_response.BestResponsePolicy(game, seat, uniform).value(game.new_initial_state()) for seat in (0, 1)]
+    return (sum(values) / 2 + 13) / 26
 
 
 def _ci(value, interval, signed: bool = False) -> str:
@@ -118,7 +133,7 @@ def _ci(value, interval, signed: bool = False) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--games", help="default leduc_poker,goofspiel; with --warm-start leduc_poker,liars_dice,goofspiel")
+    parser.add_argument("--games", help="default leduc_poker,goofspiel (--warm-start: leduc_poker,liars_dice,goofspiel)")
     parser.add_argument("--steps", type=int, default=20, help="PPO steps")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="reply length: room for a short reason")
     parser.add_argument("--eval-episodes", type=int, default=24, help="per game and opponent, both seats")
@@ -132,7 +147,8 @@ def main() -> None:
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"))
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
     args = parser.parse_args()
-    games = (args.games or ("leduc_poker,liars_dice,goofspiel" if args.warm_start else "leduc_poker,goofspiel")).split(",")
+    default_games = "leduc_poker,liars_dice,goofspiel" if args.warm_start else "leduc_poker,goofspiel"
+    games = (args.games or default_games).split(",")
     opponents = (args.opponents or ("random,mcts" if args.warm_start else "random")).split(",")
     overrides = [*TRAIN_OVERRIDES, f"generation.max_new_tokens={args.max_new_tokens}", *args.set]
     shutil.rmtree(args.output_dir, ignore_errors=True)  # this bench's own scratch folder
@@ -169,11 +185,13 @@ def main() -> None:
         results[opponent], opponent_rows = table(records, opponent, models)
         rows += opponent_rows
     timings["eval_seconds"] = time.perf_counter() - started
+    ceilings = {"leduc_poker_best_mean_score_vs_random": round(leduc_best_response_vs_random(), 4)} \
+        if "leduc_poker" in games else {}
     print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "games": games, "ppo_steps": args.steps,
                       "train_episodes": args.steps * 8, "max_new_tokens": args.max_new_tokens,
                       "eval_episodes_per_game": args.eval_episodes, "mcts_simulations": args.mcts_simulations,
                       "checkpoint": str(trained), "seconds": {k: round(v) for k, v in timings.items()},
-                      "results": results}, indent=1))
+                      "ceilings": ceilings, "results": results}, indent=1))
     print("\n| game | opponent | model | legal-move rate [95% CI] | mean score [95% CI] | score - base [95% CI] |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))

@@ -30,9 +30,10 @@ from rollout import RolloutRunner  # noqa: E402
 from utils import load_config  # noqa: E402
 
 
-def plain_generate(policy, prompts: list[list[int]], max_new_tokens: int) -> int:
-    """One left-padded batched generate over `prompts`; returns generated tokens (up to EOS)."""
+def plain_generate(policy, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int] | None = None) -> int:
+    """One left-padded batched generate over `prompts`; returns generated tokens (up to the first EOS)."""
     tokenizer = policy.tokenizer
+    eos_ids = eos_ids or {tokenizer.eos_token_id}
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id)
     mask = torch.zeros_like(ids)
@@ -40,12 +41,14 @@ def plain_generate(policy, prompts: list[list[int]], max_new_tokens: int) -> int
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
     with torch.no_grad():
-        out = policy.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                    do_sample=True, temperature=1.0, top_k=None, top_p=1.0,
-                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        out = policy.model.generate(input_ids=ids.to(policy.device), attention_mask=mask.to(policy.device),
+                                    max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=None,
+                                    top_p=1.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=sorted(eos_ids))
+    if policy.device.type == "cuda":
+        torch.cuda.synchronize()
     generated = 0
     for row in out[:, width:].tolist():
-        generated += next((i + 1 for i, t in enumerate(row) if t == tokenizer.eos_token_id), len(row))
+        generated += next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
     return generated
 
 

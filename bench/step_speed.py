@@ -28,6 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from rollout_speed import plain_generate  # noqa: E402  (bench/ is the script's folder)
+
 SETTINGS = {  # name -> (game, context strategy)
     "goofspiel/full": ("goofspiel", "full"),
     "goofspiel/last": ("goofspiel", "last"),
@@ -37,26 +39,11 @@ SETTINGS = {  # name -> (game, context strategy)
 
 def plain_generate_rate(policy, prompts: list[list[int]], batch_size: int, max_new_tokens: int, eos_ids) -> float:
     """Generated tokens/s of plain left-padded batched `generate` over `prompts`, `batch_size` at a time."""
-    tokenizer = policy.tokenizer
     generated, seconds = 0, 0.0
     for first in range(0, len(prompts), batch_size):
-        batch = prompts[first:first + batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
-        mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(batch):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
         started = time.perf_counter()
-        with torch.no_grad():
-            out = policy.model.generate(input_ids=ids.to(policy.device), attention_mask=mask.to(policy.device),
-                                        max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_p=1.0,
-                                        top_k=None, pad_token_id=tokenizer.pad_token_id, eos_token_id=sorted(eos_ids))
-        if policy.device.type == "cuda":
-            torch.cuda.synchronize()
+        generated += plain_generate(policy, prompts[first:first + batch_size], max_new_tokens, eos_ids)
         seconds += time.perf_counter() - started
-        for row in out[:, width:].tolist():
-            generated += next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
     return generated / seconds
 
 

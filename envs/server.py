@@ -131,7 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="trace: skip tasks whose expected output is empty")
     parser.add_argument("--execution-timeout", type=float, help="trace: seconds per program run (default 10)")
     parser.add_argument("--unsafe-rlimit-only-sandbox", action="store_true",
-                        help="trace: run programs without bubblewrap (rlimits only; no file-system or network isolation)")
+                        help="trace: run programs without bubblewrap (rlimits only: no file-system or "
+                        "network isolation)")
     args = parser.parse_args(argv)
     foreign = (["--source", "--skip-degenerate", "--execution-timeout", "--unsafe-rlimit-only-sandbox"]
                if args.env == "openspiel"

@@ -200,8 +200,9 @@ def test_a_leftover_adapter_name_gets_a_fresh_one(tiny_policy, fake_vllm, tmp_pa
     tiny_policy.save(tmp_path)
 
     async def load_twice():
-        first = VLLMGenerator(fake_vllm, fake_vllm_model(fake_vllm), tiny_policy.tokenizer, GenerationConfig(), 16, {0})
-        second = VLLMGenerator(fake_vllm, fake_vllm_model(fake_vllm), tiny_policy.tokenizer, GenerationConfig(), 16, {0})
+        model = fake_vllm_model(fake_vllm)
+        first = VLLMGenerator(fake_vllm, model, tiny_policy.tokenizer, GenerationConfig(), 16, {0})
+        second = VLLMGenerator(fake_vllm, model, tiny_policy.tokenizer, GenerationConfig(), 16, {0})
         second.instance = first.instance  # as if an earlier process had left this very name loaded
         names = [await first.load_adapter(tmp_path / "adapter", "run-step-1"),
                  await second.load_adapter(tmp_path / "adapter", "run-step-1")]

@@ -1,0 +1,38 @@
+"""run_log.py: a clean console; only the library warnings we know to be noise are silenced, and narrowly."""
+import logging
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from run_log import silence_known_library_warnings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_known_library_noise_is_dropped_and_nothing_else(caplog):
+    silence_known_library_warnings()
+    ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING):
+        ops.warning("Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'")
+        ops.warning("some other bitsandbytes problem")
+    assert [r.getMessage() for r in caplog.records] == ["some other bitsandbytes problem"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        silence_known_library_warnings()
+        warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
+        warnings.warn("something else is deprecated", FutureWarning)
+    assert [str(w.message) for w in caught] == ["something else is deprecated"]
+
+
+@pytest.mark.slow
+def test_a_training_run_prints_no_warning(tiny_model_dir, tmp_path):
+    from test_train import tiny_args
+
+    done = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), *tiny_args(tiny_model_dir, tmp_path),
+                           "--max-steps", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    noisy = [line for line in (done.stdout + done.stderr).splitlines() if "warn" in line.lower()]
+    assert noisy == []
