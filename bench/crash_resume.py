@@ -5,7 +5,7 @@ After every kill: every `checkpoint-*` folder left must verify against its manif
 unreadable checkpoints), and `--resume latest` must pick the newest complete one. At the end the
 killed-and-resumed run's metrics must equal those of an uninterrupted run with the same seed.
 
-    python bench/crash_resume.py                   # 20 kills, tiny random model (CPU, ~10 min)
+    python bench/crash_resume.py                   # 20 kills, tiny random model (CPU, ~5 min)
     python bench/crash_resume.py --kills 6 --steps 6
 
 The run is the real train_ppo.py on a tiny randomly-initialised model (tests/tiny.py), started

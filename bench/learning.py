@@ -4,7 +4,7 @@ seats) and print, per game and opponent: legal-move rate and mean score, with 95
 the paired score difference to the base model.
 
     python bench/learning.py                                   # PPO: leduc_poker + goofspiel, short reasons
-    python bench/learning.py --games goofspiel,leduc_poker --max-new-tokens 32 --steps 20
+    python bench/learning.py --games goofspiel,leduc_poker --max-new-tokens 32 --steps 20   # a longer run
     python bench/learning.py --warm-start                      # base / SFT / SFT+PPO / expert, vs random and MCTS
 
 PPO runs `train_ppo.py` (cpu preset + the overrides below; context `full`, turn-level credit);
@@ -134,14 +134,14 @@ def _ci(value, interval, signed: bool = False) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--games", help="default leduc_poker,goofspiel (--warm-start: leduc_poker,liars_dice,goofspiel)")
-    parser.add_argument("--steps", type=int, default=20, help="PPO steps")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="reply length: room for a short reason")
-    parser.add_argument("--eval-episodes", type=int, default=24, help="per game and opponent, both seats")
+    parser.add_argument("--steps", type=int, default=10, help="PPO steps")
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="reply length: room for a short reason")
+    parser.add_argument("--eval-episodes", type=int, default=16, help="per game and opponent, both seats")
     parser.add_argument("--opponents", default=None, help="default random; with --warm-start random,mcts")
     parser.add_argument("--mcts-simulations", type=int, default=300,
                         help="the MCTS opponent's simulations in evaluation (validators: 3000 for poker and dice)")
     parser.add_argument("--warm-start", action="store_true", help="SFT on expert play first; add SFT and expert rows")
-    parser.add_argument("--sft-episodes", type=int, default=100, help="expert episodes per game for SFT")
+    parser.add_argument("--sft-episodes", type=int, default=40, help="expert episodes per game for SFT")
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"))
