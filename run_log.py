@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from utils import LoggingConfig
 
 console = Console(stderr=True)
+PLAIN_PROGRESS_SECONDS = 60.0
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -143,7 +145,22 @@ def _mean(values: list[float]) -> float:
 
 @contextmanager
 def rollout_progress(total: int, description: str) -> Iterator[Any]:
-    """A progress bar over finished episodes; yields a callback to advance it."""
+    """A progress bar over finished episodes; yields a callback to advance it. Without a terminal (a
+    log file, a pipe) the bar is invisible, so a plain line every minute shows that long work moves."""
+    if not console.is_terminal:
+        started = last = time.monotonic()
+        done = 0
+
+        def advance(*_: Any) -> None:
+            nonlocal done, last
+            done += 1
+            now = time.monotonic()
+            if now - last >= PLAIN_PROGRESS_SECONDS and done < total:
+                last = now
+                console.print(f"{description}: {done}/{total} ({now - started:.0f} s)", highlight=False)
+
+        yield advance
+        return
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task(description, total=total)

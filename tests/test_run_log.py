@@ -36,3 +36,17 @@ def test_a_training_run_prints_no_warning(tiny_model_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     noisy = [line for line in (done.stdout + done.stderr).splitlines() if "warn" in line.lower()]
     assert noisy == []
+
+
+def test_progress_without_a_terminal_prints_a_plain_line_per_interval(monkeypatch, capsys):
+    import run_log
+
+    clock = iter([0.0, 10.0, 70.0, 80.0, 200.0])  # start, then one reading per finished episode
+    monkeypatch.setattr(run_log.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(run_log.console, "file", sys.stderr)  # capsys' stream: not a terminal
+    with run_log.rollout_progress(4, "eval: episodes") as advance:
+        for _ in range(4):
+            advance()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    # 10 s: too soon; 70 s: a line; 80 s: 10 s after the last line; the 4th episode ends the work silently
+    assert lines == ["eval: episodes: 2/4 (70 s)"]
