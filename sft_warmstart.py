@@ -276,7 +276,7 @@ def warm_start(config, records: list[dict[str, Any]], args: argparse.Namespace) 
     from checkpoint import save_checkpoint
     from experience import build_sequences
     from generation import eos_token_ids
-    from policy import load_policy, pick_device, return_freed_memory_to_the_os
+    from policy import load_policy, pick_device, return_freed_memory_to_the_os, training_allocations
     from prompts import PromptBuilder
 
     cfg = config.train
@@ -292,8 +292,9 @@ def warm_start(config, records: list[dict[str, Any]], args: argparse.Namespace) 
         raise ConfigError("no assistant reply fits generation.max_prompt_tokens; nothing to train on.")
     console.print(f"SFT on {sum(len(e.turns) for e in episodes)} expert replies in {len(sequences)} sequences "
                   f"({sum(s.response_len for s in sequences)} reply tokens)", highlight=False)
-    history = train_sft(policy, sequences, args.epochs, args.learning_rate, args.batch_size,
-                        cfg.ppo.micro_batch_tokens, cfg.run.seed)
+    with training_allocations():
+        history = train_sft(policy, sequences, args.epochs, args.learning_rate, args.batch_size,
+                            cfg.ppo.micro_batch_tokens, cfg.run.seed)
     state = {"kind": SFT_STATE_KIND, "step": history[-1]["optimizer_steps"], "history": history,
              "config": config.model_dump(mode="json"),
              "sft": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}

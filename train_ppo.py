@@ -52,7 +52,8 @@ from envs.factory import make_envs, playable_filter
 from experience import (assign_advantages, build_sequences, final_reward, sampler_gap, score_sequences,
                         turn_rewards)
 from generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
-from policy import VALUE_HEAD_FILE, adapter_folder, load_policy, pick_device, return_freed_memory_to_the_os
+from policy import (VALUE_HEAD_FILE, adapter_folder, load_policy, pick_device, return_freed_memory_to_the_os,
+                    training_allocations)
 from ppo import AdaptiveKLController, FixedKLController
 from model_files import model_source
 from prompts import PromptBuilder
@@ -211,10 +212,11 @@ class Trainer:
         cfg = self.config.train
         started = time.perf_counter()
         sequences = build_sequences(episodes)
-        metrics = score_sequences(self.policy, sequences, cfg.ppo.micro_batch_tokens, self.temperature,
-                                  with_values=cfg.ppo.advantage == "gae")
-        metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids))
-        metrics.update(self.update(sequences, episodes))
+        with training_allocations():
+            metrics = score_sequences(self.policy, sequences, cfg.ppo.micro_batch_tokens, self.temperature,
+                                      with_values=cfg.ppo.advantage == "gae")
+            metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids))
+            metrics.update(self.update(sequences, episodes))
         metrics["perf/update_seconds"] = time.perf_counter() - started
         gap = sampler_gap(sequences)
         if gap is not None:
