@@ -143,6 +143,8 @@ def main() -> None:
     parser.add_argument("--warm-start", action="store_true", help="SFT on expert play first; add SFT and expert rows")
     parser.add_argument("--sft-episodes", type=int, default=40, help="expert episodes per game for SFT")
     parser.add_argument("--sft-epochs", type=int, default=2)
+    parser.add_argument("--sft-batch-size", type=int, default=8, help="conversations per SFT optimizer step")
+    parser.add_argument("--sft-learning-rate", type=float, default=5e-4)
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"))
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
@@ -160,6 +162,7 @@ def main() -> None:
         started = time.perf_counter()
         sft_args = ["--preset", "cpu", "--games", ",".join(games), "--episodes", str(args.sft_episodes),
                     "--epochs", str(args.sft_epochs), "--workers", str(args.workers),
+                    "--batch-size", str(args.sft_batch_size), "--learning-rate", str(args.sft_learning_rate),
                     "--output-dir", str(args.output_dir / "sft")]
         for override in overrides:
             sft_args += ["--set", override]
@@ -190,6 +193,9 @@ def main() -> None:
     print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "games": games, "ppo_steps": args.steps,
                       "train_episodes": args.steps * 8, "max_new_tokens": args.max_new_tokens,
                       "eval_episodes_per_game": args.eval_episodes, "mcts_simulations": args.mcts_simulations,
+                      "sft": {"episodes_per_game": args.sft_episodes, "epochs": args.sft_epochs,
+                              "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate}
+                      if args.warm_start else None,
                       "checkpoint": str(trained), "seconds": {k: round(v) for k, v in timings.items()},
                       "ceilings": ceilings, "results": results}, indent=1))
     print("\n| game | opponent | model | legal-move rate [95% CI] | mean score [95% CI] | score - base [95% CI] |")
