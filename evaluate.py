@@ -202,7 +202,7 @@ def model_runs(config: Config, adapter_dir: Path | None, compare_base: bool
 
         @contextlib.asynccontextmanager
         async def as_base():
-            with policy.reference():
+            with policy.base():
                 yield
     else:
         from policy import load_generation_config, load_tokenizer

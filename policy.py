@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 ADAPTER_DIR = "adapter"  # the only folder vLLM loads: LoRA weights + adapter_config.json
 VALUE_HEAD_FILE = "value_head.pt"
+REFERENCE_ADAPTER_DIR = "reference_adapter"  # the frozen KL anchor, when it is not the base model
+_REFERENCE = "reference"  # its peft adapter name beside the trained "default"
 
 
 def _libc():
@@ -195,11 +197,42 @@ class Policy(nn.Module):
     def adapter_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    @property
+    def has_reference_adapter(self) -> bool:
+        return _REFERENCE in self.model.peft_config
+
     @contextlib.contextmanager
-    def reference(self):
+    def base(self):
         """The base model: same weights with the LoRA adapter disabled (no second copy)."""
         with self.model.disable_adapter():
             yield
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The KL anchor: the frozen reference adapter when one is set (the SFT adapter a run started
+        from), else the base model."""
+        if not self.has_reference_adapter:
+            with self.base():
+                yield
+            return
+        self.model.set_adapter(_REFERENCE, inference_mode=True)  # freezes both adapters meanwhile
+        try:
+            yield
+        finally:
+            self.model.set_adapter("default")  # trainable again; the reference stays frozen
+
+    def set_reference_adapter(self, adapter_dir: Path) -> None:
+        """Anchor the KL penalty to this peft adapter instead of the base model (a frozen copy)."""
+        if self.has_reference_adapter:
+            self.model.delete_adapter(_REFERENCE)
+        was_training = self.model.training
+        try:
+            self.model.load_adapter(str(adapter_dir), adapter_name=_REFERENCE, is_trainable=False)
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise ConfigError(f"The adapter in {adapter_dir} does not fit this model's LoRA (check lora.r and "
+                              f"model.name_or_path): {str(exc).splitlines()[0][:200]}") from None
+        self.model.set_adapter("default")
+        self.model.train(was_training)
 
     def score(
         self,
@@ -248,16 +281,28 @@ class Policy(nn.Module):
 
     # ------------------------------------------------------------------ persistence
     def save(self, folder: Path) -> None:
-        """`folder/adapter/` in standard peft format (what vLLM loads) and the value head beside it."""
+        """`folder/adapter/` in standard peft format (what vLLM loads), the value head beside it and the
+        KL reference adapter in `folder/reference_adapter/` when there is one."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
         folder = Path(folder)
-        self.model.save_pretrained(folder / ADAPTER_DIR)
+        self.model.save_pretrained(folder / ADAPTER_DIR, selected_adapters=["default"])
         torch.save(self.value_head.state_dict(), folder / VALUE_HEAD_FILE)
+        if self.has_reference_adapter:  # resuming must anchor to the same reference
+            reference = folder / REFERENCE_ADAPTER_DIR
+            reference.mkdir()
+            weights = get_peft_model_state_dict(self.model, adapter_name=_REFERENCE)
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(reference / "adapter_model.safetensors"))
+            self.model.peft_config[_REFERENCE].save_pretrained(str(reference))
 
     def load(self, folder: Path) -> None:
-        """A checkpoint folder's adapter and value head."""
+        """A checkpoint folder's adapter and value head (and its KL reference adapter, if it has one)."""
         folder = Path(folder)
         self.load_adapter(folder / ADAPTER_DIR)
         self.value_head.load_state_dict(torch.load(folder / VALUE_HEAD_FILE, map_location=self.device))
+        if (folder / REFERENCE_ADAPTER_DIR).is_dir():
+            self.set_reference_adapter(folder / REFERENCE_ADAPTER_DIR)
 
     def load_adapter(self, adapter_dir: Path) -> None:
         """LoRA weights from a peft adapter folder; a ConfigError when they do not fit this model's LoRA."""

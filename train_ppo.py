@@ -6,7 +6,8 @@ Algorithm (one step = sample -> rollout -> score -> advantages -> update -> curr
   sequence per episode is scored and trained (prompt tokens masked) when the template renders
   the conversation append-only; otherwise a turn starts a new sequence (prompts.py).
 - Old log-probs, values, reference log-probs and the rollout policy's entropy are computed by the
-  training model after the rollout; the reference is the same model with the LoRA adapter off.
+  training model after the rollout; the reference is the same model with the LoRA adapter off, or,
+  when the run starts from an adapter (`--init-adapter`, e.g. an SFT warm start), a frozen copy of it.
 - Rewards: -beta * KL(policy || reference) per generated token (k1 by default), env step rewards
   and an illegal-move penalty at the end of each turn, the final score (in [0, 1], optionally
   centred) at the episode's last turn. Episodes cut off by `generation.max_turns` have no outcome:
@@ -329,7 +330,10 @@ class Trainer:
         value_head = Path(path) / VALUE_HEAD_FILE
         if value_head.is_file():
             self.policy.value_head.load_state_dict(torch.load(value_head, map_location=self.policy.device))
-        log.info("initial adapter from %s", path)
+        if self.config.train.ppo.kl_reference == "init_adapter":
+            self.policy.set_reference_adapter(adapter_folder(path))
+        log.info("initial adapter from %s (KL reference: %s)", path,
+                 "that adapter" if self.config.train.ppo.kl_reference == "init_adapter" else "the base model")
 
     async def close(self) -> None:
         self.stop.restore()

@@ -128,6 +128,10 @@ class PPOConfig(Strict):
     kl_horizon: int = Field(100, ge=1, description="Episodes over which the adaptive KL coefficient may change "
                             "by ~20%.")
     kl_estimator: Literal["k1", "k2", "k3", "abs"] = Field("k1", description="Per-token KL penalty estimator.")
+    kl_reference: Literal["init_adapter", "base"] = Field(
+        "init_adapter", description="With --init-adapter: the KL penalty pulls toward that adapter (e.g. the SFT "
+        "warm start; its frozen copy is saved in checkpoints) or toward the base model. Without it: the base model."
+    )
     kl_stop: float | None = Field(
         0.05, gt=0, description="Skip the optimizer step and end the epochs when a minibatch's approx KL (k3) "
         "per token to the rollout policy passes this; null = never."

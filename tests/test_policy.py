@@ -1,4 +1,5 @@
 """policy.py: LoRA + value head on a tiny local model; reference = adapter off; persistence; learning."""
+import contextlib
 import importlib.util
 
 import pytest
@@ -175,3 +176,35 @@ def test_training_allocations_reuse_the_heap_and_restore_the_cap_even_on_error(m
     with policy.training_allocations():
         ran = True
     assert ran
+
+
+def test_reference_adapter_is_a_frozen_kl_anchor_that_checkpoints_carry(tiny_policy, tiny_model_dir, tmp_path):
+    from tiny import load_tiny_policy
+
+    ids, attention, mask = _batch(tiny_policy)
+    positions = mask[0].bool()
+
+    def logprobs(policy, context=None):
+        with torch.no_grad(), (context or contextlib.nullcontext()):
+            return policy.score(ids, attention, mask, with_values=False).logprobs[0, positions]
+
+    base = logprobs(tiny_policy, tiny_policy.base())
+    _one_update(tiny_policy)  # stands in for SFT
+    tiny_policy.save(tmp_path / "sft")
+    sft = logprobs(tiny_policy)
+    trainable = [n for n, p in tiny_policy.named_parameters() if p.requires_grad]
+
+    tiny_policy.set_reference_adapter(tmp_path / "sft" / "adapter")
+    assert [n for n, p in tiny_policy.named_parameters() if p.requires_grad] == trainable
+    assert torch.allclose(logprobs(tiny_policy, tiny_policy.reference()), sft, atol=1e-6)
+    _one_update(tiny_policy)  # PPO moves the trained adapter only
+    assert (logprobs(tiny_policy) - sft).abs().max() > 1e-3
+    assert torch.allclose(logprobs(tiny_policy, tiny_policy.reference()), sft, atol=1e-6)
+    assert torch.allclose(logprobs(tiny_policy, tiny_policy.base()), base, atol=1e-6)
+    assert [n for n, p in tiny_policy.named_parameters() if p.requires_grad] == trainable  # after reference()
+
+    tiny_policy.save(tmp_path / "ppo")
+    resumed = load_tiny_policy(tiny_model_dir)
+    resumed.load(tmp_path / "ppo")
+    assert torch.allclose(logprobs(resumed), logprobs(tiny_policy), atol=1e-6)
+    assert torch.allclose(logprobs(resumed, resumed.reference()), sft, atol=1e-6)

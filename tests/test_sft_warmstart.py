@@ -125,4 +125,18 @@ def test_warm_start_checkpoint_starts_a_ppo_run(tiny_model_dir, tmp_path):
 
     sft = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
     assert any(float(t.abs().max()) > 0 for k, t in sft.items() if "lora_B" in k)  # SFT moved the adapter
+    # the KL anchor is the SFT adapter: the first rollout policy equals it, so its KL is 0
+    [first] = [json.loads(line) for line in (tmp_path / "ppo" / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert first["reward/kl_per_token"] == pytest.approx(0.0, abs=1e-6)
+    ppo_checkpoint = tmp_path / "ppo" / "t" / "checkpoints" / "checkpoint-1"
+    reference = load_file(str(ppo_checkpoint / "reference_adapter" / "adapter_model.safetensors"))
+    assert reference.keys() == sft.keys() and all(torch.equal(reference[k], sft[k]) for k in sft)
+    assert not (ppo_checkpoint / "adapter" / "reference").exists()  # vLLM's folder holds the trained adapter only
+    # anchored to the base model instead, the same start is far from its reference
+    base_run = tiny_args(tiny_model_dir, tmp_path / "base-anchor", "--max-steps", "1", "--set", "ppo.kl_reference=base")
+    assert train_ppo.main(base_run + ["--init-adapter", str(checkpoint)]) == 0
+    [anchored] = [json.loads(line) for line in
+                  (tmp_path / "base-anchor" / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert abs(anchored["reward/kl_per_token"]) > 1e-4  # k1 is signed; tiny SFT moves little
+    assert not (tmp_path / "base-anchor" / "t" / "checkpoints" / "checkpoint-1" / "reference_adapter").exists()
     assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path / "other", "--resume", str(checkpoint))) == 2
