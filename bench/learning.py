@@ -111,6 +111,14 @@ def table(records: list[dict], opponent: str, models: list[str]) -> tuple[dict, 
     return result, rows
 
 
+def simultaneous(game: str) -> bool:
+    """The env plays a uniform random opponent in simultaneous-move games (goofspiel) whatever the
+    opponent setting, as Affine's does: their `mcts` episodes would repeat the random ones."""
+    import pyspiel
+
+    return pyspiel.load_game(game).get_type().dynamics == pyspiel.GameType.Dynamics.SIMULTANEOUS
+
+
 def leduc_best_response_vs_random() -> float:
     """The highest mean score any policy can reach against the env's uniform random opponent in
     leduc_poker, both seats averaged: open_spiel's exact best response, scored (return + 13) / 26."""
@@ -181,10 +189,13 @@ def main() -> None:
     results, rows = {}, []
     started = time.perf_counter()
     for opponent in opponents:
-        records = play(config, games, args.eval_episodes, opponent, trained, trained_label, with_base=True)
+        played = [g for g in games if opponent == "random" or not simultaneous(g)]
+        if not played:
+            continue
+        records = play(config, played, args.eval_episodes, opponent, trained, trained_label, with_base=True)
         if sft_checkpoint is not None:
-            records += play(config, games, args.eval_episodes, opponent, sft_checkpoint, "sft", with_base=False)
-            records += expert_records(games, args.eval_episodes, opponent, args.mcts_simulations, args.workers)
+            records += play(config, played, args.eval_episodes, opponent, sft_checkpoint, "sft", with_base=False)
+            records += expert_records(played, args.eval_episodes, opponent, args.mcts_simulations, args.workers)
         results[opponent], opponent_rows = table(records, opponent, models)
         rows += opponent_rows
     timings["eval_seconds"] = time.perf_counter() - started

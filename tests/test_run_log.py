@@ -38,15 +38,18 @@ def test_a_training_run_prints_no_warning(tiny_model_dir, tmp_path):
     assert noisy == []
 
 
-def test_progress_without_a_terminal_prints_a_plain_line_per_interval(monkeypatch, capsys):
+def test_progress_without_a_terminal_prints_a_plain_line_per_interval(monkeypatch):
+    import io
+
     import run_log
 
     clock = iter([0.0, 10.0, 70.0, 80.0, 200.0])  # start, then one reading per finished episode
     monkeypatch.setattr(run_log.time, "monotonic", lambda: next(clock))
-    monkeypatch.setattr(run_log.console, "file", sys.stderr)  # capsys' stream: not a terminal
+    log_file = io.StringIO()  # like a log file: not a terminal
+    monkeypatch.setattr(run_log.console, "_file", log_file)  # rich's own slot; undone after the test
     with run_log.rollout_progress(4, "eval: episodes") as advance:
         for _ in range(4):
             advance()
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    lines = [line for line in log_file.getvalue().splitlines() if line.strip()]
     # 10 s: too soon; 70 s: a line; 80 s: 10 s after the last line; the 4th episode ends the work silently
     assert lines == ["eval: episodes: 2/4 (70 s)"]
