@@ -68,6 +68,11 @@ def training_allocations():
         libc.malloc_trim(0)
 
 
+def _adapter_does_not_fit(adapter_dir: Path, exc: Exception) -> ConfigError:
+    return ConfigError(f"The adapter in {adapter_dir} does not fit this model's LoRA (check lora.r and "
+                       f"model.name_or_path): {str(exc).splitlines()[0][:200]}")
+
+
 def pick_device(requested: str) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("run.device is 'cuda' but no CUDA GPU is visible. Set run.device to 'auto' or 'cpu'.")
@@ -229,8 +234,7 @@ class Policy(nn.Module):
         try:
             self.model.load_adapter(str(adapter_dir), adapter_name=_REFERENCE, is_trainable=False)
         except (RuntimeError, ValueError, KeyError) as exc:
-            raise ConfigError(f"The adapter in {adapter_dir} does not fit this model's LoRA (check lora.r and "
-                              f"model.name_or_path): {str(exc).splitlines()[0][:200]}") from None
+            raise _adapter_does_not_fit(adapter_dir, exc) from None
         self.model.set_adapter("default")
         self.model.train(was_training)
 
@@ -313,8 +317,7 @@ class Policy(nn.Module):
         try:
             result = set_peft_model_state_dict(self.model, weights)
         except RuntimeError as exc:  # size mismatch: another rank or another base model
-            raise ConfigError(f"The adapter in {adapter_dir} does not fit this model's LoRA (check lora.r and "
-                              f"model.name_or_path): {str(exc).splitlines()[0][:200]}") from None
+            raise _adapter_does_not_fit(adapter_dir, exc) from None
         if getattr(result, "unexpected_keys", None):
             raise ConfigError(f"The adapter in {adapter_dir} does not fit this model: unexpected keys "
                               f"{result.unexpected_keys[:3]}")

@@ -330,10 +330,11 @@ class Trainer:
         value_head = Path(path) / VALUE_HEAD_FILE
         if value_head.is_file():
             self.policy.value_head.load_state_dict(torch.load(value_head, map_location=self.policy.device))
-        if self.config.train.ppo.kl_reference == "init_adapter":
+        anchored_to_it = self.config.train.ppo.kl_reference == "init_adapter"
+        if anchored_to_it:
             self.policy.set_reference_adapter(adapter_folder(path))
         log.info("initial adapter from %s (KL reference: %s)", path,
-                 "that adapter" if self.config.train.ppo.kl_reference == "init_adapter" else "the base model")
+                 "that adapter" if anchored_to_it else "the base model")
 
     async def close(self) -> None:
         self.stop.restore()

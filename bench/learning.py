@@ -111,12 +111,14 @@ def table(records: list[dict], opponent: str, models: list[str]) -> tuple[dict, 
     return result, rows
 
 
-def simultaneous(game: str) -> bool:
-    """The env plays a uniform random opponent in simultaneous-move games (goofspiel) whatever the
-    opponent setting, as Affine's does: their `mcts` episodes would repeat the random ones."""
-    import pyspiel
+def has_mcts_opponent(game: str) -> bool:
+    """False where the env plays a uniform random opponent whatever the opponent setting (goofspiel,
+    as in Affine's env): `mcts` episodes there would repeat the random ones."""
+    from envs.games import GAMES
+    from envs.openspiel_episode import has_search_opponent, load_game
 
-    return pyspiel.load_game(game).get_type().dynamics == pyspiel.GameType.Dynamics.SIMULTANEOUS
+    spec = GAMES[game]
+    return has_search_opponent(load_game(game, tuple(sorted(spec.params(0).items()))), spec)
 
 
 def leduc_best_response_vs_random() -> float:
@@ -189,7 +191,7 @@ def main() -> None:
     results, rows = {}, []
     started = time.perf_counter()
     for opponent in opponents:
-        played = [g for g in games if opponent == "random" or not simultaneous(g)]
+        played = [g for g in games if opponent == "random" or has_mcts_opponent(g)]
         if not played:
             continue
         records = play(config, played, args.eval_episodes, opponent, trained, trained_label, with_base=True)

@@ -95,13 +95,18 @@ def _mcts_bot(game: pyspiel.Game, budget: tuple[int, int], rollout_seed: int, se
     return mcts.MCTSBot(game, UCT_C, max_simulations, evaluator, random_state=_rng(search_seed))
 
 
+def has_search_opponent(game: pyspiel.Game, spec: GameSpec) -> bool:
+    """Whether `opponent: mcts` gets an MCTS bot (spec 6.3): only games with an MCTS budget and no
+    simultaneous moves, which MCTS cannot search; all others play a uniform random opponent."""
+    return spec.mcts is not None and game.get_type().dynamics != pyspiel.GameType.Dynamics.SIMULTANEOUS
+
+
 def build_bots(game: pyspiel.Game, spec: GameSpec, observation_format: str, player: int, seed: int,
                opponent: str, mcts_simulations: int | None) -> dict[int, pyspiel.Bot]:
     """A bot for every seat but the model's (spec sections 2 and 6.3); empty for 1-player games."""
     seats = [p for p in range(game.num_players()) if p != player]
-    simultaneous = game.get_type().dynamics == pyspiel.GameType.Dynamics.SIMULTANEOUS
     budget = None
-    if opponent == "mcts" and spec.mcts is not None and not simultaneous:
+    if opponent == "mcts" and has_search_opponent(game, spec):
         budget = (mcts_simulations or spec.mcts[0], spec.mcts[1])
     if observation_format == "evaluate":
         if budget:
