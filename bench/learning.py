@@ -155,6 +155,8 @@ def main() -> None:
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--sft-batch-size", type=int, default=8, help="conversations per SFT optimizer step")
     parser.add_argument("--sft-learning-rate", type=float, default=5e-4)
+    parser.add_argument("--sft-checkpoint", type=Path,
+                        help="with --warm-start: start PPO from this SFT checkpoint instead of training one")
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"))
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
@@ -163,12 +165,16 @@ def main() -> None:
     games = (args.games or default_games).split(",")
     opponents = (args.opponents or ("random,mcts" if args.warm_start else "random")).split(",")
     overrides = [*TRAIN_OVERRIDES, f"generation.max_new_tokens={args.max_new_tokens}", *args.set]
+    if args.sft_checkpoint is not None and not (args.warm_start and (args.sft_checkpoint / "adapter").is_dir()):
+        parser.error(f"--sft-checkpoint needs --warm-start and a checkpoint folder with adapter/: {args.sft_checkpoint}")
+    if args.sft_checkpoint is not None and args.output_dir.resolve() in args.sft_checkpoint.resolve().parents:
+        parser.error("--sft-checkpoint lies inside --output-dir, which the bench clears first")
     shutil.rmtree(args.output_dir, ignore_errors=True)  # this bench's own scratch folder
     args.output_dir.mkdir(parents=True)
     timings: dict[str, float] = {}
 
-    sft_checkpoint = None
-    if args.warm_start:
+    sft_checkpoint = args.sft_checkpoint
+    if args.warm_start and sft_checkpoint is None:
         started = time.perf_counter()
         sft_args = ["--preset", "cpu", "--games", ",".join(games), "--episodes", str(args.sft_episodes),
                     "--epochs", str(args.sft_epochs), "--workers", str(args.workers),
@@ -205,9 +211,11 @@ def main() -> None:
         if "leduc_poker" in games else {}
     print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "games": games, "ppo_steps": args.steps,
                       "train_episodes": args.steps * 8, "max_new_tokens": args.max_new_tokens,
+                      "extra_overrides": args.set,
                       "eval_episodes_per_game": args.eval_episodes, "mcts_simulations": args.mcts_simulations,
-                      "sft": {"episodes_per_game": args.sft_episodes, "epochs": args.sft_epochs,
-                              "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate}
+                      "sft": ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
+                              {"episodes_per_game": args.sft_episodes, "epochs": args.sft_epochs,
+                               "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate})
                       if args.warm_start else None,
                       "checkpoint": str(trained), "seconds": {k: round(v) for k, v in timings.items()},
                       "ceilings": ceilings, "results": results}, indent=1))
