@@ -43,9 +43,10 @@ TRAIN_OVERRIDES = ["ppo.batch_size=8", "ppo.ppo_epochs=1", "ppo.learning_rate=2e
 EVAL_SEED = 900_000  # training draws its seeds from the curriculum's generator; these are derived apart
 
 
-def train(games: list[str], steps: int, out: Path, overrides: list[str], init_adapter: Path | None) -> Path:
+def train(games: list[str], steps: int, out: Path, overrides: list[str], init_adapter: Path | None,
+          opponent: str = "random") -> Path:
     """The real train_ppo loop; returns the final checkpoint (a stopped run is an error, not a result)."""
-    stages = json.dumps([{"name": "bench", "opponent": "random", "min_episodes": 10**6,
+    stages = json.dumps([{"name": "bench", "opponent": opponent, "min_episodes": 10**6,
                           "tasks": [{"env": "openspiel", "games": games, "config_ids": [0]}]}])
     args = ["--preset", "cpu", "--output-dir", str(out), "--max-steps", str(steps), "--set", "run.name=ppo",
             "--set", f"curriculum.stages={stages}"]
@@ -148,6 +149,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24, help="reply length: room for a short reason")
     parser.add_argument("--eval-episodes", type=int, default=16, help="per game and opponent, both seats")
     parser.add_argument("--opponents", default=None, help="default random; with --warm-start random,mcts")
+    parser.add_argument("--train-opponent", choices=["random", "mcts"], default="random",
+                        help="the opponent PPO trains against (mcts: --mcts-simulations simulations)")
     parser.add_argument("--mcts-simulations", type=int, default=300,
                         help="the MCTS opponent's simulations in evaluation (validators: 3000 for poker and dice)")
     parser.add_argument("--warm-start", action="store_true", help="SFT on expert play first; add SFT and expert rows")
@@ -187,7 +190,9 @@ def main() -> None:
         sft_checkpoint = find_resumable(args.output_dir / "sft" / "checkpoints")
         timings["sft_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
-    trained = train(games, args.steps, args.output_dir, overrides, sft_checkpoint)
+    train_sets = overrides + ([f"env.envs.openspiel.mcts_simulations={args.mcts_simulations}"]
+                              if args.train_opponent == "mcts" else [])
+    trained = train(games, args.steps, args.output_dir, train_sets, sft_checkpoint, args.train_opponent)
     timings["ppo_seconds"] = time.perf_counter() - started
 
     eval_sets = [*overrides, "generation.temperature=0", f"env.envs.openspiel.mcts_simulations={args.mcts_simulations}"]
@@ -210,6 +215,7 @@ def main() -> None:
     ceilings = {"leduc_poker_best_mean_score_vs_random": round(leduc_best_response_vs_random(), 4)} \
         if "leduc_poker" in games else {}
     print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "games": games, "ppo_steps": args.steps,
+                      "train_opponent": args.train_opponent,
                       "train_episodes": args.steps * 8, "max_new_tokens": args.max_new_tokens,
                       "extra_overrides": args.set,
                       "eval_episodes_per_game": args.eval_episodes, "mcts_simulations": args.mcts_simulations,
