@@ -169,7 +169,8 @@ def main() -> None:
     opponents = (args.opponents or ("random,mcts" if args.warm_start else "random")).split(",")
     overrides = [*TRAIN_OVERRIDES, f"generation.max_new_tokens={args.max_new_tokens}", *args.set]
     if args.sft_checkpoint is not None and not (args.warm_start and (args.sft_checkpoint / "adapter").is_dir()):
-        parser.error(f"--sft-checkpoint needs --warm-start and a checkpoint folder with adapter/: {args.sft_checkpoint}")
+        parser.error(f"--sft-checkpoint needs --warm-start and a checkpoint folder with adapter/: "
+                     f"{args.sft_checkpoint}")
     if args.sft_checkpoint is not None and args.output_dir.resolve() in args.sft_checkpoint.resolve().parents:
         parser.error("--sft-checkpoint lies inside --output-dir, which the bench clears first")
     shutil.rmtree(args.output_dir, ignore_errors=True)  # this bench's own scratch folder
@@ -216,7 +217,7 @@ def main() -> None:
         if "leduc_poker" in games else {}
     print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "games": games, "ppo_steps": args.steps,
                       "train_opponent": args.train_opponent,
-                      "train_episodes": args.steps * 8, "max_new_tokens": args.max_new_tokens,
+                      "train_episodes": args.steps * config.train.ppo.batch_size, "max_new_tokens": args.max_new_tokens,
                       "extra_overrides": args.set,
                       "eval_episodes_per_game": args.eval_episodes, "mcts_simulations": args.mcts_simulations,
                       "sft": ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
