@@ -150,9 +150,10 @@ def main() -> None:
     parser.add_argument("--eval-episodes", type=int, default=16, help="per game and opponent, both seats")
     parser.add_argument("--opponents", default=None, help="default random; with --warm-start random,mcts")
     parser.add_argument("--train-opponent", choices=["random", "mcts"], default="random",
-                        help="the opponent PPO trains against (mcts: --mcts-simulations simulations)")
+                        help="the opponent PPO trains against")
     parser.add_argument("--mcts-simulations", type=int, default=300,
-                        help="the MCTS opponent's simulations in evaluation (validators: 3000 for poker and dice)")
+                        help="the MCTS opponent's simulations in training and evaluation (validators: 3000 for "
+                             "poker and dice)")
     parser.add_argument("--warm-start", action="store_true", help="SFT on expert play first; add SFT and expert rows")
     parser.add_argument("--sft-episodes", type=int, default=40, help="expert episodes per game for SFT")
     parser.add_argument("--sft-epochs", type=int, default=2)
@@ -167,7 +168,9 @@ def main() -> None:
     default_games = "leduc_poker,liars_dice,goofspiel" if args.warm_start else "leduc_poker,goofspiel"
     games = (args.games or default_games).split(",")
     opponents = (args.opponents or ("random,mcts" if args.warm_start else "random")).split(",")
-    overrides = [*TRAIN_OVERRIDES, f"generation.max_new_tokens={args.max_new_tokens}", *args.set]
+    # one MCTS strength for training against mcts and for evaluation; random opponents ignore it
+    overrides = [*TRAIN_OVERRIDES, f"generation.max_new_tokens={args.max_new_tokens}",
+                 f"env.envs.openspiel.mcts_simulations={args.mcts_simulations}", *args.set]
     if args.sft_checkpoint is not None and not (args.warm_start and (args.sft_checkpoint / "adapter").is_dir()):
         parser.error(f"--sft-checkpoint needs --warm-start and a checkpoint folder with adapter/: "
                      f"{args.sft_checkpoint}")
@@ -191,13 +194,10 @@ def main() -> None:
         sft_checkpoint = find_resumable(args.output_dir / "sft" / "checkpoints")
         timings["sft_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
-    train_sets = overrides + ([f"env.envs.openspiel.mcts_simulations={args.mcts_simulations}"]
-                              if args.train_opponent == "mcts" else [])
-    trained = train(games, args.steps, args.output_dir, train_sets, sft_checkpoint, args.train_opponent)
+    trained = train(games, args.steps, args.output_dir, overrides, sft_checkpoint, args.train_opponent)
     timings["ppo_seconds"] = time.perf_counter() - started
 
-    eval_sets = [*overrides, "generation.temperature=0", f"env.envs.openspiel.mcts_simulations={args.mcts_simulations}"]
-    config = load_config(presets=["cpu"], overrides=eval_sets)
+    config = load_config(presets=["cpu"], overrides=[*overrides, "generation.temperature=0"])
     trained_label = "sft+ppo" if args.warm_start else "ppo"
     models = ["base", *(["sft"] if args.warm_start else []), trained_label, *(["expert"] if args.warm_start else [])]
     results, rows = {}, []
