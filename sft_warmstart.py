@@ -3,8 +3,8 @@ fine-tuning of the LoRA adapter on the expert's replies, written as a checkpoint
 
 1. Generate: for every game, `--episodes` episodes against the env's opponent, both seats (seed
    parity), the model's moves chosen by the game's expert (experts.py: CFR+ for leduc_poker, MCTS
-   for sequential games, Monte Carlo search for goofspiel). Every core plays episodes; the
-   conversations go to `sft_data.jsonl` in the shape `logging.log_samples_every` writes.
+   for sequential games, prize matching or Monte Carlo search for goofspiel). Every core plays
+   episodes; the conversations go to `sft_data.jsonl` in the shape `logging.log_samples_every` writes.
 2. Train: each conversation becomes token sequences exactly as a rollout builds them (the chat
    template, the configured context strategy, continued sequences); the loss is the mean negative
    log-likelihood of the assistant tokens (EOS included), everything else masked.
@@ -40,6 +40,7 @@ SFT_STATE_KIND = "sft-warmstart"
 @dataclass(frozen=True)
 class ExpertJob:
     game: str
+    kind: str  # experts.KINDS
     task_id: int
     seed: int
     opponent: str
@@ -49,37 +50,40 @@ class ExpertJob:
     opponent_simulations: int | None = None
 
 
-DEFAULT_BUDGET = {"mcts": 300, "montecarlo": 20, "cfr": 0}  # MCTS simulations / playouts per bid / unused
+# MCTS simulations / playouts per bid / unused / unused
+DEFAULT_BUDGET = {"mcts": 300, "montecarlo": 20, "cfr": 0, "prize": 0}
 
 
 def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | None = None,
                cfr_iterations: int = 300, with_reason: bool = False,
-               opponent_simulations: int | None = None) -> ExpertJob:
+               opponent_simulations: int | None = None, goofspiel_expert: str = "prize") -> ExpertJob:
     from experts import expert_kind
 
-    return ExpertJob(game, task_id, seed, opponent, budget or DEFAULT_BUDGET[expert_kind(game)], cfr_iterations,
+    kind = expert_kind(game, goofspiel_expert)
+    return ExpertJob(game, kind, task_id, seed, opponent, budget or DEFAULT_BUDGET[kind], cfr_iterations,
                      with_reason, opponent_simulations)
 
 
 def plan_jobs(games: list[str], episodes: int, seed: int, opponent: str, config_ids: list[int], budget: int | None,
-              cfr_iterations: int, with_reason: bool, opponent_simulations: int | None = None) -> list[ExpertJob]:
+              cfr_iterations: int, with_reason: bool, opponent_simulations: int | None = None,
+              goofspiel_expert: str = "prize") -> list[ExpertJob]:
     """`episodes` jobs per game over the config ids; consecutive seeds alternate the model's seat."""
     from envs.tasks import game_task_id
 
     return [expert_job(game, game_task_id(game, config_ids[i % len(config_ids)]),
                        (derive_seed(seed, "sft", game, i) & ~1) | (i % 2),  # parity = the model's seat
-                       opponent, budget, cfr_iterations, with_reason, opponent_simulations)
+                       opponent, budget, cfr_iterations, with_reason, opponent_simulations, goofspiel_expert)
             for game in games for i in range(episodes)]
 
 
 def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
     """One episode of the env's evaluate() game with the expert in the model's seat, as a conversation."""
     from envs.openspiel_episode import Episode
-    from experts import Expert, expert_kind
+    from experts import Expert
 
     episode = Episode(uuid.uuid4().hex, task_id=job.task_id, seed=job.seed, opponent=job.opponent,
                       observation_format="evaluate", max_parse_attempts=3, mcts_simulations=job.opponent_simulations)
-    expert = Expert(expert_kind(job.game), episode.game, episode.player, job.seed, job.budget, job.cfr_iterations)
+    expert = Expert(job.kind, episode.game, episode.player, job.seed, job.budget, job.cfr_iterations)
     result = episode.start()
     messages = [{"role": "system", "content": episode.system_prompt},
                 {"role": "user", "content": result["observation"]}]
@@ -194,6 +198,8 @@ def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from experts import GOOFSPIEL_EXPERTS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--games", default=DEFAULT_GAMES, help="comma-separated games with an expert")
     parser.add_argument("--episodes", type=int, default=100, help="expert episodes per game")
@@ -202,6 +208,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--opponent-simulations", type=int, help="MCTS opponent's simulations (default: the env's)")
     parser.add_argument("--expert-budget", type=int,
                         help="MCTS simulations (default 300) or Monte Carlo playouts per bid (default 20)")
+    parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS, default="prize",
+                        help="bid the prize card's value (default; learnable by small models) or Monte Carlo search")
     parser.add_argument("--cfr-iterations", type=int, default=300, help="CFR+ iterations for leduc_poker")
     parser.add_argument("--reason", action="store_true", help="replies '<think>one-line reason</think>ID'")
     parser.add_argument("--data", type=Path, help="train on this JSONL instead of generating episodes")
@@ -226,7 +234,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
             raise ConfigError("--games is empty; name games with an expert, e.g. --games leduc_poker,goofspiel.")
         for game in games:
             try:
-                expert_kind(game)
+                expert_kind(game, args.goofspiel_expert)
             except ExpertUnavailable as exc:
                 raise ConfigError(f"--games: {exc}.") from None
     for name in ("epochs", "batch_size", "workers", "cfr_iterations"):
@@ -254,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             records = read_records(args.data)
         else:
             jobs = plan_jobs(games, args.episodes, config.train.run.seed, args.opponent, args.config_id_list,
-                             args.expert_budget, args.cfr_iterations, args.reason, args.opponent_simulations)
+                             args.expert_budget, args.cfr_iterations, args.reason, args.opponent_simulations,
+                             args.goofspiel_expert)
             started = time.perf_counter()
             records = generate(jobs, args.workers, args.output_dir / DATA_FILE)
             console.print(f"{len(records)} expert episodes in {time.perf_counter() - started:.0f} s -> "

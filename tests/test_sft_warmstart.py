@@ -1,16 +1,18 @@
 """sft_warmstart.py and experts.py: expert episodes in the env's conversation, masked SFT, PPO from the result."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pyspiel
 import pytest
 import torch
 
 import sft_warmstart
 import train_ppo
 from experience import build_sequences
-from experts import ExpertUnavailable, expert_kind
+from experts import Expert, ExpertUnavailable, expert_kind
 from prompts import PromptBuilder
 from sft_warmstart import conversations_to_episodes, generate, plan_jobs, play_expert_episode, train_sft
 
@@ -24,7 +26,11 @@ def jobs(game, n, **kwargs):
 
 def test_each_game_gets_its_expert_and_unknown_ones_are_refused():
     assert [expert_kind(g) for g in ("leduc_poker", "goofspiel", "liars_dice", "hex")] == \
-        ["cfr", "montecarlo", "mcts", "mcts"]
+        ["cfr", "prize", "mcts", "mcts"]
+    assert expert_kind("goofspiel", "montecarlo") == "montecarlo"
+    assert expert_kind("leduc_poker", "montecarlo") == "cfr"  # the choice concerns goofspiel only
+    with pytest.raises(ExpertUnavailable, match="unknown goofspiel expert 'mcts'"):
+        expert_kind("goofspiel", "mcts")
     with pytest.raises(ExpertUnavailable, match="unknown game 'kuhn'"):
         expert_kind("kuhn")
     with pytest.raises(ExpertUnavailable, match="no expert plays blackjack"):
@@ -46,16 +52,47 @@ def test_expert_episodes_are_the_envs_conversation_from_both_seats():
     assert play_expert_episode(planned[0]) == records[0]  # reproducible from the seed
 
 
+def test_goofspiel_prize_expert_bids_the_prize_card_in_every_variant():
+    records = [play_expert_episode(job) for job in jobs("goofspiel", 5, config_ids=[0, 1, 2, 3, 4])]
+    assert [r["expert"] for r in records] == ["prize"] * 5
+    sizes = set()
+    for record in records:
+        messages = record["messages"]
+        for before, reply in zip(messages[1::2], messages[2::2]):
+            prize = int(re.search(r"Current point card: (\d+)", before["content"]).group(1))
+            legal = re.findall(r"^(\d+) -> ", before["content"], re.M)
+            assert reply["content"] == str(prize - 1) and reply["content"] in legal  # action k bids card k+1
+        sizes.add(int(re.search(r"P0 hand: ([\d ]+)", messages[1]["content"]).group(1).split()[-1]))
+    assert sizes == {8, 10, 12, 14, 16}
+
+
+def test_goofspiel_prize_expert_takes_the_next_higher_card_when_the_prize_card_is_gone():
+    game = pyspiel.load_game("goofspiel", {"players": 2, "num_cards": 8, "points_order": "random"})
+    state = game.new_initial_state()
+    state.apply_action(2)  # prize card 3
+    state.apply_actions([4, 0])  # player 0 bids card 5 instead of 3
+    state.apply_action(4)  # prize card 5: player 0's card 5 is gone
+    expert = Expert("prize", game, player=0, seed=0, budget=0, cfr_iterations=0)
+    assert expert.choose(state, {})[0] == 5  # card 6
+    for bid, next_prize in ((5, 0), (6, 1), (7, 7)):  # cards 6, 7, 8 go too; prizes 1, 2, then 8
+        state.apply_actions([bid, state.legal_actions(1)[0]])
+        state.apply_action(next_prize)
+    assert expert.choose(state, {})[0] == 3  # card 4, the highest left
+
+
 def test_reasons_go_inside_think_tags_the_env_ignores():
     [record] = [play_expert_episode(job) for job in jobs("goofspiel", 1, budget=2, with_reason=True)]
     reply = next(m["content"] for m in record["messages"] if m["role"] == "assistant")
+    assert re.fullmatch(r"<think>The prize card is worth (\d+), so I bid my card \1\.</think>\d+", reply)
     assert reply.startswith("<think>") and "</think>" in reply and reply.split("</think>")[1].isdigit()
 
 
 @pytest.mark.slow
 def test_experts_beat_a_random_opponent():
-    goofspiel = [play_expert_episode(job)["score"] for job in jobs("goofspiel", 12, budget=10)]
-    assert sum(goofspiel) / len(goofspiel) > 0.7  # random play scores 0.5
+    for expert in ("prize", "montecarlo"):
+        goofspiel = [play_expert_episode(job)["score"]
+                     for job in jobs("goofspiel", 12, budget=10, goofspiel_expert=expert)]
+        assert sum(goofspiel) / len(goofspiel) > 0.7, expert  # random play scores 0.5
     leduc = [play_expert_episode(job)["score"] for job in jobs("leduc_poker", 40, cfr_iterations=100)]
     assert sum(leduc) / len(leduc) > 0.5  # (chips won + 13) / 26: above 0.5 means chips won on average
 
