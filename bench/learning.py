@@ -31,7 +31,8 @@ import report  # noqa: E402
 import sft_warmstart  # noqa: E402
 import train_ppo  # noqa: E402
 from checkpoint import find_resumable  # noqa: E402
-from envs.tasks import game_name_of  # noqa: E402
+from envs.tasks import GAME_ID_STRIDE, game_name_of  # noqa: E402
+from experts import GOOFSPIEL_EXPERTS  # noqa: E402
 from utils import load_config  # noqa: E402
 
 # Tuned on this machine so that a CPU budget visibly moves the model: 8 episodes and one epoch per
@@ -43,11 +44,17 @@ TRAIN_OVERRIDES = ["ppo.batch_size=8", "ppo.ppo_epochs=1", "ppo.learning_rate=2e
 EVAL_SEED = 900_000  # training draws its seeds from the curriculum's generator; these are derived apart
 
 
+def eval_variants(games: list[str], episodes: int) -> list[int]:
+    """The game variants (config ids) the evaluation plays: training sees the same variants, other seeds."""
+    return sorted({t.task_id % GAME_ID_STRIDE for game in games
+                   for t in evaluate.game_tasks(game, episodes, EVAL_SEED, "random", "openspiel")})
+
+
 def train(games: list[str], steps: int, out: Path, overrides: list[str], init_adapter: Path | None,
-          opponent: str = "random") -> Path:
+          opponent: str = "random", config_ids: list[int] | None = None) -> Path:
     """The real train_ppo loop; returns the final checkpoint (a stopped run is an error, not a result)."""
     stages = json.dumps([{"name": "bench", "opponent": opponent, "min_episodes": 10**6,
-                          "tasks": [{"env": "openspiel", "games": games, "config_ids": [0]}]}])
+                          "tasks": [{"env": "openspiel", "games": games, "config_ids": config_ids or [0]}]}])
     args = ["--preset", "cpu", "--output-dir", str(out), "--max-steps", str(steps), "--set", "run.name=ppo",
             "--set", f"curriculum.stages={stages}"]
     for override in overrides:
@@ -75,11 +82,13 @@ def play(config, games: list[str], episodes: int, opponent: str, adapter: Path |
     return records
 
 
-def expert_records(games: list[str], episodes: int, opponent: str, simulations: int, workers: int) -> list[dict]:
+def expert_records(games: list[str], episodes: int, opponent: str, simulations: int, workers: int,
+                   goofspiel_expert: str) -> list[dict]:
     """The experts themselves on the same tasks and seeds, as evaluation records."""
     tasks = [t for game in games for t in evaluate.game_tasks(game, episodes, EVAL_SEED, opponent, "openspiel")]
     jobs = [sft_warmstart.expert_job(game_name_of(t.task_id), t.task_id, t.seed, opponent,
-                                     opponent_simulations=simulations) for t in tasks]
+                                     opponent_simulations=simulations, goofspiel_expert=goofspiel_expert)
+            for t in tasks]
     played = sft_warmstart.generate(jobs, workers, None)
     return [{"model": "expert", "game": r["game"], "task_id": r["task_id"], "seed": r["seed"], "score": r["score"],
              "outcome": "win" if r["score"] > 0.5 else "draw" if r["score"] == 0.5 else "loss",
@@ -159,6 +168,8 @@ def main() -> None:
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--sft-batch-size", type=int, default=8, help="conversations per SFT optimizer step")
     parser.add_argument("--sft-learning-rate", type=float, default=5e-4)
+    parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS, default="prize",
+                        help="the goofspiel expert for SFT data and the expert rows (experts.py)")
     parser.add_argument("--sft-checkpoint", type=Path,
                         help="with --warm-start: start PPO from this SFT checkpoint instead of training one")
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
@@ -179,11 +190,13 @@ def main() -> None:
     shutil.rmtree(args.output_dir, ignore_errors=True)  # this bench's own scratch folder
     args.output_dir.mkdir(parents=True)
     timings: dict[str, float] = {}
+    variants = eval_variants(games, args.eval_episodes)
 
     sft_checkpoint = args.sft_checkpoint
     if args.warm_start and sft_checkpoint is None:
         started = time.perf_counter()
         sft_args = ["--preset", "cpu", "--games", ",".join(games), "--episodes", str(args.sft_episodes),
+                    "--config-ids", ",".join(map(str, variants)), "--goofspiel-expert", args.goofspiel_expert,
                     "--epochs", str(args.sft_epochs), "--workers", str(args.workers),
                     "--batch-size", str(args.sft_batch_size), "--learning-rate", str(args.sft_learning_rate),
                     "--output-dir", str(args.output_dir / "sft")]
@@ -194,7 +207,7 @@ def main() -> None:
         sft_checkpoint = find_resumable(args.output_dir / "sft" / "checkpoints")
         timings["sft_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
-    trained = train(games, args.steps, args.output_dir, overrides, sft_checkpoint, args.train_opponent)
+    trained = train(games, args.steps, args.output_dir, overrides, sft_checkpoint, args.train_opponent, variants)
     timings["ppo_seconds"] = time.perf_counter() - started
 
     config = load_config(presets=["cpu"], overrides=[*overrides, "generation.temperature=0"])
@@ -209,19 +222,21 @@ def main() -> None:
         records = play(config, played, args.eval_episodes, opponent, trained, trained_label, with_base=True)
         if sft_checkpoint is not None:
             records += play(config, played, args.eval_episodes, opponent, sft_checkpoint, "sft", with_base=False)
-            records += expert_records(played, args.eval_episodes, opponent, args.mcts_simulations, args.workers)
+            records += expert_records(played, args.eval_episodes, opponent, args.mcts_simulations, args.workers,
+                                      args.goofspiel_expert)
         results[opponent], opponent_rows = table(records, opponent, models)
         rows += opponent_rows
     timings["eval_seconds"] = time.perf_counter() - started
     ceilings = {"leduc_poker_best_mean_score_vs_random": round(leduc_best_response_vs_random(), 4)} \
         if "leduc_poker" in games else {}
     print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "games": games, "ppo_steps": args.steps,
-                      "train_opponent": args.train_opponent,
+                      "train_opponent": args.train_opponent, "variants": variants,
                       "train_episodes": args.steps * config.train.ppo.batch_size, "max_new_tokens": args.max_new_tokens,
                       "extra_overrides": args.set,
                       "eval_episodes_per_game": args.eval_episodes, "mcts_simulations": args.mcts_simulations,
                       "sft": ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
                               {"episodes_per_game": args.sft_episodes, "epochs": args.sft_epochs,
+                               "goofspiel_expert": args.goofspiel_expert,
                                "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate})
                       if args.warm_start else None,
                       "checkpoint": str(trained), "seconds": {k: round(v) for k, v in timings.items()},
