@@ -9,7 +9,7 @@
 - `prize` (goofspiel, the default): bid the card equal to the prize card. Against the validators'
   random opponent it scores 0.93-0.98 over the N = 8..16 variants (as high as `montecarlo`), it is
   always legal (prizes and bids are used up in step) and it is a function of one line of the
-  observation, which a small model can learn from a few dozen episodes.
+  observation, far easier to imitate than a search.
 - `montecarlo` (goofspiel, optional): every legal bid is scored by random playouts in which the
   opponent bids at random, and the best is taken (MCTS cannot search simultaneous moves).
 
