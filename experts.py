@@ -30,6 +30,7 @@ from envs.openspiel_episode import UCT_C, AffineRolloutEvaluator
 KINDS = ("cfr", "mcts", "montecarlo", "prize")
 CFR_GAMES = ("leduc_poker",)
 GOOFSPIEL_EXPERTS = ("prize", "montecarlo")
+DEFAULT_GOOFSPIEL_EXPERT = "prize"
 _PRIZE_CARD = re.compile(r"Current point card: (\d+)")
 
 
@@ -37,7 +38,7 @@ class ExpertUnavailable(ValueError):
     """No expert plays this game."""
 
 
-def expert_kind(game_name: str, goofspiel_expert: str = "prize") -> str:
+def expert_kind(game_name: str, goofspiel_expert: str = DEFAULT_GOOFSPIEL_EXPERT) -> str:
     """Which expert plays `game_name`; ExpertUnavailable when none does."""
     if game_name not in GAMES:
         raise ExpertUnavailable(f"unknown game {game_name!r}; expected one of {list(GAMES)}")
@@ -51,7 +52,7 @@ def expert_kind(game_name: str, goofspiel_expert: str = "prize") -> str:
     return kind
 
 
-def _kind(game_name: str, goofspiel_expert: str = "prize") -> str | None:
+def _kind(game_name: str, goofspiel_expert: str = DEFAULT_GOOFSPIEL_EXPERT) -> str | None:
     if game_name in CFR_GAMES:
         return "cfr"
     if game_name == "goofspiel":

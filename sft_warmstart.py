@@ -56,7 +56,7 @@ DEFAULT_BUDGET = {"mcts": 300, "montecarlo": 20, "cfr": 0, "prize": 0}
 
 def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | None = None,
                cfr_iterations: int = 300, with_reason: bool = False,
-               opponent_simulations: int | None = None, goofspiel_expert: str = "prize") -> ExpertJob:
+               opponent_simulations: int | None = None, *, goofspiel_expert: str) -> ExpertJob:
     from experts import expert_kind
 
     kind = expert_kind(game, goofspiel_expert)
@@ -65,14 +65,15 @@ def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | 
 
 
 def plan_jobs(games: list[str], episodes: int, seed: int, opponent: str, config_ids: list[int], budget: int | None,
-              cfr_iterations: int, with_reason: bool, opponent_simulations: int | None = None,
-              goofspiel_expert: str = "prize") -> list[ExpertJob]:
+              cfr_iterations: int, with_reason: bool, opponent_simulations: int | None = None, *,
+              goofspiel_expert: str) -> list[ExpertJob]:
     """`episodes` jobs per game over the config ids; consecutive seeds alternate the model's seat."""
     from envs.tasks import game_task_id
 
     return [expert_job(game, game_task_id(game, config_ids[i % len(config_ids)]),
                        (derive_seed(seed, "sft", game, i) & ~1) | (i % 2),  # parity = the model's seat
-                       opponent, budget, cfr_iterations, with_reason, opponent_simulations, goofspiel_expert)
+                       opponent, budget, cfr_iterations, with_reason, opponent_simulations,
+                       goofspiel_expert=goofspiel_expert)
             for game in games for i in range(episodes)]
 
 
@@ -198,7 +199,7 @@ def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from experts import GOOFSPIEL_EXPERTS
+    from experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--games", default=DEFAULT_GAMES, help="comma-separated games with an expert")
@@ -208,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--opponent-simulations", type=int, help="MCTS opponent's simulations (default: the env's)")
     parser.add_argument("--expert-budget", type=int,
                         help="MCTS simulations (default 300) or Monte Carlo playouts per bid (default 20)")
-    parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS, default="prize",
+    parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS, default=DEFAULT_GOOFSPIEL_EXPERT,
                         help="bid the prize card's value (default; learnable by small models) or Monte Carlo search")
     parser.add_argument("--cfr-iterations", type=int, default=300, help="CFR+ iterations for leduc_poker")
     parser.add_argument("--reason", action="store_true", help="replies '<think>one-line reason</think>ID'")
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             jobs = plan_jobs(games, args.episodes, config.train.run.seed, args.opponent, args.config_id_list,
                              args.expert_budget, args.cfr_iterations, args.reason, args.opponent_simulations,
-                             args.goofspiel_expert)
+                             goofspiel_expert=args.goofspiel_expert)
             started = time.perf_counter()
             records = generate(jobs, args.workers, args.output_dir / DATA_FILE)
             console.print(f"{len(records)} expert episodes in {time.perf_counter() - started:.0f} s -> "

@@ -32,7 +32,7 @@ import sft_warmstart  # noqa: E402
 import train_ppo  # noqa: E402
 from checkpoint import find_resumable  # noqa: E402
 from envs.tasks import GAME_ID_STRIDE, game_name_of  # noqa: E402
-from experts import GOOFSPIEL_EXPERTS  # noqa: E402
+from experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS  # noqa: E402
 from utils import load_config  # noqa: E402
 
 # Tuned on this machine so that a CPU budget visibly moves the model: 8 episodes and one epoch per
@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--sft-batch-size", type=int, default=8, help="conversations per SFT optimizer step")
     parser.add_argument("--sft-learning-rate", type=float, default=5e-4)
-    parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS, default="prize",
+    parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS, default=DEFAULT_GOOFSPIEL_EXPERT,
                         help="the goofspiel expert for SFT data and the expert rows (experts.py)")
     parser.add_argument("--sft-checkpoint", type=Path,
                         help="with --warm-start: start PPO from this SFT checkpoint instead of training one")

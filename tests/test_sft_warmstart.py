@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def jobs(game, n, **kwargs):
-    options = {"opponent": "random", "config_ids": [0], "budget": None, "cfr_iterations": 20, "with_reason": False}
+    options = {"opponent": "random", "config_ids": [0], "budget": None, "cfr_iterations": 20, "with_reason": False,
+               "goofspiel_expert": "prize"}
     return plan_jobs([game], n, seed=0, **{**options, **kwargs})
 
 
