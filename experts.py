@@ -123,7 +123,12 @@ class Expert:
         prize = int(found.group(1))
         legal = state.legal_actions(self.player)
         action = prize - 1 if prize - 1 in legal else min((a for a in legal if a > prize - 1), default=max(legal))
-        return action, f"The prize card is worth {prize}, so I bid my card {action + 1}."
+        # The reason repeats the observation's own words: a small model copies "Current point card: k" from the
+        # latest message by matching text (SmolLM2-135M did so in 12 of 24 full-context prompts, and in 7 of 24
+        # for "The prize card is worth"), which leaves it only k -> k-1 to learn for the ID that follows.
+        if action == prize - 1:
+            return action, f"Current point card: {prize}"
+        return action, f"Current point card: {prize}; card {prize} is gone, so I bid my card {action + 1}"
 
     def _best_bid(self, state: pyspiel.State, labels: dict[int, str]) -> tuple[int, str]:
         """Mean return of `budget` random playouts per legal bid, the opponent's current bid random too."""

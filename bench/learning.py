@@ -170,6 +170,9 @@ def main() -> None:
     parser.add_argument("--sft-learning-rate", type=float, default=5e-4)
     parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS, default=DEFAULT_GOOFSPIEL_EXPERT,
                         help="the goofspiel expert for SFT data and the expert rows (experts.py)")
+    parser.add_argument("--sft-reason", action="store_true",
+                        help="SFT replies '<think>reason</think>ID' (sft_warmstart --reason); leave --max-new-tokens "
+                             "room for the reason")
     parser.add_argument("--sft-checkpoint", type=Path,
                         help="with --warm-start: start PPO from this SFT checkpoint instead of training one")
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
@@ -199,7 +202,7 @@ def main() -> None:
                     "--config-ids", ",".join(map(str, variants)), "--goofspiel-expert", args.goofspiel_expert,
                     "--epochs", str(args.sft_epochs), "--workers", str(args.workers),
                     "--batch-size", str(args.sft_batch_size), "--learning-rate", str(args.sft_learning_rate),
-                    "--output-dir", str(args.output_dir / "sft")]
+                    "--output-dir", str(args.output_dir / "sft"), *(["--reason"] if args.sft_reason else [])]
         for override in overrides:
             sft_args += ["--set", override]
         if sft_warmstart.main(sft_args) != 0:
@@ -236,7 +239,7 @@ def main() -> None:
                       "eval_episodes_per_game": args.eval_episodes, "mcts_simulations": args.mcts_simulations,
                       "sft": ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
                               {"episodes_per_game": args.sft_episodes, "epochs": args.sft_epochs,
-                               "goofspiel_expert": args.goofspiel_expert,
+                               "goofspiel_expert": args.goofspiel_expert, "reason": args.sft_reason,
                                "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate})
                       if args.warm_start else None,
                       "checkpoint": str(trained), "seconds": {k: round(v) for k, v in timings.items()},

@@ -84,7 +84,8 @@ def test_goofspiel_prize_expert_takes_the_next_higher_card_when_the_prize_card_i
 def test_reasons_go_inside_think_tags_the_env_ignores():
     [record] = [play_expert_episode(job) for job in jobs("goofspiel", 1, budget=2, with_reason=True)]
     reply = next(m["content"] for m in record["messages"] if m["role"] == "assistant")
-    assert re.fullmatch(r"<think>The prize card is worth (\d+), so I bid my card \1\.</think>\d+", reply)
+    prize, action = re.fullmatch(r"<think>Current point card: (\d+)</think>(\d+)", reply).groups()
+    assert int(action) == int(prize) - 1
     assert reply.startswith("<think>") and "</think>" in reply and reply.split("</think>")[1].isdigit()
 
 
