@@ -29,6 +29,16 @@ from utils import GenerationConfig, derive_seed
 log = logging.getLogger(__name__)
 
 
+def _generate_cache_name() -> str:
+    """The name generate() takes the KV cache under and returns it as: transformers 5.2x renamed
+    `past_key_values` to `cache` (the old name still works but warns, and goes in 6.0)."""
+    from dataclasses import fields
+
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    return "cache" if "cache" in {f.name for f in fields(GenerateDecoderOnlyOutput)} else "past_key_values"
+
+
 @dataclass
 class Generation:
     token_ids: list[int]
@@ -86,6 +96,7 @@ class LocalGenerator:
         self.tokenizer = policy.tokenizer
         self.eos_ids = eos_token_ids(self.tokenizer, policy.model.generation_config)
         self.reuse_cache = gen_cfg.reuse_kv_cache and cache_reuse_supported(policy.model)
+        self._cache_name = _generate_cache_name()
         self.seed_base = derive_seed(seed, "generate", 0)
         self.live_episodes = 0
         self._pending: list[tuple[int, list[int], asyncio.Future]] = []
@@ -169,7 +180,7 @@ class LocalGenerator:
         if self.cfg.temperature > 0:
             kwargs.update(temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k or None)
         if cached_width:
-            kwargs["past_key_values"] = self._batched_cache([key for key, _ in requests], reuse, cached_width, device)
+            kwargs[self._cache_name] = self._batched_cache([key for key, _ in requests], reuse, cached_width, device)
         torch.manual_seed(derive_seed(self.seed_base, wave))
         was_training = self.policy.training
         self.policy.eval()
@@ -184,7 +195,7 @@ class LocalGenerator:
         responses = [cut_at_eos(row, self.eos_ids) for row in out.sequences[:, width:].tolist()]
         self.generated_tokens += sum(len(r) for r in responses)
         if self.reuse_cache:
-            self._keep_caches(requests, responses, attention, out.past_key_values)
+            self._keep_caches(requests, responses, attention, getattr(out, self._cache_name))
         return responses
 
     def _batched_cache(self, keys: list[int], reuse: list[int], width: int, device: torch.device):

@@ -1,17 +1,22 @@
-"""Does training make the model play better? Train SmolLM2-135M on CPU with the real loop, then play
-base and trained models greedily on held-out seeds (the validators' evaluate() conversation, both
-seats) and print, per game and opponent: legal-move rate and mean score, with 95 % intervals, and
-the paired score difference to the base model.
+"""Does training make the model play better? SmolLM2-135M trained on CPU against its base model.
 
-    python bench/learning.py                                   # PPO: leduc_poker + goofspiel, short reasons
-    python bench/learning.py --games goofspiel,leduc_poker --max-new-tokens 32 --steps 20   # a longer run
-    python bench/learning.py --warm-start                      # base / SFT / SFT+PPO / expert, vs random and MCTS
+The real pipeline trains it; base and trained models then play greedily on held-out seeds (the
+validators' evaluate() conversation, both seats), and the bench prints, per game and opponent: the
+legal-move rate and the mean score with 95 % intervals, and the paired score difference to base.
 
-PPO runs `train_ppo.py` (cpu preset + the overrides below; context `full`, turn-level credit);
-`--warm-start` first runs `sft_warmstart.py` on expert episodes and starts PPO from its adapter.
-Evaluation is `evaluate.py`'s (greedy, full conversation, seeds derived from EVAL_SEED that
-training never draws), intervals are `report.py`'s: Wilson for the legal-move rate over replies,
-Student t for mean scores and paired differences.
+    python bench/learning.py                                   # SFT warm start + PPO, goofspiel + leduc_poker
+    python bench/learning.py --no-warm-start --steps 10        # PPO alone from the base model
+    python bench/learning.py --opponents random,mcts --sft-checkpoint runs/x/sft/checkpoints/checkpoint-40
+
+By default (`--warm-start`) `sft_warmstart.py` first imitates the experts (prize matching for
+goofspiel, CFR+ for leduc_poker) with a short reason before the id ('<think>Current point card:
+8</think>7'), on the game variants the evaluation plays, and PPO (`train_ppo.py`: cpu preset + the
+overrides below; context `full`, turn-level credit, KL anchored to the SFT adapter) starts from
+that adapter; the table then has base / SFT / SFT+PPO / expert rows. Replies may take up to
+`--max-new-tokens` (24: room for the reason). Evaluation is `evaluate.py`'s (greedy, full
+conversation, seeds derived from EVAL_SEED that training never draws); every played episode goes
+to `<output-dir>/eval-<opponent>.jsonl`. Intervals are `report.py`'s: Wilson for the legal-move
+rate over replies, Student t for mean scores and paired differences.
 """
 from __future__ import annotations
 
@@ -40,7 +45,9 @@ from utils import load_config  # noqa: E402
 # the KL to the base small.
 TRAIN_OVERRIDES = ["ppo.batch_size=8", "ppo.ppo_epochs=1", "ppo.learning_rate=2e-4", "ppo.init_kl_coef=0.05",
                    "ppo.kl_target=0.2", "generation.context_strategy=full", "generation.max_concurrent_episodes=8",
-                   "generation.max_prompt_tokens=4096"]
+                   "generation.max_prompt_tokens=4096", "logging.log_samples_every=1"]
+# PPO from an SFT adapter samples at 0.7: at 1.0 the peaked imitation policy wanders into replies it never saw
+WARM_START_OVERRIDES = ["generation.temperature=0.7"]
 EVAL_SEED = 900_000  # training draws its seeds from the curriculum's generator; these are derived apart
 
 
@@ -70,8 +77,9 @@ def train(games: list[str], steps: int, out: Path, overrides: list[str], init_ad
 
 
 def play(config, games: list[str], episodes: int, opponent: str, adapter: Path | None, label: str,
-         with_base: bool) -> list[dict]:
-    """evaluate.py's episodes (greedy, full context, held-out seeds, both seats) for one model (+ the base)."""
+         with_base: bool, episodes_path: Path | None = None) -> list[dict]:
+    """evaluate.py's episodes (greedy, full context, held-out seeds, both seats) for one model (+ the base);
+    each record is also appended to `episodes_path`."""
     tasks = [t for game in games for t in evaluate.game_tasks(game, episodes, EVAL_SEED, opponent, "openspiel")]
     specs = evaluate.eval_env_specs(config, {"openspiel"})
     adapter_dir = evaluate.adapter_folder(adapter) if adapter else None
@@ -79,6 +87,9 @@ def play(config, games: list[str], episodes: int, opponent: str, adapter: Path |
                                             None))
     for record in records:
         record["model"] = record["model"] if record["model"] == "base" else label
+    if episodes_path is not None:
+        with open(episodes_path, "a") as sink:
+            sink.writelines(json.dumps(record) + "\n" for record in records)
     return records
 
 
@@ -153,37 +164,39 @@ def _ci(value, interval, signed: bool = False) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--games", help="default leduc_poker,goofspiel (--warm-start: leduc_poker,liars_dice,goofspiel)")
-    parser.add_argument("--steps", type=int, default=10, help="PPO steps")
+    parser.add_argument("--games", default="goofspiel,leduc_poker")
+    parser.add_argument("--steps", type=int, help="PPO steps (default 4 after a warm start, 10 without)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="reply length: room for a short reason")
     parser.add_argument("--eval-episodes", type=int, default=16, help="per game and opponent, both seats")
-    parser.add_argument("--opponents", default=None, help="default random; with --warm-start random,mcts")
+    parser.add_argument("--opponents", default="random", help="comma-separated: random, mcts")
     parser.add_argument("--train-opponent", choices=["random", "mcts"], default="random",
                         help="the opponent PPO trains against")
     parser.add_argument("--mcts-simulations", type=int, default=300,
                         help="the MCTS opponent's simulations in training and evaluation (validators: 3000 for "
                              "poker and dice)")
-    parser.add_argument("--warm-start", action="store_true", help="SFT on expert play first; add SFT and expert rows")
-    parser.add_argument("--sft-episodes", type=int, default=40, help="expert episodes per game for SFT")
+    parser.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
+                        help="SFT on expert play first, PPO from its adapter; SFT and expert rows in the table")
+    parser.add_argument("--sft-episodes", type=int, default=32, help="expert episodes per game for SFT")
     parser.add_argument("--sft-epochs", type=int, default=2)
-    parser.add_argument("--sft-batch-size", type=int, default=8, help="conversations per SFT optimizer step")
-    parser.add_argument("--sft-learning-rate", type=float, default=5e-4)
+    parser.add_argument("--sft-batch-size", type=int, default=4, help="conversations per SFT optimizer step")
+    parser.add_argument("--sft-learning-rate", type=float, default=1e-3)
     parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS, default=DEFAULT_GOOFSPIEL_EXPERT,
                         help="the goofspiel expert for SFT data and the expert rows (experts.py)")
-    parser.add_argument("--sft-reason", action="store_true",
-                        help="SFT replies '<think>reason</think>ID' (sft_warmstart --reason); leave --max-new-tokens "
-                             "room for the reason")
+    parser.add_argument("--sft-reason", action=argparse.BooleanOptionalAction, default=True,
+                        help="SFT replies '<think>reason</think>ID' (sft_warmstart --reason); --no-sft-reason: the ID "
+                             "alone")
     parser.add_argument("--sft-checkpoint", type=Path,
                         help="with --warm-start: start PPO from this SFT checkpoint instead of training one")
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"))
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
     args = parser.parse_args()
-    default_games = "leduc_poker,liars_dice,goofspiel" if args.warm_start else "leduc_poker,goofspiel"
-    games = (args.games or default_games).split(",")
-    opponents = (args.opponents or ("random,mcts" if args.warm_start else "random")).split(",")
+    games = args.games.split(",")
+    opponents = args.opponents.split(",")
+    steps = args.steps or (4 if args.warm_start else 10)
     # one MCTS strength for training against mcts and for evaluation; random opponents ignore it
-    overrides = [*TRAIN_OVERRIDES, f"generation.max_new_tokens={args.max_new_tokens}",
+    overrides = [*TRAIN_OVERRIDES, *(WARM_START_OVERRIDES if args.warm_start else []),
+                 f"generation.max_new_tokens={args.max_new_tokens}",
                  f"env.envs.openspiel.mcts_simulations={args.mcts_simulations}", *args.set]
     if args.sft_checkpoint is not None and not (args.warm_start and (args.sft_checkpoint / "adapter").is_dir()):
         parser.error(f"--sft-checkpoint needs --warm-start and a checkpoint folder with adapter/: "
@@ -210,7 +223,7 @@ def main() -> None:
         sft_checkpoint = find_resumable(args.output_dir / "sft" / "checkpoints")
         timings["sft_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
-    trained = train(games, args.steps, args.output_dir, overrides, sft_checkpoint, args.train_opponent, variants)
+    trained = train(games, steps, args.output_dir, overrides, sft_checkpoint, args.train_opponent, variants)
     timings["ppo_seconds"] = time.perf_counter() - started
 
     config = load_config(presets=["cpu"], overrides=[*overrides, "generation.temperature=0"])
@@ -222,9 +235,12 @@ def main() -> None:
         played = [g for g in games if opponent == "random" or has_mcts_opponent(g)]
         if not played:
             continue
-        records = play(config, played, args.eval_episodes, opponent, trained, trained_label, with_base=True)
+        episodes_path = args.output_dir / f"eval-{opponent}.jsonl"
+        records = play(config, played, args.eval_episodes, opponent, trained, trained_label, with_base=True,
+                       episodes_path=episodes_path)
         if sft_checkpoint is not None:
-            records += play(config, played, args.eval_episodes, opponent, sft_checkpoint, "sft", with_base=False)
+            records += play(config, played, args.eval_episodes, opponent, sft_checkpoint, "sft", with_base=False,
+                            episodes_path=episodes_path)
             records += expert_records(played, args.eval_episodes, opponent, args.mcts_simulations, args.workers,
                                       args.goofspiel_expert)
         results[opponent], opponent_rows = table(records, opponent, models)
@@ -232,9 +248,9 @@ def main() -> None:
     timings["eval_seconds"] = time.perf_counter() - started
     ceilings = {"leduc_poker_best_mean_score_vs_random": round(leduc_best_response_vs_random(), 4)} \
         if "leduc_poker" in games else {}
-    print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "games": games, "ppo_steps": args.steps,
+    print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "games": games, "ppo_steps": steps,
                       "train_opponent": args.train_opponent, "variants": variants,
-                      "train_episodes": args.steps * config.train.ppo.batch_size, "max_new_tokens": args.max_new_tokens,
+                      "train_episodes": steps * config.train.ppo.batch_size, "max_new_tokens": args.max_new_tokens,
                       "extra_overrides": args.set,
                       "eval_episodes_per_game": args.eval_episodes, "mcts_simulations": args.mcts_simulations,
                       "sft": ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
