@@ -5,7 +5,7 @@ validators' evaluate() conversation, both seats), and the bench prints, per game
 legal-move rate and the mean score with 95 % intervals, and the paired score difference to base.
 
     python bench/learning.py                                   # SFT warm start + PPO, goofspiel + leduc_poker
-    python bench/learning.py --no-warm-start --steps 10        # PPO alone from the base model
+    python bench/learning.py --no-warm-start                   # PPO alone (10 steps) from the base model
     python bench/learning.py --opponents random,mcts --sft-checkpoint runs/x/sft/checkpoints/checkpoint-40
 
 By default (`--warm-start`) `sft_warmstart.py` first imitates the experts (prize matching for
@@ -193,7 +193,9 @@ def main() -> None:
     args = parser.parse_args()
     games = args.games.split(",")
     opponents = args.opponents.split(",")
-    steps = args.steps or (4 if args.warm_start else 10)
+    steps = args.steps if args.steps is not None else (4 if args.warm_start else 10)
+    if steps < 1:
+        parser.error(f"--steps must be at least 1, got {steps}")
     # one MCTS strength for training against mcts and for evaluation; random opponents ignore it
     overrides = [*TRAIN_OVERRIDES, *(WARM_START_OVERRIDES if args.warm_start else []),
                  f"generation.max_new_tokens={args.max_new_tokens}",
