@@ -262,6 +262,16 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
         return (1.0 - masked_var(returns - values, mask) / returns_var).item()
 
 
+def pearson_correlation(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Pearson correlation of two 1-D tensors; 0.0 when either is constant or has fewer than 2 entries."""
+    x, y = x.double().flatten(), y.double().flatten()
+    if x.numel() < 2 or x.shape != y.shape:
+        return 0.0
+    x, y = x - x.mean(), y - y.mean()
+    scale = torch.sqrt((x * x).sum() * (y * y).sum())
+    return float((x * y).sum() / scale) if scale > 0 else 0.0
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL(policy || reference) estimate from sampled tokens' log-probs, [B, T] -> [B, T].
 

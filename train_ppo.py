@@ -60,7 +60,7 @@ from model_files import model_source
 from prompts import PromptBuilder
 from rollout import Episode, RolloutRunner
 from run_log import RunLogger, console, episode_summary, rollout_progress, setup_logging
-from update import TooManySkips, UpdateState, build_optimizer, ppo_update
+from update import TooManySkips, UpdateState, build_optimizer, ppo_update, update_signal
 from utils import Config, ConfigError, add_config_arguments, check_training_config, derive_seed, load_config
 
 log = logging.getLogger("train_ppo")
@@ -218,6 +218,9 @@ class Trainer:
                                       with_values=cfg.ppo.advantage == "gae")
             metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids))
             metrics.update(self.update(sequences, episodes))
+            every = cfg.logging.signal_check_every
+            if every and (self.step + 1) % every == 0:
+                metrics.update(update_signal(self.policy, sequences, cfg.ppo.micro_batch_tokens, self.temperature))
         metrics["perf/update_seconds"] = time.perf_counter() - started
         gap = sampler_gap(sequences)
         if gap is not None:

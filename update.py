@@ -9,7 +9,7 @@ import torch
 
 from experience import TrainSequence, collate, plan_micro_batches
 from policy import Policy
-from ppo import explained_variance, kl_penalty, policy_loss, value_loss, weighted_mean
+from ppo import explained_variance, kl_penalty, pearson_correlation, policy_loss, value_loss, weighted_mean
 from utils import PPOConfig
 
 log = logging.getLogger(__name__)
@@ -166,3 +166,36 @@ def _optimizer_step(policy, optimizer, minibatch: list[TrainSequence], cfg: PPOC
     sums["update/grad_norm"] = grad_norm
     sums["update/skipped"] = 0.0
     return sums
+
+
+@torch.no_grad()
+def update_signal(policy: Policy, sequences: list[TrainSequence], token_budget: int, temperature: float
+                  ) -> dict[str, float]:
+    """Did the update push each reply the way its advantage says? Re-scores the batch and relates every
+    reply's advantage (the mean over its tokens) to the change of its log-probability (summed over its
+    tokens) since the rollout: a healthy update has a clearly positive correlation."""
+    pad_id = policy.tokenizer.pad_token_id
+    was_training = policy.training
+    policy.eval()
+    advantages, changes = [], []
+    try:
+        for group in plan_micro_batches([len(s.input_ids) for s in sequences], token_budget):
+            chunk = [sequences[i] for i in group]
+            batch = collate(chunk, pad_id, policy.device)
+            mask = batch["response_mask"].bool()
+            new = policy.score(batch["input_ids"], None, batch["response_mask"], with_values=False,
+                               temperature=temperature).logprobs
+            for row, sequence in enumerate(chunk):
+                change = new[row][mask[row]].cpu() - sequence.old_logprobs
+                for span in sequence.span_slices():
+                    advantages.append(float(sequence.advantages[span].mean()))
+                    changes.append(float(change[span].sum()))
+    finally:
+        policy.train(was_training)
+    advantage, change = torch.tensor(advantages), torch.tensor(changes)
+    positive, negative = advantage > 0, advantage < 0
+    return {
+        "signal/advantage_logprob_corr": pearson_correlation(advantage, change),
+        "signal/logprob_change_positive": float(change[positive].mean()) if positive.any() else 0.0,
+        "signal/logprob_change_negative": float(change[negative].mean()) if negative.any() else 0.0,
+    }

@@ -170,6 +170,10 @@ class LoggingConfig(Strict):
     wandb_project: str | None = Field(None, description="Set to log to Weights & Biases.")
     wandb_mode: Literal["online", "offline", "disabled"] = Field("offline")
     log_samples_every: int = Field(0, ge=0, description="Append one played conversation to samples.jsonl every N steps (0 = never).")
+    signal_check_every: int = Field(
+        0, ge=0, description="Every N steps re-score the batch after the update and log how each reply's "
+        "log-probability moved against its advantage (signal/*; one extra forward pass); 0 = never."
+    )
 
 
 class CheckpointConfig(Strict):

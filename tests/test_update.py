@@ -5,7 +5,7 @@ import policy as policy_module
 from curriculum import Task
 from experience import assign_advantages, build_sequences, collate, score_sequences
 from rollout import Episode, Turn
-from update import UpdateState, build_optimizer, ppo_update
+from update import UpdateState, build_optimizer, ppo_update, update_signal
 from utils import PPOConfig
 
 
@@ -80,3 +80,47 @@ def test_no_entropy_is_computed_in_the_update_when_its_coefficient_is_zero(tiny_
     stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-3), sequences, cfg, 0.0, 1.0,
                        torch.Generator().manual_seed(0), UpdateState())
     assert stats["policy/entropy_bonus"] > 0
+
+
+# ---------------------------------------------------------------- the training signal's direction
+def two_turn_episodes(policy, scores):
+    """Two-turn games held in one sequence each, with a different pair of replies per episode."""
+    tok = policy.tokenizer
+    encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt = encode("<|im_start|>user\nplay<|im_end|>\n<|im_start|>assistant\n")
+    glue = [tok.eos_token_id] + encode("\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
+    words = ["Raise", "Call", "Fold", "Liar", "bid", "card", "dice", "game", "point", "score", "legal", "action"]
+    episodes = []
+    for i, score in enumerate(scores):
+        first, second = encode(f"{words[i % 12]} {i}"), encode(f"{words[(i + 5) % 12]} {2 * i}")
+        sequence = prompt + first + glue + second + [tok.eos_token_id]
+        turns = [Turn(first, "", None, sequence=0, start=len(prompt)),
+                 Turn(second + [tok.eos_token_id], "", None, sequence=0, start=len(prompt + first + glue))]
+        episodes.append(Episode(task=Task("e", i, i, None, "s", False), env_kind="openspiel", done=True,
+                                turns=turns, sequences=[sequence], score=score, game_name="g"))
+    return episodes
+
+
+def one_update_signal(policy, cfg, episodes, group_ids=None):
+    sequences = build_sequences(episodes)
+    score_sequences(policy, sequences, cfg.micro_batch_tokens, 1.0, with_values=cfg.advantage == "gae")
+    assign_advantages(sequences, episodes, cfg, 0.0, group_ids)
+    ppo_update(policy, build_optimizer(policy, cfg, 1e-3), sequences, cfg, 0.0, 1.0,
+               torch.Generator().manual_seed(0), UpdateState())
+    return update_signal(policy, sequences, cfg.micro_batch_tokens, 1.0)
+
+
+def test_one_update_raises_replies_with_positive_advantage_and_lowers_the_others_turn_credit(tiny_policy):
+    cfg = PPOConfig(learning_rate=2e-3, ppo_epochs=1, kl_stop=None, credit="turn")
+    scores = [1.0, 0.0, 0.75, 0.25, 1.0, 0.0, 0.5, 0.9]
+    signal = one_update_signal(tiny_policy, cfg, two_turn_episodes(tiny_policy, scores))
+    assert signal["signal/advantage_logprob_corr"] > 0.7
+    assert signal["signal/logprob_change_positive"] > 0 > signal["signal/logprob_change_negative"]
+
+
+def test_one_update_raises_replies_with_positive_advantage_and_lowers_the_others_group(tiny_policy):
+    cfg = PPOConfig(learning_rate=2e-3, ppo_epochs=1, kl_stop=None, advantage="group", group_size=4)
+    scores = [1.0, 0.0, 0.5, 0.0, 0.2, 0.9, 0.9, 0.4]
+    signal = one_update_signal(tiny_policy, cfg, two_turn_episodes(tiny_policy, scores), [0, 0, 0, 0, 1, 1, 1, 1])
+    assert signal["signal/advantage_logprob_corr"] > 0.7
+    assert signal["signal/logprob_change_positive"] > 0 > signal["signal/logprob_change_negative"]
