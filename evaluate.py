@@ -37,9 +37,8 @@ from envs.factory import make_env
 from envs.games import is_playable
 from envs.tasks import (AVAILABLE_GAMES, TRACE_LEVELS, game_name_of, game_task_id, trace_level_range,
                         validator_seed)
-from merge import load_adapter_model
 from model_files import model_source
-from policy import adapter_folder
+from policy import adapter_folder, load_adapter_model
 from generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
 from prompts import PromptBuilder
 from rollout import Episode, RolloutRunner

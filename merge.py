@@ -15,7 +15,6 @@ Run:  python merge.py --checkpoint runs/r/checkpoints/checkpoint-500 --output me
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from policy import adapter_folder
+from policy import adapter_folder, load_adapter_model
 from run_log import console, setup_logging
 from utils import ConfigError, add_config_arguments, load_config
 
@@ -40,21 +39,6 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 class MergeCheckFailed(RuntimeError):
     """The merged model's logits differ from base + adapter (or the saved copy from the merged one)."""
-
-
-def load_adapter_model(base, adapter_dir: Path, base_name: str):
-    """PeftModel of `adapter_dir` on `base`; a clear error when the adapter was made for another model."""
-    from peft import PeftModel
-
-    try:
-        return PeftModel.from_pretrained(base, str(adapter_dir))
-    except (RuntimeError, ValueError, KeyError) as exc:
-        trained_on = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        raise ConfigError(
-            f"The adapter in {adapter_dir} does not fit the configured base model {base_name!r} (it was "
-            f"trained on {trained_on!r}): {str(exc).strip().splitlines()[0][:200]}. Pass the training run's "
-            "config (--config/--preset, or --set model.name_or_path=...)."
-        ) from None
 
 
 @torch.no_grad()

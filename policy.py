@@ -8,6 +8,7 @@ through the LM head, so a full-vocabulary tensor is never built for prompt token
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,47 +26,6 @@ ADAPTER_DIR = "adapter"  # the only folder vLLM loads: LoRA weights + adapter_co
 VALUE_HEAD_FILE = "value_head.pt"
 REFERENCE_ADAPTER_DIR = "reference_adapter"  # the frozen KL anchor, when it is not the base model
 _REFERENCE = "reference"  # its peft adapter name beside the trained "default"
-
-
-def _libc():
-    import ctypes
-
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-_M_MMAP_THRESHOLD = -3
-_GENERATION_MMAP_BYTES = 256 * 1024
-_TRAINING_MMAP_BYTES = 16 * 1024 * 1024
-
-
-def return_freed_memory_to_the_os() -> None:
-    """Make glibc give large freed blocks back at once. Its default mmap threshold grows to 32 MiB
-    after the first large free, after which the KV caches that generation grows and drops come from
-    the heap and stay mapped: a 135M model's CPU run then peaked near 6 GB RSS instead of about
-    2.5 GB. No-op off glibc; see `training_allocations` for the passes that want the heap."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(_M_MMAP_THRESHOLD, _GENERATION_MMAP_BYTES)
-
-
-@contextlib.contextmanager
-def training_allocations():
-    """Forward/backward passes allocate the same activation buffers micro-batch after micro-batch;
-    served from mmap every page is faulted in and zeroed again (CPU: 1.5x slower, a third of the
-    time in the kernel), served from the heap they are reused. The heap is trimmed afterwards."""
-    libc = _libc()
-    if libc is None:
-        yield
-        return
-    libc.mallopt(_M_MMAP_THRESHOLD, _TRAINING_MMAP_BYTES)
-    try:
-        yield
-    finally:
-        libc.mallopt(_M_MMAP_THRESHOLD, _GENERATION_MMAP_BYTES)
-        libc.malloc_trim(0)
 
 
 def _adapter_does_not_fit(adapter_dir: Path, exc: Exception) -> ConfigError:
@@ -153,6 +113,21 @@ def load_base_model(model_cfg: ModelConfig, device: torch.device):
             model.enable_input_require_grads()
     model.config.use_cache = not model_cfg.gradient_checkpointing
     return model
+
+
+def load_adapter_model(base, adapter_dir: Path, base_name: str):
+    """PeftModel of `adapter_dir` on `base`; a clear error when the adapter was made for another model."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(base, str(adapter_dir))
+    except (RuntimeError, ValueError, KeyError) as exc:
+        trained_on = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        raise ConfigError(
+            f"The adapter in {adapter_dir} does not fit the configured base model {base_name!r} (it was "
+            f"trained on {trained_on!r}): {str(exc).strip().splitlines()[0][:200]}. Pass the training run's "
+            "config (--config/--preset, or --set model.name_or_path=...)."
+        ) from None
 
 
 def resolve_lora_targets(model: nn.Module, wanted: list[str]) -> list[str]:

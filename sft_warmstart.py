@@ -286,7 +286,8 @@ def warm_start(config, records: list[dict[str, Any]], args: argparse.Namespace) 
     from checkpoint import save_checkpoint
     from experience import build_sequences
     from generation import eos_token_ids
-    from policy import load_policy, pick_device, return_freed_memory_to_the_os, training_allocations
+    from allocator import return_freed_memory_to_the_os, training_allocations
+    from policy import load_policy, pick_device
     from prompts import PromptBuilder
 
     cfg = config.train

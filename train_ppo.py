@@ -53,8 +53,8 @@ from envs.factory import make_envs, playable_filter
 from experience import (assign_advantages, build_sequences, final_reward, sampler_gap, score_sequences,
                         turn_rewards)
 from generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
-from policy import (VALUE_HEAD_FILE, adapter_folder, load_policy, pick_device, return_freed_memory_to_the_os,
-                    training_allocations)
+from allocator import return_freed_memory_to_the_os, training_allocations
+from policy import VALUE_HEAD_FILE, adapter_folder, load_policy, pick_device
 from ppo import AdaptiveKLController, FixedKLController
 from model_files import model_source
 from prompts import PromptBuilder
