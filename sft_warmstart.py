@@ -65,14 +65,18 @@ def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | 
 
 
 def plan_jobs(games: list[str], episodes: int, seed: int, opponent: str, config_ids: list[int], budget: int | None,
-              cfr_iterations: int, with_reason: bool, opponent_simulations: int | None = None, *,
+              cfr_iterations: int, with_reason: bool, opponent_simulations: int | dict[str, int] | None = None, *,
               goofspiel_expert: str) -> list[ExpertJob]:
-    """`episodes` jobs per game over the config ids; consecutive seeds alternate the model's seat."""
+    """`episodes` jobs per game over the config ids; consecutive seeds alternate the model's seat.
+    `opponent_simulations` is one MCTS budget for every game or {game: budget} (unnamed games: the env's)."""
     from envs.tasks import game_task_id
+
+    def simulations(game: str) -> int | None:
+        return opponent_simulations.get(game) if isinstance(opponent_simulations, dict) else opponent_simulations
 
     return [expert_job(game, game_task_id(game, config_ids[i % len(config_ids)]),
                        (derive_seed(seed, "sft", game, i) & ~1) | (i % 2),  # parity = the model's seat
-                       opponent, budget, cfr_iterations, with_reason, opponent_simulations,
+                       opponent, budget, cfr_iterations, with_reason, simulations(game),
                        goofspiel_expert=goofspiel_expert)
             for game in games for i in range(episodes)]
 
@@ -206,7 +210,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--episodes", type=int, default=100, help="expert episodes per game")
     parser.add_argument("--config-ids", default="0", help="comma-separated game variants to cycle through")
     parser.add_argument("--opponent", choices=("random", "mcts"), default="random", help="the env's opponent")
-    parser.add_argument("--opponent-simulations", type=int, help="MCTS opponent's simulations (default: the env's)")
+    parser.add_argument("--opponent-simulations", type=int,
+                        help="MCTS opponent's simulations (default: the config's env.envs.<openspiel env>.mcts_simulations, "
+                        "else each game's validator budget)")
     parser.add_argument("--expert-budget", type=int,
                         help="MCTS simulations (default 300) or Monte Carlo playouts per bid (default 20)")
     parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS, default=DEFAULT_GOOFSPIEL_EXPERT,
@@ -262,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.data is not None:
             records = read_records(args.data)
         else:
+            simulations = args.opponent_simulations
+            if simulations is None:  # the opponent training will meet
+                simulations = next((s.mcts_simulations for s in config.env.envs.values() if s.kind == "openspiel"), None)
             jobs = plan_jobs(games, args.episodes, config.train.run.seed, args.opponent, args.config_id_list,
-                             args.expert_budget, args.cfr_iterations, args.reason, args.opponent_simulations,
+                             args.expert_budget, args.cfr_iterations, args.reason, simulations,
                              goofspiel_expert=args.goofspiel_expert)
             started = time.perf_counter()
             records = generate(jobs, args.workers, args.output_dir / DATA_FILE)

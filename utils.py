@@ -213,7 +213,10 @@ class EnvSpec(Strict):
     observation_format: Literal["evaluate", "openenv"] = Field(
         "evaluate", description="openspiel only: the validators' conversation or the reset/step text."
     )
-    mcts_simulations: int | None = Field(None, ge=1, description="openspiel only: override MCTS simulations.")
+    mcts_simulations: int | dict[str, int] | None = Field(
+        None, description="openspiel only: the MCTS opponent's simulations instead of each game's validator budget; "
+        "a number for every game, or {game: simulations} for the games named (the others keep theirs)."
+    )
     workers: int = Field(0, ge=0, description="openspiel only: worker processes for game episodes (0 = in-process).")
     games: list[str] | None = Field(None, description="openspiel only: allow-list of games this env may play.")
     source: Literal["embedded", "hf"] = Field("embedded", description="trace only: task source.")
@@ -236,6 +239,16 @@ class EnvSpec(Strict):
             raise ValueError("mode 'url' needs 'url' (e.g. \"http://127.0.0.1:8765\")")
         if self.mode == "docker" and not self.image:
             raise ValueError("mode 'docker' needs 'image' (e.g. \"affinefoundation/game:openspiel\")")
+        budgets = self.mcts_simulations if isinstance(self.mcts_simulations, dict) else {"*": self.mcts_simulations}
+        if any(b is not None and b < 1 for b in budgets.values()):
+            raise ValueError(f"mcts_simulations must be at least 1, got {self.mcts_simulations}")
+        if isinstance(self.mcts_simulations, dict):
+            from envs.tasks import AVAILABLE_GAMES
+
+            unknown = [g for g in self.mcts_simulations if g not in AVAILABLE_GAMES]
+            if unknown:
+                raise ValueError(f"mcts_simulations names unknown games {unknown}; expected names from "
+                                 f"{AVAILABLE_GAMES}")
         if self.games is not None:
             from envs.tasks import AVAILABLE_GAMES
 

@@ -81,13 +81,15 @@ class OpenSpielEnv:
     """Many concurrent Affine game episodes; see the module docstring for where moves run."""
 
     def __init__(self, observation_format: str = "evaluate", seed: int = 0, max_parse_attempts: int = 3,
-                 mcts_simulations: int | None = None, workers: int = 0):
+                 mcts_simulations: int | dict[str, int] | None = None, workers: int = 0):
         if observation_format not in FORMATS:
             raise ValueError(f"observation_format must be one of {FORMATS}, got {observation_format!r}")
         if max_parse_attempts < 1:
             raise ValueError(f"max_parse_attempts must be >= 1, got {max_parse_attempts}")
-        if mcts_simulations is not None and mcts_simulations < 1:
-            raise ValueError(f"mcts_simulations must be >= 1 or None (the spec's budgets), got {mcts_simulations}")
+        budgets = mcts_simulations.values() if isinstance(mcts_simulations, dict) else [mcts_simulations]
+        if any(b is not None and b < 1 for b in budgets):
+            raise ValueError(f"mcts_simulations must be >= 1, a {{game: simulations}} mapping of such, or None (the "
+                             f"spec's budgets), got {mcts_simulations}")
         if workers < 0:
             raise ValueError(f"workers must be >= 0 (0 = in this process), got {workers}")
         self.observation_format = observation_format

@@ -137,7 +137,7 @@ class Episode:
     """One game from reset to its final score; `start`, `step` and `observe` return StepResults."""
 
     def __init__(self, episode_id: str, *, task_id: int, seed: int, opponent: str, observation_format: str,
-                 max_parse_attempts: int, mcts_simulations: int | None):
+                 max_parse_attempts: int, mcts_simulations: int | dict[str, int] | None):
         decoded = decode_task_id(task_id)
         self.episode_id, self.task_id, self.seed, self.opponent = episode_id, task_id, seed, opponent
         self.game_name, self.format = decoded["game_name"], observation_format
@@ -147,6 +147,8 @@ class Episode:
         num_players = self.game.num_players()
         evaluate = observation_format == "evaluate"
         self.player = (seed % 2) % num_players if evaluate else seed % num_players
+        if isinstance(mcts_simulations, dict):  # per-game budgets; games not named keep the spec's
+            mcts_simulations = mcts_simulations.get(self.game_name)
         self.bots = build_bots(self.game, self.spec, observation_format, self.player, seed, opponent, mcts_simulations)
         self.has_search_bot = any(isinstance(bot, mcts.MCTSBot) for bot in self.bots.values())
         self.chance_rng = _rng(seed if evaluate else seed + 100)

@@ -191,6 +191,24 @@ def test_mcts_simulations_overrides_only_the_simulation_count():
     assert (bot.max_simulations, bot.evaluator.n_rollouts) == (7, 50)
 
 
+def test_per_game_mcts_simulations_apply_to_the_named_games_only():
+    from envs.openspiel_episode import Episode
+
+    budgets = {"liars_dice": 30}
+    liars = Episode("a", task_id=game_task_id("liars_dice"), seed=0, opponent="mcts", observation_format="evaluate",
+                    max_parse_attempts=3, mcts_simulations=budgets)
+    leduc = Episode("b", task_id=game_task_id("leduc_poker"), seed=0, opponent="mcts", observation_format="evaluate",
+                    max_parse_attempts=3, mcts_simulations=budgets)
+    assert (liars.bots[1].max_simulations, leduc.bots[1].max_simulations) == (30, 3000)
+
+
+def test_an_mcts_budget_below_one_is_refused_in_either_form():
+    with pytest.raises(ValueError, match="mcts_simulations"):
+        OpenSpielEnv("evaluate", mcts_simulations={"liars_dice": 0})
+    with pytest.raises(ValueError, match="mcts_simulations"):
+        OpenSpielEnv("evaluate", mcts_simulations=0)
+
+
 @pytest.mark.parametrize("game", ["goofspiel", "blackjack", "2048", "solitaire"])
 def test_games_without_a_search_budget_get_random_or_no_opponents(game):
     bots = _bots(game, "evaluate", 0, "mcts")

@@ -25,6 +25,14 @@ def jobs(game, n, **kwargs):
     return plan_jobs([game], n, seed=0, **{**options, **kwargs})
 
 
+def test_expert_games_meet_the_opponent_budget_of_their_own_game():
+    planned = plan_jobs(["liars_dice", "leduc_poker"], 1, seed=0, opponent="mcts", config_ids=[0], budget=None,
+                        cfr_iterations=20, with_reason=False, opponent_simulations={"liars_dice": 30},
+                        goofspiel_expert="prize")
+    assert [(j.game, j.opponent_simulations) for j in planned] == [("liars_dice", 30), ("leduc_poker", None)]
+    assert [j.opponent_simulations for j in jobs("liars_dice", 2, opponent_simulations=40)] == [40, 40]
+
+
 def test_each_game_gets_its_expert_and_unknown_ones_are_refused():
     assert [expert_kind(g) for g in ("leduc_poker", "goofspiel", "liars_dice", "hex")] == \
         ["cfr", "prize", "mcts", "mcts"]

@@ -269,6 +269,15 @@ def test_negative_learning_rate_is_rejected_with_the_field_and_value(tmp_path):
     assert "ppo.learning_rate" in result.stderr and "greater than 0" in result.stderr and "-1e-05" in result.stderr
 
 
+def test_per_game_mcts_budgets_name_known_games():
+    from utils import ConfigError, load_config
+
+    config = load_config(presets=["cpu"], overrides=['env.envs.openspiel.mcts_simulations={"liars_dice": 300}'])
+    assert config.env.envs["openspiel"].mcts_simulations == {"liars_dice": 300}
+    with pytest.raises(ConfigError, match=r"mcts_simulations.*unknown games \['liars'\]"):
+        load_config(presets=["cpu"], overrides=['env.envs.openspiel.mcts_simulations={"liars": 300}'])
+
+
 def test_missing_config_file_is_reported(tmp_path):
     result = _run_cli("--env-config", str(tmp_path / "nope.json"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
