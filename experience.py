@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from policy import Policy
+from policy import Policy, common_prefix_length
+from prefixes import padded_cost, partition
 from ppo import compute_gae, group_advantages, kl_penalty, masked_mean, masked_whiten
 from rollout import Episode
 from utils import PPOConfig
@@ -82,22 +83,37 @@ def build_sequences(episodes: list[Episode]) -> list[TrainSequence]:
     return sequences
 
 
-def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices grouped into micro-batches, shortest first, so that rows x longest row <= budget
-    (a sequence longer than the budget gets a micro-batch of its own). Sorting by length keeps the
-    right padding of each micro-batch small."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+def plan_micro_batches(token_ids: list[list[int]], budget: int, share_prefixes: bool = True) -> list[list[int]]:
+    """Indices grouped into micro-batches that each put at most `budget` tokens through the model (right
+    padding included; a sequence longer than the budget gets a micro-batch of its own).
+
+    With `share_prefixes` (the policy runs a micro-batch's common prefix once, see `Policy.score`) the
+    sequences that begin alike, such as one game's rules or a group's episodes of one task and seed,
+    go together, and the split is the one that processes the fewest tokens (`prefixes.partition`).
+    Without, sequences sorted by length fill micro-batches up to rows x longest <= budget."""
+    if share_prefixes:
+        def cost(rows: int, shared: int, longest: int) -> int | None:
+            tokens = padded_cost(rows, shared, longest)
+            return tokens if tokens <= budget else None
+
+        return [rows for rows, _ in partition(token_ids, cost)]
     groups: list[list[int]] = []
     current: list[int] = []
-    for index in order:
+    for index in sorted(range(len(token_ids)), key=lambda i: len(token_ids[i])):
         # sorted ascending: the newest member is the longest
-        if current and lengths[index] * (len(current) + 1) > budget:
+        if current and len(token_ids[index]) * (len(current) + 1) > budget:
             groups.append(current)
             current = []
         current.append(index)
     if current:
         groups.append(current)
     return groups
+
+
+def batch_cost(input_ids: torch.Tensor) -> int:
+    """Tokens a [B, T] right-padded micro-batch puts through the model (a shared prefix counted once)."""
+    rows, width = input_ids.shape
+    return padded_cost(rows, common_prefix_length(input_ids), width)
 
 
 def collate(sequences: list[TrainSequence], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -133,10 +149,10 @@ def score_sequences(policy: Policy, sequences: list[TrainSequence], token_budget
     policy.eval()
     processed = 0
     try:
-        for group in plan_micro_batches([len(s.input_ids) for s in sequences], token_budget):
+        for group in plan_micro_batches([s.input_ids for s in sequences], token_budget):
             chunk = [sequences[i] for i in group]
             batch = collate(chunk, pad_id, policy.device)
-            processed += batch["input_ids"].numel()
+            processed += batch_cost(batch["input_ids"])
             mask = batch["response_mask"].bool()
             scored = policy.score(batch["input_ids"], None, batch["response_mask"], with_values=with_values,
                                   with_entropy=True, temperature=temperature)
@@ -152,8 +168,9 @@ def score_sequences(policy: Policy, sequences: list[TrainSequence], token_budget
     finally:
         policy.train(was_training)
     unique = sum(len(s.input_ids) for s in sequences)
+    # processed < unique where micro-batches share prefixes, > unique where rows are padded
     return {"perf/tokens_processed": float(processed), "perf/unique_tokens": float(unique),
-            "perf/padding_fraction": 1.0 - unique / processed if processed else 0.0}
+            "perf/processed_over_unique": processed / unique if unique else 0.0}
 
 
 def final_reward(episode: Episode, cfg: PPOConfig) -> float:

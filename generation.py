@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import torch
 
+from prefixes import MIN_SHARED_PREFIX, padded_cost, partition
 from utils import GenerationConfig, derive_seed
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,8 @@ class LocalGenerator:
         for key, prompt in requests:
             cache = self._caches.get(key) if self.reuse_cache else None
             reuse.append(min(_common_prefix(cache.ids, prompt), len(prompt) - 1) if cache else 0)
+        if self.reuse_cache:
+            self._prefill_shared_prefixes(requests, reuse)
         cached_width = max(reuse)
         width = cached_width + max(len(prompt) - n for (_, prompt), n in zip(requests, reuse))
         pad_id = self.tokenizer.pad_token_id
@@ -197,6 +200,31 @@ class LocalGenerator:
         if self.reuse_cache:
             self._keep_caches(requests, responses, attention, getattr(out, self._cache_name))
         return responses
+
+    def _prefill_shared_prefixes(self, requests: list[tuple[int, list[int]]], reuse: list[int]) -> None:
+        """Rows with no cache of their own whose prompts begin alike (a group's episodes of one task and seed,
+        one game's rules) get their common prefix run once and handed to each of them as its cache; `reuse`
+        is updated in place."""
+        fresh = [row for row, n in enumerate(reuse) if n == 0]
+        prompts = [requests[row][1] for row in fresh]
+        for members, shared in partition(prompts, padded_cost):
+            shared = min([shared] + [len(prompts[m]) - 1 for m in members])  # each row keeps a token to feed
+            if len(members) < 2 or shared < MIN_SHARED_PREFIX:
+                continue
+            prefix = prompts[members[0]][:shared]
+            was_training = self.policy.training
+            self.policy.eval()  # as the wave's generate
+            try:
+                out = self.policy.model(input_ids=torch.tensor([prefix], device=self.policy.device), use_cache=True,
+                                        logits_to_keep=1)
+            finally:
+                self.policy.train(was_training)
+            layers = [(layer.keys[0], layer.values[0]) for layer in getattr(out, self._cache_name).layers]
+            for member in members:
+                row = fresh[member]
+                self._caches[requests[row][0]] = EpisodeCache(ids=list(prefix), layers=layers)
+                reuse[row] = shared
+            self.prefilled_tokens += shared  # once; each row's rest is counted with the wave
 
     def _batched_cache(self, keys: list[int], reuse: list[int], width: int, device: torch.device):
         """One DynamicCache holding each row's reused prefix, right-aligned to `width`."""

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ppo import logprobs_and_entropy_from_logits, logprobs_from_logits
+from prefixes import MIN_SHARED_PREFIX
 from model_files import model_source
 from utils import ConfigError, LoraConfig, ModelConfig
 
@@ -150,6 +151,12 @@ def resolve_lora_targets(model: nn.Module, wanted: list[str]) -> list[str]:
     return matched
 
 
+def common_prefix_length(input_ids: torch.Tensor) -> int:
+    """How many leading positions hold the same token in every row: [B, T] -> P."""
+    same = (input_ids == input_ids[:1]).all(dim=0)  # [T]
+    return int(same.long().cumprod(dim=0).sum())
+
+
 @dataclass
 class ScoredTokens:
     logprobs: torch.Tensor | None  # [B, T], 0 outside the response mask
@@ -226,9 +233,8 @@ class Policy(nn.Module):
     ) -> ScoredTokens:
         """Per-token log-probs, values and entropies of the response tokens. `detach_trunk` runs the
         model without gradients, so only the value head can learn from the result (critic warm-up)."""
-        decoder = self.model.get_base_model().get_decoder()
         with torch.no_grad() if detach_trunk else contextlib.nullcontext():
-            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+            hidden = self._hidden_states(input_ids, attention_mask)  # [B, T, H]
         # the state that predicts token t is the hidden state at t-1
         predictor = torch.zeros_like(response_mask, dtype=torch.bool)
         predictor[:, :-1] = response_mask[:, 1:].bool()
@@ -257,6 +263,35 @@ class Policy(nn.Module):
         if with_values:
             values = scatter(self.value_head(predicting.float()).squeeze(-1))
         return ScoredTokens(logprobs=logprobs, values=values, entropy=entropy)
+
+    def _hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Last hidden states [B, T, H]. Rows that begin with the same tokens (one system prompt, or a group's
+        episodes of one task and seed) run that prefix once: its hidden states are shared and its keys and
+        values are attended to by every row's rest, which gives the same numbers as running each row whole."""
+        decoder = self.model.get_base_model().get_decoder()
+        batch, width = input_ids.shape
+        can_share = batch > 1 and attention_mask is None and (self.shares_prefixes_with_gradients()
+                                                              or not torch.is_grad_enabled())
+        shared = common_prefix_length(input_ids) if can_share else 0
+        if shared < MIN_SHARED_PREFIX:
+            return decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        prefix = decoder(input_ids=input_ids[:1, :shared], use_cache=shared < width)
+        hidden = prefix.last_hidden_state.expand(batch, -1, -1)  # gradients of the rows add up in the prefix
+        if shared == width:
+            return hidden
+        cache = prefix.cache
+        cache.batch_repeat_interleave(batch)
+        rest = decoder(input_ids=input_ids[:, shared:], cache=cache, use_cache=True).last_hidden_state
+        return torch.cat([hidden, rest], dim=1)
+
+    def shares_prefixes_with_gradients(self) -> bool:
+        """Whether training passes can share prefixes: they need the KV cache, which gradient checkpointing
+        turns off (passes without gradients always can)."""
+        base = self.model.get_base_model()
+        # transformers 5.2x renamed is_gradient_checkpointing (the old name warns)
+        name = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") else \
+            "is_gradient_checkpointing"
+        return not getattr(base, name, False)
 
     # ------------------------------------------------------------------ persistence
     def save(self, folder: Path) -> None:

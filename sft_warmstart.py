@@ -183,7 +183,8 @@ def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: 
                 minibatch = [sequences[i] for i in order[first:first + batch_size]]
                 tokens = sum(s.response_len for s in minibatch)
                 optimizer.zero_grad(set_to_none=True)
-                for group in plan_micro_batches([len(s.input_ids) for s in minibatch], token_budget):
+                for group in plan_micro_batches([s.input_ids for s in minibatch], token_budget,
+                                                policy.shares_prefixes_with_gradients()):
                     batch = collate([minibatch[i] for i in group], pad_id, policy.device)
                     mask = batch["response_mask"]
                     scored = policy.score(batch["input_ids"], None, mask, with_values=False)

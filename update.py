@@ -91,7 +91,8 @@ def _optimizer_step(policy, optimizer, minibatch: list[TrainSequence], cfg: PPOC
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     finite = True
-    for group in plan_micro_batches([len(s.input_ids) for s in minibatch], cfg.micro_batch_tokens):
+    for group in plan_micro_batches([s.input_ids for s in minibatch], cfg.micro_batch_tokens,
+                                    policy.shares_prefixes_with_gradients()):
         batch = collate([minibatch[i] for i in group], pad_id, policy.device)
         mask = batch["response_mask"]
         share = float(mask.sum()) / tokens  # this micro-batch's share of the minibatch's token stats
@@ -179,7 +180,7 @@ def update_signal(policy: Policy, sequences: list[TrainSequence], token_budget: 
     policy.eval()
     advantages, changes = [], []
     try:
-        for group in plan_micro_batches([len(s.input_ids) for s in sequences], token_budget):
+        for group in plan_micro_batches([s.input_ids for s in sequences], token_budget):
             chunk = [sequences[i] for i in group]
             batch = collate(chunk, pad_id, policy.device)
             mask = batch["response_mask"].bool()

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from curriculum import Task
-from experience import _loss_weights, assign_advantages, build_sequences, collate, plan_micro_batches
+from experience import _loss_weights, assign_advantages, batch_cost, build_sequences, collate, plan_micro_batches
 from rollout import Episode, Turn
 from utils import PPOConfig
 
@@ -133,10 +133,37 @@ def test_group_advantages_are_the_normalised_episode_return_on_every_token():
     assert float(sequences[0].value_weights.sum()) == 0.0
 
 
-def test_micro_batches_respect_the_budget_and_keep_padding_small():
+def test_micro_batches_without_sharing_respect_the_budget_and_keep_padding_small():
     lengths = [100, 90, 400, 95, 410, 105]
-    groups = plan_micro_batches(lengths, budget=420)
+    groups = plan_micro_batches([[i] * n for i, n in enumerate(lengths)], budget=420, share_prefixes=False)
     assert sorted(i for g in groups for i in g) == list(range(6))
     for group in groups:
         assert len(group) == 1 or max(lengths[i] for i in group) * len(group) <= 420
     assert [sorted(lengths[i] for i in g) for g in groups] == [[90, 95, 100, 105], [400], [410]]
+
+
+def test_micro_batches_gather_the_rows_that_begin_alike_and_count_their_prefix_once():
+    system_a, system_b = [1] * 50, [2] * 50
+    group = system_a + [3] * 100  # a group's first observation: 150 shared tokens
+    sequences = [group + [7] * 20, system_b + [4] * 30, group + [8] * 25, group + [9] * 10, system_b + [5] * 30]
+    # group rows: 150 + 3 x 25 = 225 tokens; the system_b rows: 50 + 2 x 30 = 110; all five in one: 5 x 175
+    groups = plan_micro_batches(sequences, budget=400)
+    assert sorted(sorted(g) for g in groups) == [[0, 2, 3], [1, 4]]
+
+
+def test_a_row_that_would_cut_the_shared_prefix_short_starts_a_new_micro_batch():
+    group = [1] * 200
+    sequences = [group + [7] * 10, group + [8] * 10, [1] * 20 + [6] * 190]
+    # rows 0 and 1 cost 200 + 2 x 10 = 220 tokens, row 2 alone 210: 430 + 2 calls; all three (20 tokens in
+    # common) 20 + 3 x 190 = 590 + 1 call (a call counts as prefixes.CALL_OVERHEAD = 128 tokens)
+    groups = plan_micro_batches(sequences, budget=10_000)
+    assert sorted(sorted(g) for g in groups) == [[0, 1], [2]]
+    assert plan_micro_batches(sequences, budget=10_000, share_prefixes=False) == [[0, 1, 2]]
+
+
+def test_batch_cost_counts_a_shared_prefix_once():
+    rows = torch.tensor([[1] * 40 + [2, 3, 0], [1] * 40 + [4, 0, 0]])
+    assert batch_cost(rows) == 40 + 2 * 3
+    assert batch_cost(torch.tensor([[1, 2, 3], [4, 5, 6]])) == 6
+
+

@@ -82,3 +82,34 @@ def test_vllm_generator_keeps_the_sampled_ids_and_never_adds_an_eos(tiny_policy)
     assert generation.token_ids == [11, 12]
     assert generation.logprobs[0] == -0.5 and generation.logprobs[1] != generation.logprobs[1]  # NaN
     assert requests[0]["stop_token_ids"] == [2, 3] and requests[0]["prompt"] == [1, 2]
+
+
+class RulesEnv(CountingEnv):
+    """CountingEnv with a long system prompt: every episode's first prompt is the same."""
+
+    async def reset(self, task_id=None, seed=None, **kwargs):
+        result = await super().reset(task_id, seed, **kwargs)
+        result["info"]["system_prompt"] = "Rules: " + " ".join(f"card {i} beats card {i + 1}." for i in range(30))
+        return result
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_first_prompts_that_begin_alike_are_prefilled_once(tiny_policy, temperature):
+    def rollout(reuse: bool):
+        cfg = GenerationConfig(backend="local", max_new_tokens=5, max_concurrent_episodes=4, context_strategy="full",
+                               reuse_kv_cache=reuse, temperature=temperature)
+        generator = LocalGenerator(tiny_policy, cfg, seed=0)
+        runner = RolloutRunner({"game": ("openspiel", RulesEnv())}, generator,
+                               PromptBuilder(tiny_policy.tokenizer, 4096), cfg)
+        episodes = asyncio.run(runner.run(_tasks(4), step=0))
+        return [[t.response_ids for t in e.turns] for e in episodes], episodes, generator
+
+    shared_replies, episodes, shared = rollout(True)
+    whole_replies, _, whole = rollout(False)
+    assert shared_replies == whole_replies
+    first_prompt = len(episodes[0].prompt_ids(episodes[0].turns[0]))
+    # the first wave runs the common first prompt (all but its last token) once, then one token per episode
+    first_wave = (first_prompt - 1) + 4
+    later_turns = shared.prefilled_tokens - first_wave
+    assert 0 < later_turns < whole.prompt_tokens - 4 * first_prompt
+    assert shared.prefilled_tokens < 0.5 * whole.prefilled_tokens

@@ -53,6 +53,69 @@ def test_score_matches_a_plain_forward_pass(tiny_policy):
     assert torch.all(scored.logprobs[0, ~positions] == 0)
 
 
+def _rows_sharing_a_prefix(policy):
+    """Four right-padded rows: one long shared prompt, then different replies (two rows identical)."""
+    tok = policy.tokenizer
+    prompt = tok("<|im_start|>system\nYou are playing liars_dice. Bid or call Liar.<|im_end|>\n<|im_start|>user\n"
+                 "Your dice: 1 1 2 3 4. Legal actions: 19 -> 4-2, 60 -> Liar<|im_end|>\n<|im_start|>assistant\n",
+                 add_special_tokens=False)["input_ids"]
+    replies = [tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+               for text in ("60", "19 then more", "60", "Liar")]
+    width = len(prompt) + max(len(r) for r in replies)
+    ids = torch.full((4, width), tok.pad_token_id)
+    mask = torch.zeros(4, width)
+    for row, reply in enumerate(replies):
+        ids[row, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
+        mask[row, len(prompt): len(prompt) + len(reply)] = 1
+    return ids, mask
+
+
+def _scored_with_gradients(policy, ids, mask):
+    policy.zero_grad(set_to_none=True)
+    scored = policy.score(ids, None, mask, with_values=True, with_entropy=True)
+    ((scored.logprobs * mask).sum() + (scored.values * mask).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    return scored, grads
+
+
+def test_rows_with_a_common_prefix_score_and_train_as_if_run_whole(tiny_policy, monkeypatch):
+    import policy as policy_module
+
+    ids, mask = _rows_sharing_a_prefix(tiny_policy)
+    assert policy_module.common_prefix_length(ids) > policy_module.MIN_SHARED_PREFIX
+    with torch.no_grad():
+        for name, parameter in tiny_policy.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.3)  # an adapter that matters, so its gradients through the prefix do
+    for module in tiny_policy.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0  # as in PPO (ppo.disable_dropout): two passes must see the same network
+    tiny_policy.train()
+    shared, shared_grads = _scored_with_gradients(tiny_policy, ids, mask)
+    monkeypatch.setattr(policy_module, "MIN_SHARED_PREFIX", 10**9)  # every row run whole
+    whole, whole_grads = _scored_with_gradients(tiny_policy, ids, mask)
+    for name in ("logprobs", "values", "entropy"):
+        assert torch.allclose(getattr(shared, name), getattr(whole, name), atol=1e-5), name
+    assert shared_grads.keys() == whole_grads.keys() and len(whole_grads) > 4
+    for name, grad in whole_grads.items():
+        assert torch.allclose(shared_grads[name], grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_identical_rows_run_once(tiny_policy, monkeypatch):
+    import policy as policy_module
+
+    ids, mask = _rows_sharing_a_prefix(tiny_policy)
+    same, same_mask = ids[[0, 2]], mask[[0, 2]]
+    assert policy_module.common_prefix_length(same) == same.shape[1]
+    calls = []
+    decoder = tiny_policy.model.get_base_model().get_decoder()
+    monkeypatch.setattr(decoder, "forward", lambda *a, __f=decoder.forward, **k: calls.append(k["input_ids"].shape)
+                        or __f(*a, **k))
+    scored = tiny_policy.score(same, None, same_mask, with_values=False)
+    assert calls == [(1, same.shape[1])]
+    assert torch.equal(scored.logprobs[0], scored.logprobs[1])
+
+
 def test_reference_equals_base_model_and_differs_after_an_update(tiny_policy, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
