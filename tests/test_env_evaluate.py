@@ -231,6 +231,37 @@ def test_an_llm_server_failing_mid_run_gives_error_episodes(tiny_model_dir, env_
     assert (leduc["episodes"], leduc["errors"], leduc["mean_score"]) == (2, 1, 6 / 26)
 
 
+def test_an_image_is_started_in_docker_under_its_own_name(tiny_model_dir, tmp_path, monkeypatch):
+    """affinetes' Docker start is replaced by a scripted env server standing in for the container."""
+    import affinetes
+
+    real_load_env, started = affinetes.load_env, []
+    llm = ModelsServer(str(tiny_model_dir))
+    answered = env_result(0.5, [SYSTEM, decision(), reply("1")])
+    try:
+        with FakeServer(lambda method, kwargs: success(answered), methods=("evaluate",)) as container:
+            def start_container(**kwargs):
+                started.append(kwargs)
+                return real_load_env(mode="url", base_url=container.url)
+
+            monkeypatch.setattr(affinetes, "load_env", start_container)
+            code = evaluate.main(tiny_args(tiny_model_dir, "--base-only", "--task-ids", "200000000",
+                                           "--set", f"env.vllm_url={llm.url}", "--output-dir", str(tmp_path),
+                                           "--env-evaluate", "affinefoundation/game:openspiel",
+                                           "--env-llm-url", "http://llm.invalid:8000/v1"))
+    finally:
+        llm.close()
+    assert code == 0
+    # not game-openspiel-r0: a training run's container of the same image keeps running
+    assert [(k["image"], k["mode"], k["container_name"]) for k in started] == [
+        ("affinefoundation/game:openspiel", "docker", "game-openspiel-eval-r0")]
+    assert container.calls == [("evaluate", {
+        "timeout": 1800.0, "task_id": 200000000, "seed": 1580322239, "opponent": "random",  # tiny_args' opponent
+        "model": str(tiny_model_dir), "base_url": "http://llm.invalid:8000/v1", "temperature": 0.0,
+        "api_key": "EMPTY"})]
+    assert [r["outcome"] for r in read_episodes(tmp_path)] == ["draw"]
+
+
 # ---------------------------------------------------------------------- bad input: one line, no traceback
 def expect_one_line(capsys, code: int, status: int, *parts: str) -> None:
     err = capsys.readouterr().err
