@@ -12,9 +12,13 @@ seeds with seeds derived from S; the episodes then come in pairs, one config id 
 an odd seed, so every variant is played from both seats. `--task-ids 5,0-3,trace:10-12` plays each
 listed id once (ranges inclusive).
 
+`--env-evaluate URL|IMAGE` scores through the env's own evaluate() instead (env_evaluate.py): the env
+plays each game against the vLLM server with the validators' prompt text, parser and timeouts.
+
 Run:  python evaluate.py --preset cpu --base-only --games leduc_poker,liars_dice --episodes 10 --opponent random
       python evaluate.py --checkpoint runs/r/checkpoints/checkpoint-500 --games goofspiel,leduc_poker \\
           --episodes 50 --compare-base --output-dir eval/r-500
+      python evaluate.py --preset cpu --checkpoint CKPT --games leduc_poker --env-evaluate http://127.0.0.1:8765
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from typing import Any, Callable
 
 from rich.console import Console
 
+import env_evaluate
 import report
 from curriculum import Task
 from envs.factory import make_env
@@ -166,6 +171,8 @@ def episode_record(episode: Episode, model: str) -> dict[str, Any]:
         "parse_failed_game": bool(not is_trace and episode.done and episode.turns and episode.turns[-1].parse_error),
         "generated_tokens": episode.generated_tokens,
         "error": error,
+        "scored_by": "in_process",
+        "conversation": episode.messages,
     }
 
 
@@ -234,8 +241,10 @@ async def evaluate(config: Config, tasks: list[Task], env_specs: dict[str, tuple
     generator, tokenizer, runs = model_runs(config, adapter_dir, compare_base)
     gen_cfg = config.train.generation
     envs = {name: (kind, make_env(spec, seed=config.train.run.seed)) for kind, (name, spec) in env_specs.items()}
+    # the validators' conversation: replies stored as their client returns them, every prompt rendered anew
     runner = RolloutRunner(envs, generator, PromptBuilder(tokenizer, gen_cfg.max_prompt_tokens,
-                                                          config.train.model.chat_template_kwargs), gen_cfg)
+                                                          config.train.model.chat_template_kwargs), gen_cfg,
+                           validator_conversation=True)
     records: list[dict[str, Any]] = []
     sink = open(episodes_path, "w") if episodes_path else None
     try:
@@ -281,6 +290,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context-strategy", choices=("full", "truncated", "last"),
                         help="conversation shown to the model (default full, as validators)")
     parser.add_argument("--output-dir", type=Path, help="write episodes.jsonl and summary.json here")
+    parser.add_argument("--env-evaluate", metavar="URL|IMAGE",
+                        help="score through the env's own evaluate() (the validators' call): a running env server's "
+                        "URL (e.g. http://127.0.0.1:8765 from `python -m envs.server --env openspiel`) or an Affine "
+                        "image to start in Docker (affinefoundation/game:openspiel); needs a vLLM server "
+                        "(env.vllm_url)")
+    parser.add_argument("--env-llm-url", metavar="URL",
+                        help="with --env-evaluate: the vLLM URL the env calls (its base_url; default env.vllm_url). "
+                        "A container cannot reach this machine's 127.0.0.1")
+    parser.add_argument("--env-timeout", type=float, default=env_evaluate.VALIDATOR_TIMEOUT_S, metavar="SECONDS",
+                        help="with --env-evaluate: seconds the env may take per game (default %(default)g, "
+                        "the validators')")
     add_config_arguments(parser, set_example="generation.backend=local")
     return parser.parse_args(argv)
 
@@ -298,6 +318,10 @@ def plan(args: argparse.Namespace, config: Config) -> tuple[list[Task], dict[str
     episodes = 10 if args.episodes is None else args.episodes
     if episodes < 1:
         raise ConfigError(f"--episodes must be at least 1, got {episodes}.")
+    if not args.env_evaluate and (args.env_llm_url or args.env_timeout != env_evaluate.VALIDATOR_TIMEOUT_S):
+        raise ConfigError("--env-llm-url and --env-timeout apply to --env-evaluate.")
+    if args.env_timeout <= 0:
+        raise ConfigError(f"--env-timeout must be > 0 seconds, got {args.env_timeout:g}.")
     if args.seed is not None and not 0 <= args.seed < 2**32:
         raise ConfigError(f"--seed must be in [0, 2**32), got {args.seed}.")
     games = [g.strip() for g in (args.games or "").split(",") if g.strip()]
@@ -306,6 +330,8 @@ def plan(args: argparse.Namespace, config: Config) -> tuple[list[Task], dict[str
         raise ConfigError(f"--games: unknown {unknown}; expected names from {AVAILABLE_GAMES} or 'trace'.")
     listed = parse_task_ids(args.task_ids) if args.task_ids else []
     kinds = {"trace" if g == TRACE else "openspiel" for g in games} | {kind for kind, _ in listed}
+    if args.env_evaluate and "trace" in kinds:
+        raise ConfigError("--env-evaluate scores game tasks only; leave trace out of --games and --task-ids.")
     env_specs = eval_env_specs(config, kinds)
     names = {kind: name for kind, (name, _) in env_specs.items()}
     tasks = [t for g in games for t in game_tasks(g, episodes, args.seed, args.opponent,
@@ -338,7 +364,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.output_dir:
             args.output_dir.mkdir(parents=True, exist_ok=True)
             episodes_path = args.output_dir / "episodes.jsonl"
-        records = asyncio.run(evaluate(config, tasks, env_specs, adapter_dir, args.compare_base, episodes_path))
+        if args.env_evaluate:
+            records, scores_from = asyncio.run(env_evaluate.evaluate_through_env(
+                config, tasks, adapter_dir, args.compare_base, args.env_evaluate, args.env_llm_url, args.env_timeout,
+                episodes_path))
+        else:
+            records = asyncio.run(evaluate(config, tasks, env_specs, adapter_dir, args.compare_base, episodes_path))
+            scores_from = {"path": "in_process"}
     except ConfigError as exc:
         console.print(f"[red]Error:[/red] {exc}", highlight=False, soft_wrap=True)
         return 2
@@ -350,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Console()
     if not out.is_terminal:  # a file or pipe: no terminal width to respect, keep each row on one line
         out = Console(width=180)
-    for table in (report.game_table(summary, comparison), report.trace_table(summary, comparison)):
+    source = (f"scores from the env's evaluate() at {args.env_evaluate}" if args.env_evaluate
+              else "scores from episodes played by evaluate.py")
+    for table in (report.game_table(summary, comparison, source), report.trace_table(summary, comparison, source)):
         if table is not None:
             out.print(table)
     errors = sum(1 for r in records if r["error"])
@@ -359,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[yellow]{errors} of {len(records)} episodes failed and are left out of the rates "
                       f"(first: task {first['task_id']}: {first['error']})[/yellow]", highlight=False)
     if args.output_dir:
-        document = {"settings": settings(args, config), "models": summary}
+        document = {"settings": settings(args, config) | {"scores_from": scores_from}, "models": summary}
         if comparison is not None:
             document["comparison"] = comparison
         (args.output_dir / "summary.json").write_text(json.dumps(document, indent=1) + "\n")
@@ -369,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def settings(args: argparse.Namespace, config: Config) -> dict[str, Any]:
     gen = config.train.generation
-    return {
+    common = {
         "checkpoint": str(args.checkpoint) if args.checkpoint else None,
         "base_model": config.train.model.name_or_path,
         "opponent": args.opponent,
@@ -378,12 +412,12 @@ def settings(args: argparse.Namespace, config: Config) -> dict[str, Any]:
         "games": args.games,
         "task_ids": args.task_ids,
         "episodes_per_game": (10 if args.episodes is None else args.episodes) if args.games else None,
-        "backend": gen.backend,
         "temperature": gen.temperature,
-        "max_new_tokens": gen.max_new_tokens,
-        "context_strategy": gen.context_strategy,
-        "max_turns": gen.max_turns,
     }
+    if args.env_evaluate:  # the env and the vLLM server decide the context, the reply length and the turns
+        return common
+    return common | {"backend": gen.backend, "max_new_tokens": gen.max_new_tokens,
+                     "context_strategy": gen.context_strategy, "max_turns": gen.max_turns}
 
 
 if __name__ == "__main__":

@@ -54,11 +54,15 @@ class PromptBuilder:
 
 class TokenHistory:
     """One episode's token sequences: each turn's prompt continues the current sequence when the
-    template allows it, else starts a new one. `sequences[i]` ends with the last reply added to it."""
+    template allows it, else starts a new one. `sequences[i]` ends with the last reply added to it.
 
-    def __init__(self, builder: PromptBuilder, eos_ids: set[int]):
+    `continue_sequences=False` renders every prompt afresh from the messages, the way an OpenAI chat
+    server does (evaluation plays the validators' conversation; training keeps the sampled ids)."""
+
+    def __init__(self, builder: PromptBuilder, eos_ids: set[int], continue_sequences: bool = True):
         self.builder = builder
         self.eos_ids = eos_ids
+        self.continue_sequences = continue_sequences
         self.sequences: list[list[int]] = []
         self._rendered = ""  # the text the current sequence stands for (prompt render + reply text)
         self._eos_text = ""  # the reply's final EOS as text, which the template writes after the reply
@@ -66,7 +70,7 @@ class TokenHistory:
     def prompt(self, messages: list[dict[str, str]], keep_from: int) -> tuple[list[int], int, int] | None:
         """(prompt ids, sequence index, position of the reply's first token) for the pending turn;
         None when the prompt cannot fit `max_prompt_tokens`."""
-        if self.sequences:
+        if self.sequences and self.continue_sequences:
             continued = self._continue(messages)
             if continued is not None:
                 return continued

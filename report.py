@@ -74,8 +74,10 @@ def _rate(count: int, total: int) -> float | None:
     return count / total if total else None
 
 
-def _mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+def _mean(values: Sequence[float | None]) -> float | None:
+    """Mean of the known values (an env's evaluate() reports no token counts: None)."""
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 def game_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -179,14 +181,15 @@ def _number(value: float | None, fmt: str = ".1f") -> str:
 
 
 def game_table(summary: dict[str, dict[str, dict[str, Any]]],
-               comparison: dict[str, dict[str, Any]] | None = None) -> Table | None:
-    """Games: one row per game and model; with a comparison, the paired score difference per game."""
+               comparison: dict[str, dict[str, Any]] | None = None, source: str | None = None) -> Table | None:
+    """Games: one row per game and model; with a comparison, the paired score difference per game.
+    `source` (where the scores came from) becomes the caption."""
     rows = [(game, model, stats) for model, games in summary.items()
             for game, stats in games.items() if game != TRACE]
     if not rows:
         return None
     table = Table(title="Games: 95% CI in parentheses (Wilson for the win rate, t for the mean score)",
-                  box=box.SIMPLE_HEAD)
+                  caption=source, box=box.SIMPLE_HEAD)
     for header in ("game", "model", "n", "win", "draw", "loss", "mean score", "illegal", "parse-fail",
                    "turns", "tokens", "errors"):
         table.add_column(header, justify="left" if header in ("game", "model") else "right")
@@ -210,12 +213,12 @@ def game_table(summary: dict[str, dict[str, dict[str, Any]]],
 
 
 def trace_table(summary: dict[str, dict[str, dict[str, Any]]],
-                comparison: dict[str, dict[str, Any]] | None = None) -> Table | None:
-    """Trace: accuracy with its Wilson interval per model."""
+                comparison: dict[str, dict[str, Any]] | None = None, source: str | None = None) -> Table | None:
+    """Trace: accuracy with its Wilson interval per model; `source` becomes the caption."""
     rows = [(model, games[TRACE]) for model, games in summary.items() if TRACE in games]
     if not rows:
         return None
-    table = Table(title="Trace: 95% Wilson CI in parentheses", box=box.SIMPLE_HEAD)
+    table = Table(title="Trace: 95% Wilson CI in parentheses", caption=source, box=box.SIMPLE_HEAD)
     for header in ("model", "n", "accuracy", "tokens", "errors"):
         table.add_column(header, justify="left" if header == "model" else "right")
     if comparison is not None:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from curriculum import Task
 from envs.base import Env, StepResult
+from envs.openspiel_text import strip_think
 from prompts import PromptBuilder, TokenHistory
 from utils import GenerationConfig, derive_seed
 
@@ -86,14 +87,20 @@ def build_messages(
 
 # ---------------------------------------------------------------------- episodes
 class RolloutRunner:
-    """Plays a batch of tasks concurrently (at most `max_concurrent_episodes` at once)."""
+    """Plays a batch of tasks concurrently (at most `max_concurrent_episodes` at once).
+
+    `validator_conversation=True` (evaluation) plays the conversation validators' LLM client keeps:
+    each reply is sent and stored whitespace- and think-stripped, as their client returns it, and
+    every prompt is the chat template rendered afresh over the messages, as an OpenAI chat server
+    renders it. Training keeps the default: the exact sampled ids continue each episode's sequence."""
 
     def __init__(self, envs: dict[str, tuple[str, Env]], generator, prompt_builder: PromptBuilder,
-                 gen_cfg: GenerationConfig):
+                 gen_cfg: GenerationConfig, validator_conversation: bool = False):
         self.envs = envs  # name -> (kind, env)
         self.generator = generator
         self.prompts = prompt_builder
         self.cfg = gen_cfg
+        self.validator_conversation = validator_conversation
 
     async def run(self, tasks: list[Task], step: int, on_episode_done: Callable[[Episode], None] | None = None
                   ) -> list[Episode]:
@@ -128,7 +135,7 @@ class RolloutRunner:
     async def play(self, index: int, task: Task, step: int) -> Episode:
         kind, env = self.envs[task.env]
         episode = Episode(task=task, env_kind=kind)
-        history = TokenHistory(self.prompts, self.generator.eos_ids)
+        history = TokenHistory(self.prompts, self.generator.eos_ids, continue_sequences=not self.validator_conversation)
         episode.sequences = history.sequences
         episode_id = None
         try:
@@ -162,6 +169,8 @@ class RolloutRunner:
                 generation = await self.generator.generate(prompt_ids, order_key=index, seed=seed)
                 text = self.prompts.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
                 history.add_reply(generation.token_ids, text)
+                if self.validator_conversation:
+                    text = strip_think(text)
                 result = await env.step(text, episode_id)
                 parse_error = bool(result["info"].get("parse_error"))
                 episode.turns.append(Turn(

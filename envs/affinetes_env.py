@@ -19,6 +19,9 @@
 - The real Affine images answer with their own `info` (no prompts, no score until done); it is
   mapped to the keys the trainer reads (envs/base.py). Our own `python -m envs.server` already
   sends those keys (`turn_prompt` marks them) and is passed through unchanged.
+- Outside the Env interface, `evaluate()` makes the validators' call: the remote env plays a whole
+  game against an LLM endpoint and returns its score (evaluate.py --env-evaluate). Unlike the
+  episode calls it raises RemoteCallError, and it is sent again only if it never reached a server.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 30.0
 SUSPECT_S = 30.0  # after a transient failure, an instance gets new episodes only if no other can
 STOP_TIMEOUT_S = 10.0  # stop is best-effort clean-up: never wait on it as long as on a move
+EVALUATE_GRACE_S = 60.0  # evaluate(timeout=T) ends itself by T (the template server by T + 10 s)
 GAME_SUCCESS_ABOVE = 0.5  # Affine game scores: loss 0, draw 0.5, win 1
 TRACE_SUCCESS_ABOVE = 0.0
 SERVER_HINT = ("start one with `python -m envs.server --env openspiel --host 0.0.0.0 --port 8765` "
@@ -86,11 +90,14 @@ class AffinetesEnv:
     call_timeout: seconds per remote call. max_retries: retries of a transient failure.
     backoff_base: seconds before the first retry, doubled per retry (jittered, at most 30 s).
     connect_timeout: seconds for the start-up health check of each URL.
+    container_prefix: docker mode: containers are named <prefix>-r0, -r1, ... (default: from the image
+    name, e.g. game-openspiel), so two programs using one image on one host need different prefixes.
     """
 
     def __init__(self, mode: str, base_url: str | list[str] | None = None, image: str | None = None,
                  env_vars: dict[str, str] | None = None, replicas: int = 1, call_timeout: float = 120.0,
-                 max_retries: int = 3, backoff_base: float = 0.5, connect_timeout: float = 10.0):
+                 max_retries: int = 3, backoff_base: float = 0.5, connect_timeout: float = 10.0,
+                 container_prefix: str | None = None):
         if mode not in ("docker", "url"):
             raise ValueError(f"AffinetesEnv mode must be 'docker' or 'url', got {mode!r}")
         if replicas < 1 or call_timeout <= 0 or max_retries < 0 or backoff_base < 0 or connect_timeout <= 0:
@@ -111,7 +118,7 @@ class AffinetesEnv:
         if mode == "url":
             self._instances = _connect_urls(base_url, replicas, connect_timeout)
         else:
-            self._instances = _start_containers(image, env_vars, replicas)
+            self._instances = _start_containers(image, env_vars, replicas, container_prefix)
 
     # ------------------------------------------------------------------ the Env interface
     async def reset(self, task_id: int | None = None, seed: int | None = None, **kwargs: Any) -> StepResult:
@@ -193,13 +200,55 @@ class AffinetesEnv:
         """Cumulative counters since start: failures by kind, retries, failed episodes, failed stops."""
         return dict(self._counts)
 
-    # ------------------------------------------------------------------ calls and failures
-    async def _call(self, instance: _Instance, method: str, **kwargs: Any) -> StepResult:
-        """One remote OpenEnv call, bounded by call_timeout; its reply validated as a StepResult."""
+    # ------------------------------------------------------------------ the env's own evaluate()
+    async def methods(self) -> list[str]:
+        """The method names the remote env offers (its GET /methods listing; the first instance's)."""
+        instance = self._instances[0]
         try:
-            reply = await asyncio.wait_for(getattr(instance.client, method)(**kwargs), self.call_timeout)
+            listing = await asyncio.wait_for(instance.client.list_methods(print_info=False), STOP_TIMEOUT_S)
         except asyncio.TimeoutError:
-            error = RemoteCallError("timeout", f"{method} on {instance.name}: no reply within {self.call_timeout:g}s",
+            raise RemoteCallError("timeout", f"list_methods on {instance.name}: no reply within {STOP_TIMEOUT_S:g}s",
+                                  retryable=True) from None
+        except Exception as exc:
+            raise _classify(exc, f"list_methods on {instance.name}") from exc
+        return [m.get("name") if isinstance(m, dict) else str(m) for m in listing]
+
+    async def evaluate(self, timeout: float, **kwargs: Any) -> dict[str, Any]:
+        """One whole game through the remote env's `evaluate(timeout=..., **kwargs)`, the validators'
+        call, on the least busy instance; returns its result dict or raises RemoteCallError.
+
+        The env enforces `timeout` itself; the reply is awaited EVALUATE_GRACE_S longer. Only a call
+        that never reached a server is sent again: a repeated evaluate would replay a whole game."""
+        tried: set[int] = set()
+        busy: _Instance | None = None  # counted as a live episode while its game runs
+
+        def pick() -> _Instance:
+            nonlocal busy
+            if busy is not None:
+                busy.live_episodes -= 1
+            busy = self._pick_instance(tried)
+            busy.live_episodes += 1
+            return busy
+
+        try:
+            _, result = await self._call_retrying(
+                "evaluate", pick, _undelivered, reply_check=_evaluate_result, call_timeout=timeout + EVALUATE_GRACE_S,
+                timeout=timeout, **kwargs)
+        finally:
+            if busy is not None:
+                busy.live_episodes -= 1
+        return result
+
+    # ------------------------------------------------------------------ calls and failures
+    async def _call(self, instance: _Instance, method: str, reply_check: Callable[[Any, str], Any] | None = None,
+                    call_timeout: float | None = None, **kwargs: Any) -> Any:
+        """One remote call, bounded by call_timeout (the env's unless given); its reply checked by
+        `reply_check` (default: an OpenEnv StepResult)."""
+        call_timeout = call_timeout or self.call_timeout
+        try:
+            reply = await asyncio.wait_for(getattr(instance.client, method)(**kwargs), call_timeout)
+        except asyncio.TimeoutError:
+            error = RemoteCallError("timeout", f"{method} on {instance.name}: no reply within {call_timeout:g}s",
                                     retryable=True)
         except asyncio.CancelledError:
             raise
@@ -207,7 +256,7 @@ class AffinetesEnv:
             error = _classify(exc, f"{method} on {instance.name}")
         else:
             try:
-                result = _validated(reply, method)
+                result = (reply_check or _validated)(reply, method)
             except RemoteCallError as malformed:
                 error = malformed
             else:
@@ -350,6 +399,16 @@ def _validated(reply: Any, method: str) -> StepResult:
                        reply["episode_id"], reply["info"])
 
 
+def _evaluate_result(reply: Any, method: str) -> dict[str, Any]:
+    """An evaluate() reply: a JSON object with a numeric score (spec section 6.9), else malformed_response."""
+    score = reply.get("score") if isinstance(reply, dict) else None
+    if not isinstance(score, (int, float)) or isinstance(score, bool):
+        shown = f"score {score!r}" if isinstance(reply, dict) else type(reply).__name__
+        raise RemoteCallError("malformed_response", f"{method} reply is not an evaluate() result ({shown})",
+                              retryable=False)
+    return reply
+
+
 def _classify(exc: BaseException, what: str) -> RemoteCallError:
     """What a failed affinetes call means, read from the httpx/JSON error it wraps."""
     seen: set[int] = set()
@@ -395,7 +454,8 @@ def _connect_urls(base_url: str | list[str] | None, replicas: int, connect_timeo
     return [_Instance(url, affinetes.load_env(mode="url", base_url=url)) for url in urls]
 
 
-def _start_containers(image: str | None, env_vars: dict[str, str] | None, replicas: int) -> list[_Instance]:
+def _start_containers(image: str | None, env_vars: dict[str, str] | None, replicas: int,
+                      container_prefix: str | None = None) -> list[_Instance]:
     if not image:
         raise ValueError("affinetes docker mode needs an image, e.g. 'affinefoundation/game:openspiel'")
     env_vars = dict(env_vars or {})
@@ -406,7 +466,7 @@ def _start_containers(image: str | None, env_vars: dict[str, str] | None, replic
     import affinetes
 
     # Stable names: a later run replaces (force_recreate) what a killed run left behind.
-    base_name = image.split("/")[-1].replace(":", "-")
+    base_name = container_prefix or image.split("/")[-1].replace(":", "-")
     instances: list[_Instance] = []
     try:
         for index in range(replicas):

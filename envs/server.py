@@ -7,8 +7,9 @@ Clients connect with `affinetes.load_env(mode="url", base_url="http://HOST:PORT"
 answers, so affinetes picks function_based) or with `mode: "url"` in the trainer's env config.
 This is our own small app rather than affinetes' template server, because the template exposes
 every public callable of the served module and answers `/call` for underscore names as well
-(specs/affinetes-protocol.md B.4); this one answers exactly reset/step/state/stop. It runs one
-process with one worker: episodes live in this process's memory.
+(specs/affinetes-protocol.md B.4); this one answers exactly reset/step/state/stop, plus for the
+game env the validators' `evaluate` (a whole game against an LLM endpoint, envs/llm_play.py). It
+runs one process with one worker: episodes live in this process's memory.
 """
 from __future__ import annotations
 
@@ -25,23 +26,30 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from envs.base import Env
+from envs.llm_play import VALIDATOR_LLM_RETRIES, GameEvaluator
 
 log = logging.getLogger("envs.server")
 
 METHODS = ("reset", "step", "state", "stop")
+EVALUATE = "evaluate"  # the game env's validators' call, served next to METHODS when an evaluator is given
 GRACEFUL_SHUTDOWN_S = 5  # in-flight calls may finish; a stuck one does not hold the exit
 
 
-def create_app(env: Env, env_name: str, url: str = "(in process)") -> FastAPI:
-    """The HTTP app for one env: GET /health, GET /methods, POST /call and POST /<method> for METHODS only."""
+def create_app(env: Env, env_name: str, url: str = "(in process)", evaluator: GameEvaluator | None = None) -> FastAPI:
+    """The HTTP app for one env: GET /health, GET /methods, POST /call and POST /<method> for METHODS only
+    (and `evaluate` when an evaluator is given)."""
     methods = {name: getattr(env, name) for name in METHODS}
+    if evaluator is not None:
+        methods[EVALUATE] = evaluator.evaluate
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # Said once uvicorn handles signals: a client that reacts to this line may stop us at once.
-        log.info("serving %s env at %s (methods: %s; one worker; Ctrl-C stops)", env_name, url, ", ".join(METHODS))
+        log.info("serving %s env at %s (methods: %s; one worker; Ctrl-C stops)", env_name, url, ", ".join(methods))
         yield
         await env.close()
+        if evaluator is not None:
+            await evaluator.close()
         log.info("%s env closed; server stopped", env_name)
 
     # No OpenAPI or docs routes: the methods below are the whole surface.
@@ -71,8 +79,8 @@ def create_app(env: Env, env_name: str, url: str = "(in process)") -> FastAPI:
     @app.get("/methods")
     async def list_methods() -> dict[str, Any]:
         return {"methods": [
-            {"name": name, "signature": str(inspect.signature(methods[name])), "source": "Actor",
-             "endpoint": f"POST /{name}"} for name in METHODS
+            {"name": name, "signature": str(inspect.signature(method)), "source": "Actor",
+             "endpoint": f"POST /{name}"} for name, method in methods.items()
         ]}
 
     @app.post("/call")
@@ -92,7 +100,7 @@ def create_app(env: Env, env_name: str, url: str = "(in process)") -> FastAPI:
             return await invoke(name, [], body if isinstance(body, dict) else {})
         return route
 
-    for name in METHODS:
+    for name in methods:
         app.add_api_route(f"/{name}", method_route(name), methods=["POST"])
     return app
 
@@ -106,15 +114,19 @@ async def _json_body(request: Request) -> Any:
         return None
 
 
-def build_env(args: argparse.Namespace) -> Env:
+def build_env(args: argparse.Namespace) -> tuple[Env, GameEvaluator | None]:
+    """The env to serve, and for the game env the evaluator of its `evaluate` call."""
     if args.env == "openspiel":
         from envs.openspiel_env import OpenSpielEnv
 
-        return OpenSpielEnv(observation_format=args.format, seed=args.seed, mcts_simulations=args.mcts_simulations)
+        env = OpenSpielEnv(observation_format=args.format, seed=args.seed, mcts_simulations=args.mcts_simulations)
+        # evaluate() always plays the validators' conversation, whatever --format the reset/step calls use
+        games = OpenSpielEnv(observation_format="evaluate", seed=args.seed, mcts_simulations=args.mcts_simulations)
+        return env, GameEvaluator(games, llm_retries=args.llm_retries)
     from envs.trace_env import TraceEnv
 
     return TraceEnv(source=args.source, skip_degenerate=args.skip_degenerate, timeout=args.execution_timeout,
-                    seed=args.seed, unsafe_rlimit_only_sandbox=args.unsafe_rlimit_only_sandbox)
+                    seed=args.seed, unsafe_rlimit_only_sandbox=args.unsafe_rlimit_only_sandbox), None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,6 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--format", choices=("evaluate", "openenv"),
                         help="openspiel: the validators' conversation (default) or the reset/step text")
     parser.add_argument("--mcts-simulations", type=int, help="openspiel: override the MCTS opponent's simulations")
+    parser.add_argument("--llm-retries", type=int,
+                        help=f"openspiel: evaluate() retries of a failed LLM call (default {VALIDATOR_LLM_RETRIES}, "
+                        "as the real env)")
     parser.add_argument("--source", choices=("embedded", "hf"), help="trace: task source (default embedded)")
     parser.add_argument("--skip-degenerate", action="store_true",
                         help="trace: skip tasks whose expected output is empty")
@@ -136,15 +151,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     foreign = (["--source", "--skip-degenerate", "--execution-timeout", "--unsafe-rlimit-only-sandbox"]
                if args.env == "openspiel"
-               else ["--format", "--mcts-simulations"])
+               else ["--format", "--mcts-simulations", "--llm-retries"])
     given = [flag for flag in foreign if getattr(args, flag[2:].replace("-", "_")) not in (None, False)]
     if given:
         parser.error(f"{', '.join(given)} do not apply to --env {args.env}")
     if args.mcts_simulations is not None and args.mcts_simulations < 1:
         parser.error(f"--mcts-simulations must be >= 1, got {args.mcts_simulations}")
+    if args.llm_retries is not None and args.llm_retries < 0:
+        parser.error(f"--llm-retries must be >= 0, got {args.llm_retries}")
     if args.execution_timeout is not None and args.execution_timeout <= 0:
         parser.error(f"--execution-timeout must be > 0, got {args.execution_timeout}")
     args.format = args.format or "evaluate"
+    args.llm_retries = VALIDATOR_LLM_RETRIES if args.llm_retries is None else args.llm_retries
     args.source = args.source or "embedded"
     args.execution_timeout = args.execution_timeout or 10.0
     return args
@@ -169,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        env = build_env(args)
+        env, evaluator = build_env(args)
     except SandboxUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -177,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if sock.family == socket.AF_INET6 else args.host
-    app = create_app(env, args.env, url=f"http://{host}:{port}")
+    app = create_app(env, args.env, url=f"http://{host}:{port}", evaluator=evaluator)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (the lifespan closes the env), then
     # raises the signal again so the exit status tells how the server ended.

@@ -3,24 +3,28 @@
 Implements what the trainer uses, the way vLLM documents it: `GET /v1/models`,
 `POST /v1/completions` (prompt as token ids, `logprobs`, `return_tokens_as_token_ids`, `seed`),
 `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (404 unless runtime LoRA updating
-is on, like vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+is on, like vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING); and what an env's evaluate() uses:
+`POST /v1/chat/completions` (the model's chat template, streamed or not). `--max-new-tokens N` caps
+every reply, like vLLM's `--override-generation-config '{"max_new_tokens": N}'`.
 
 Run: python tests/fake_vllm.py --model DIR --port P [--no-runtime-lora] [--ignore-adapters]
-        [--served-model-name NAME] [--max-model-len N]
+        [--served-model-name NAME] [--max-model-len N] [--max-new-tokens N]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import threading
 
 import torch
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import StreamingResponse
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool = False, served_name: str | None = None,
-              max_model_len: int = 32768) -> FastAPI:
+              max_model_len: int = 32768, max_new_tokens: int | None = None) -> FastAPI:
     from peft import PeftModel
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -100,6 +104,33 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
         return {"id": "cmpl-test", "object": "text_completion", "model": body["model"], "choices": [choice],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens)}}
 
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await request.json()
+        model, adapter = model_for(body["model"])
+        text = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+        prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        # like vLLM: the request's max_tokens, else what the context leaves, and never past the server's cap
+        limits = [max_model_len - len(prompt), body.get("max_tokens"), max_new_tokens]
+        temperature = float(body.get("temperature", 1.0))
+        generator = torch.Generator().manual_seed(int(body.get("seed") or 0))
+        with lock:
+            tokens, _, finish = _sample(model, adapter, prompt, min(v for v in limits if v is not None), temperature,
+                                        {tokenizer.eos_token_id}, generator, ignore_adapters)
+        content = tokenizer.decode([t for t in tokens if t != tokenizer.eos_token_id], skip_special_tokens=True)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
+                 "total_tokens": len(prompt) + len(tokens)}
+        if not body.get("stream"):
+            return {"id": "chatcmpl-test", "object": "chat.completion", "model": body["model"], "usage": usage,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                 "finish_reason": finish}]}
+        chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": content}}]},
+                  {"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}]
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append({"choices": [], "usage": usage})
+        events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+        return StreamingResponse(iter([events]), media_type="text/event-stream")
+
     return app
 
 
@@ -147,6 +178,8 @@ if __name__ == "__main__":
     parser.add_argument("--ignore-adapters", action="store_true", help="accept adapters but keep serving the base")
     parser.add_argument("--served-model-name")
     parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument("--max-new-tokens", type=int, help="cap on every reply (vLLM: --override-generation-config)")
     args = parser.parse_args()
     uvicorn.run(build_app(args.model, not args.no_runtime_lora, args.ignore_adapters, args.served_model_name,
-                          args.max_model_len), host="127.0.0.1", port=args.port, log_level="warning")
+                          args.max_model_len, args.max_new_tokens), host="127.0.0.1", port=args.port,
+                log_level="warning")

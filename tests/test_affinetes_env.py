@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import pytest
 
-from envs.affinetes_env import AffinetesEnv
+from envs.affinetes_env import AffinetesEnv, RemoteCallError
 from envs.tasks import game_task_id
 from test_env_server import ServerProcess
 
@@ -37,16 +37,17 @@ class FakeServer:
     a thread so that it answers while the test's event loop awaits the client under test.
     """
 
-    def __init__(self, respond: Callable[[str, dict[str, Any]], Reply]):
+    def __init__(self, respond: Callable[[str, dict[str, Any]], Reply], methods: tuple[str, ...] = ()):
         self.calls: list[tuple[str, dict[str, Any]]] = []
         server = self
+        listing = json.dumps({"methods": [{"name": name} for name in methods]}).encode()
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
                 if self.path == "/health":
                     self._send(200, b'{"status": "ok"}')
                 elif self.path == "/methods":
-                    self._send(200, b'{"methods": []}')
+                    self._send(200, listing)
                 else:
                     self._send(404, b'{"detail": "not found"}')
 
@@ -426,6 +427,40 @@ def test_no_server_at_start_is_an_error_that_says_how_to_start_one():
 def test_constructor_refuses_replicas_in_url_mode():
     with pytest.raises(ValueError, match="one URL per server"):
         AffinetesEnv(mode="url", base_url="http://127.0.0.1:1", replicas=2)
+
+
+# ------------------------------------------------------------------ the env's own evaluate()
+def test_evaluate_sends_the_validators_call_and_returns_the_result():
+    result = {"task_name": "openspiel:leduc_poker", "score": 0.5, "success": False, "extra": {}}
+    with FakeServer(lambda method, kwargs: success(result), methods=("reset", "evaluate")) as server:
+        env = url_env(server.url)
+        methods = run(env.methods())
+        got = run(env.evaluate(timeout=600, task_id=200000000, seed=7, model="m", base_url="http://llm/v1"))
+        run(env.close())
+    assert methods == ["reset", "evaluate"]
+    assert got == result
+    # `timeout` goes to the env, which enforces it (the template server adds 10 s)
+    assert server.calls == [("evaluate", {"timeout": 600, "task_id": 200000000, "seed": 7, "model": "m",
+                                          "base_url": "http://llm/v1"})]
+
+
+def test_an_evaluate_answered_with_500_is_not_replayed():
+    with FakeServer(lambda method, kwargs: (500, b'{"detail": "evaluate failed"}'), methods=("evaluate",)) as server:
+        env = url_env(server.url)
+        with pytest.raises(RemoteCallError) as failure:
+            run(env.evaluate(timeout=60, task_id=1))
+        run(env.close())
+    assert server.methods_called() == ["evaluate"]  # a second call would replay a whole game
+    assert failure.value.kind == "http_error" and "HTTP 500" in failure.value.message
+
+
+def test_an_evaluate_reply_without_a_score_is_malformed():
+    with FakeServer(lambda method, kwargs: success({"observation": "?"}), methods=("evaluate",)) as server:
+        env = url_env(server.url)
+        with pytest.raises(RemoteCallError, match="not an evaluate\\(\\) result \\(score None\\)") as failure:
+            run(env.evaluate(timeout=60, task_id=1))
+        run(env.close())
+    assert failure.value.kind == "malformed_response"
 
 
 # ------------------------------------------------------------------ real server processes

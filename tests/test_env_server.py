@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import subprocess
@@ -111,6 +112,23 @@ class RecordingEnv:
 
 
 @pytest.fixture
+def game_client():
+    """Our game env's app with evaluate(), its LLM a scripted endpoint that always answers "1"."""
+    import httpx
+
+    from envs.llm_play import GameEvaluator
+    from envs.openspiel_env import OpenSpielEnv
+
+    def always_call(request):
+        chunk = {"choices": [{"index": 0, "delta": {"content": "1"}}]}
+        return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n")
+
+    evaluator = GameEvaluator(OpenSpielEnv("evaluate"), transport=httpx.MockTransport(always_call))
+    with TestClient(create_app(OpenSpielEnv("evaluate"), "openspiel", evaluator=evaluator)) as client:
+        yield client
+
+
+@pytest.fixture
 def client_and_env():
     env = RecordingEnv()
     with TestClient(create_app(env, "fake")) as client:
@@ -133,6 +151,26 @@ def test_call_refuses_anything_outside_the_allow_list(client_and_env, name):
     assert reply.json() == {"detail": f"Method not found: {name}"}
     assert client.post(f"/{name}", json={}).status_code in (404, 405)
     assert not env.closed
+
+
+def test_the_game_env_also_offers_the_validators_evaluate(game_client):
+    listing = game_client.get("/methods").json()["methods"]
+    assert [m["name"] for m in listing] == ["reset", "step", "state", "stop", "evaluate"]
+    evaluate = next(m for m in listing if m["name"] == "evaluate")
+    assert evaluate["signature"].startswith("(task_id: 'int | None' = None, seed: 'int | None' = None, model")
+
+
+def test_evaluate_over_the_wire_plays_a_whole_game(game_client):
+    kwargs = {"task_id": 200_000_000, "seed": 1_580_322_239, "model": "m", "base_url": "http://llm/v1",
+              "temperature": 0.0, "opponent": "random", "timeout": 60}
+    reply = game_client.post("/call", json={"method": "evaluate", "args": [], "kwargs": kwargs})
+    assert reply.status_code == 200 and reply.json()["status"] == "success"
+    result = reply.json()["result"]
+    # always Call from J♥ against the random opponent's raises: -7 chips, (-7 + 13) / 26
+    assert (result["task_name"], result["score"], result["success"]) == ("openspiel:leduc_poker", 6 / 26, False)
+    assert [m["role"] for m in result["extra"]["conversation"]] == ["system", "user", "assistant", "user", "assistant"]
+    unknown = game_client.post("/call", json={"method": "evaluate", "kwargs": {"max_tokens": 5}})
+    assert unknown.status_code == 422  # the real env's arguments only
 
 
 def test_no_openapi_or_docs_routes(client_and_env):
@@ -198,7 +236,15 @@ def test_defaults_fill_in_per_env():
     game = parse_args(["--env", "openspiel"])
     trace = parse_args(["--env", "trace", "--skip-degenerate"])
     assert (game.format, game.mcts_simulations, game.host, game.port) == ("evaluate", None, "127.0.0.1", 8765)
+    assert game.llm_retries == 10  # the real env's evaluate() retries a failed LLM call 10 times
     assert (trace.source, trace.skip_degenerate, trace.execution_timeout) == ("embedded", True, 10.0)
+
+
+def test_llm_retries_apply_to_the_game_env_only(capsys):
+    assert parse_args(["--env", "openspiel", "--llm-retries", "0"]).llm_retries == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--env", "trace", "--llm-retries", "1"])
+    assert "--llm-retries do not apply to --env trace" in capsys.readouterr().err
 
 
 def test_affinetes_url_mode_detects_function_based_and_plays_an_openenv_session(openspiel_server):
@@ -222,7 +268,7 @@ def test_affinetes_url_mode_detects_function_based_and_plays_an_openenv_session(
 
     listing, state, last = asyncio.run(play())
     # the /methods listing (not a parsed OpenAPI schema) is what affinetes returns for function_based
-    assert listing["methods"] == list(METHODS)
+    assert listing["methods"] == [*METHODS, "evaluate"]
     assert state["info"]["game_name"] == "leduc_poker" and not state["done"]
     assert last["done"] and 0.0 <= last["info"]["score"] <= 1.0
 
@@ -231,6 +277,6 @@ def test_sigterm_shuts_the_server_down_gracefully(tmp_path):
     server = ServerProcess(tmp_path / "server.log", "--env", "openspiel").start()
     assert server.stop() == -signal.SIGTERM
     log_text = server.log_path.read_text()
-    assert "methods: reset, step, state, stop; one worker" in log_text
+    assert "methods: reset, step, state, stop, evaluate; one worker" in log_text
     assert "openspiel env closed; server stopped" in log_text
     assert "Traceback" not in log_text

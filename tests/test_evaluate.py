@@ -72,7 +72,8 @@ def test_record_of_a_game_lost_to_three_failed_parses():
     assert record == {
         "model": "adapter", "game": "leduc_poker", "task_id": 200000000, "seed": 7, "opponent": "random",
         "llm_player_id": 1, "score": 0.0, "success": False, "outcome": "loss", "turns": 4, "illegal_moves": 3,
-        "parse_failed_game": True, "generated_tokens": 8, "error": None,
+        "parse_failed_game": True, "generated_tokens": 8, "error": None, "scored_by": "in_process",
+        "conversation": [],
     }
 
 

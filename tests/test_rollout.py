@@ -6,7 +6,7 @@ import pytest
 
 from curriculum import Task
 from envs.base import step_result
-from generation import LocalGenerator, cut_at_eos
+from generation import Generation, LocalGenerator, cut_at_eos
 from prompts import PromptBuilder
 from rollout import RolloutRunner, build_messages
 from utils import GenerationConfig
@@ -142,3 +142,37 @@ def test_prompts_follow_the_context_strategy(tiny_policy, strategy):
     second_prompt = tiny_policy.tokenizer.decode(episode.prompt_ids(episode.turns[1]))
     assert "move 2?" in second_prompt and "sys" in second_prompt
     assert ("move 1?" in second_prompt) == (strategy != "last")
+
+
+class ScriptedGenerator:
+    """Always replies with the token ids of one text (no EOS)."""
+
+    eos_ids: set[int] = set()
+
+    def __init__(self, tokenizer, text: str):
+        self.token_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    async def generate(self, prompt_ids, order_key, seed):
+        return Generation(list(self.token_ids))
+
+
+@pytest.mark.parametrize("validator_conversation", [True, False])
+def test_evaluation_plays_the_conversation_the_validators_client_keeps(tiny_policy, validator_conversation):
+    env, builder = CountingEnv(), PromptBuilder(tiny_policy.tokenizer, 4096)
+    generator = ScriptedGenerator(tiny_policy.tokenizer, "<think>plan</think> 7 \n")
+    runner = RolloutRunner({"game": ("openspiel", env)}, generator, builder,
+                           GenerationConfig(backend="local", context_strategy="full"),
+                           validator_conversation=validator_conversation)
+    episode = asyncio.run(runner.run(_tasks(1), step=0))[0]
+    replies = [m["content"] for m in episode.messages if m["role"] == "assistant"]
+    second_prompt = episode.prompt_ids(episode.turns[1])
+    if validator_conversation:
+        # sent and stored whitespace- and think-stripped; each prompt the template rendered over those messages
+        assert list(env.episodes.values()) == [["7", "7"]] and replies == ["7", "7"]
+        assert second_prompt == builder.encode(episode.messages[:4]) and len(episode.sequences) == 2
+    else:
+        # training: the reply as generated, and the second prompt continues the sampled ids
+        assert replies == ["<think>plan</think> 7 \n"] * 2
+        first = episode.turns[0]
+        assert second_prompt[:first.start + len(first.response_ids)] == episode.prompt_ids(first) + first.response_ids
+        assert len(episode.sequences) == 1

