@@ -66,6 +66,11 @@ FIGURES = (
         Panel("Explained variance", ("value/explained_variance",)),
     )),
     Figure("clipfrac.png", (Panel("Clip fraction", ("policy/clipfrac", "value/vf_clipfrac"), ylabel="fraction"),)),
+    Figure("signal.png", (
+        Panel("Update direction: corr(advantage, Δ log-prob) per reply", ("signal/advantage_logprob_corr",)),
+        Panel("Δ log-prob of replies after the update", ("signal/logprob_change_positive",
+                                                         "signal/logprob_change_negative"), ylabel="nats"),
+    )),
     Figure("throughput.png", (
         Panel("Generation throughput", ("perf/tokens_per_s",), ylabel="tokens/s"),
         Panel("Phase time", ("perf/rollout_seconds", "perf/update_seconds"), ylabel="seconds"),

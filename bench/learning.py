@@ -1,22 +1,32 @@
 """Does training make the model play better? SmolLM2-135M trained on CPU against its base model.
 
-The real pipeline trains it; base and trained models then play greedily on held-out seeds (the
-validators' evaluate() conversation, both seats), and the bench prints, per game and opponent: the
-legal-move rate and the mean score with 95 % intervals, and the paired score difference to base.
+The real pipeline trains it; the models then play greedily on held-out seeds (the validators'
+evaluate() conversation, both seats), and the bench prints, per game and opponent: the legal-move
+rate and the mean score with 95 % intervals, and the paired score differences to base and to SFT.
 
-    python bench/learning.py                                   # SFT warm start + PPO, goofspiel + leduc_poker
-    python bench/learning.py --no-warm-start                   # PPO alone (10 steps) from the base model
-    python bench/learning.py --opponents random,mcts --sft-checkpoint runs/x/sft/checkpoints/checkpoint-40
+    python bench/learning.py --profile validator        # SFT + 40 PPO steps vs MCTS, leduc_poker + liars_dice
+    python bench/learning.py                            # SFT + 4 PPO steps vs random, goofspiel + leduc_poker
+    python bench/learning.py --no-warm-start            # PPO alone from the base model
+    python bench/learning.py --profile validator --sft-checkpoint runs/x/sft/checkpoints/checkpoint-64 \
+        --models sft,sft+ppo --set ppo.learning_rate=1e-4   # an ablation row: PPO only, two rows
 
-By default (`--warm-start`) `sft_warmstart.py` first imitates the experts (prize matching for
-goofspiel, CFR+ for leduc_poker) with a short reason before the id ('<think>Current point card:
-8</think>7'), on the game variants the evaluation plays, and PPO (`train_ppo.py`: cpu preset + the
-overrides below; context `full`, turn-level credit, KL anchored to the SFT adapter) starts from
-that adapter; the table then has base / SFT / SFT+PPO / expert rows. Replies may take up to
-`--max-new-tokens` (24: room for the reason). Evaluation is `evaluate.py`'s (greedy, full
-conversation, seeds derived from EVAL_SEED that training never draws); every played episode goes
-to `<output-dir>/eval-<opponent>.jsonl`. Intervals are `report.py`'s: Wilson for the legal-move
-rate over replies, Student t for mean scores and paired differences.
+Profiles set the defaults every flag can still override:
+- `random` (default): goofspiel + leduc_poker against the env's random opponent; SFT replies carry a
+  short reason before the ID ('<think>Current point card: 8</think>7'), up to 24 tokens.
+- `validator`: leduc_poker + liars_dice against the MCTS opponent validators use (leduc_poker at
+  its validator budget, liars_dice at 300 simulations instead of 3000 to fit two CPU cores), in
+  training, SFT data and evaluation alike; ID-only replies (6 tokens), 40 PPO steps, 48 held-out
+  seeds per game.
+
+With `--warm-start` (default) `sft_warmstart.py` first imitates the experts (CFR+ for leduc_poker,
+MCTS for liars_dice, prize matching for goofspiel) against the training opponent, on the game
+variants the evaluation plays, and PPO (`train_ppo.py`: cpu preset + the overrides below, KL
+anchored to the SFT adapter) starts from that adapter. Evaluation is `evaluate.py`'s (greedy, full
+conversation, seeds derived from EVAL_SEED that training never draws); every played episode goes to
+`<output-dir>/eval-<opponent>.jsonl`, the PPO run's curves to `<output-dir>/plots/`. Intervals are
+`report.py`'s: Wilson for the legal-move rate over replies, Student t for mean scores and paired
+differences. `signal` in the JSON is how PPO's updates moved each reply's log-probability against
+its advantage (logging.signal_check_every; a healthy update has a clearly positive correlation).
 """
 from __future__ import annotations
 
@@ -35,6 +45,7 @@ import evaluate  # noqa: E402
 import report  # noqa: E402
 import sft_warmstart  # noqa: E402
 import train_ppo  # noqa: E402
+import visualize  # noqa: E402
 from checkpoint import find_resumable  # noqa: E402
 from envs.tasks import GAME_ID_STRIDE, game_name_of  # noqa: E402
 from experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS  # noqa: E402
@@ -42,10 +53,11 @@ from utils import load_config  # noqa: E402
 
 # Tuned on this machine so that a CPU budget visibly moves the model: 8 episodes and one epoch per
 # step give a steadier gradient per minute than more epochs, and 2e-4 was the fastest rate that kept
-# the KL to the base small.
+# the KL to the base small. 4096 tokens per micro-batch leave room for a shared prefix and its rows.
 TRAIN_OVERRIDES = ["ppo.batch_size=8", "ppo.ppo_epochs=1", "ppo.learning_rate=2e-4", "ppo.init_kl_coef=0.05",
                    "ppo.kl_target=0.2", "generation.context_strategy=full", "generation.max_concurrent_episodes=8",
-                   "generation.max_prompt_tokens=4096", "logging.log_samples_every=1"]
+                   "generation.max_prompt_tokens=4096", "logging.log_samples_every=1", "logging.signal_check_every=1",
+                   "ppo.micro_batch_tokens=4096"]
 # PPO from an SFT adapter samples at 0.7: at 1.0 the peaked imitation policy wanders into replies it never saw
 WARM_START_OVERRIDES = ["generation.temperature=0.7"]
 EVAL_SEED = 900_000  # training draws its seeds from the curriculum's generator; these are derived apart
@@ -93,12 +105,16 @@ def play(config, games: list[str], episodes: int, opponent: str, adapter: Path |
     return records
 
 
-def expert_records(games: list[str], episodes: int, opponent: str, simulations: int, workers: int,
+def expert_records(games: list[str], episodes: int, opponent: str, simulations: int | dict[str, int], workers: int,
                    goofspiel_expert: str) -> list[dict]:
     """The experts themselves on the same tasks and seeds, as evaluation records."""
     tasks = [t for game in games for t in evaluate.game_tasks(game, episodes, EVAL_SEED, opponent, "openspiel")]
+    def budget(game: str) -> int | None:
+        return simulations.get(game) if isinstance(simulations, dict) else simulations
+
     jobs = [sft_warmstart.expert_job(game_name_of(t.task_id), t.task_id, t.seed, opponent,
-                                     opponent_simulations=simulations, goofspiel_expert=goofspiel_expert)
+                                     opponent_simulations=budget(game_name_of(t.task_id)),
+                                     goofspiel_expert=goofspiel_expert)
             for t in tasks]
     played = sft_warmstart.generate(jobs, workers, None)
     return [{"model": "expert", "game": r["game"], "task_id": r["task_id"], "seed": r["seed"], "score": r["score"],
@@ -108,28 +124,54 @@ def expert_records(games: list[str], episodes: int, opponent: str, simulations: 
 
 
 def table(records: list[dict], opponent: str, models: list[str]) -> tuple[dict, list[str]]:
-    """Per game and model: legal-move rate, mean score and paired difference to base, with intervals."""
+    """Per game and model: legal-move rate, mean score and paired differences to base and to SFT, with intervals."""
     summary = report.summarize(records)
+    to_base = {m: report.paired_differences(records, m, "base") for m in models if m != "base"}
+    to_sft = {m: report.paired_differences(records, m, "sft") for m in models if m not in ("base", "sft")}
     rows, result = [], {}
     for game in sorted({r["game"] for r in records}):
         for model in models:
             s = summary.get(model, {}).get(game)
             if s is None:
                 continue
-            pair = report.paired_differences(records, model, "base").get(game) if model != "base" else None
+            base_pair = to_base.get(model, {}).get(game)
+            sft_pair = to_sft.get(model, {}).get(game)
             legal = None if s["illegal_rate"] is None else 1 - s["illegal_rate"]
             legal_ci = None if s["illegal_rate_ci95"] is None else [1 - s["illegal_rate_ci95"][1],
                                                                     1 - s["illegal_rate_ci95"][0]]
             result.setdefault(game, {})[model] = {
                 "episodes": s["episodes"], "errors": s["errors"], "legal_move_rate": legal, "legal_ci95": legal_ci,
                 "mean_score": s["mean_score"], "score_ci95": s["score_ci95"],
-                "score_minus_base": pair and pair["score_diff"],
-                "score_minus_base_ci95": pair and pair["score_diff_ci95"],
+                "score_minus_base": base_pair and base_pair["score_diff"],
+                "score_minus_base_ci95": base_pair and base_pair["score_diff_ci95"],
+                "score_minus_sft": sft_pair and sft_pair["score_diff"],
+                "score_minus_sft_ci95": sft_pair and sft_pair["score_diff_ci95"],
             }
-            difference = _ci(pair and pair["score_diff"], pair and pair["score_diff_ci95"], signed=True)
+            cells = [_ci(pair and pair["score_diff"], pair and pair["score_diff_ci95"], signed=True)
+                     for pair in (base_pair, sft_pair)]
             rows.append(f"| {game} | {opponent} | {model} | {_ci(legal, legal_ci)} | "
-                        f"{_ci(s['mean_score'], s['score_ci95'])} | {difference} |")
+                        f"{_ci(s['mean_score'], s['score_ci95'])} | {cells[0]} | {cells[1]} |")
     return result, rows
+
+
+def training_signal(metrics_path: Path) -> dict:
+    """How PPO's updates moved each reply's log-probability against its advantage, per step and overall."""
+    steps = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    corr = [m["signal/advantage_logprob_corr"] for m in steps if "signal/advantage_logprob_corr" in m]
+    return {"advantage_logprob_corr_by_step": [round(c, 3) for c in corr],
+            "advantage_logprob_corr_mean": round(sum(corr) / len(corr), 3) if corr else None,
+            "steps_with_positive_corr": sum(c > 0 for c in corr)}
+
+
+def parse_simulations(text: str) -> int | dict[str, int]:
+    """'300' (every game) or 'liars_dice=300,leduc_poker=1000' (the games named; the others keep the env's)."""
+    if "=" not in text:
+        return int(text)
+    budgets = {}
+    for item in text.split(","):
+        game, _, number = item.partition("=")
+        budgets[game.strip()] = int(number)
+    return budgets
 
 
 def has_mcts_opponent(game: str) -> bool:
@@ -162,49 +204,79 @@ def _ci(value, interval, signed: bool = False) -> str:
     return text + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
 
 
-def main() -> None:
+PROFILES = {
+    "random": {"games": "goofspiel,leduc_poker", "opponents": "random", "train_opponent": "random",
+               "max_new_tokens": 24, "eval_episodes": 16, "sft_episodes": 32, "sft_reason": True,
+               "mcts_simulations": "300"},
+    "validator": {"games": "leduc_poker,liars_dice", "opponents": "mcts", "train_opponent": "mcts", "steps": 40,
+                  "max_new_tokens": 6, "eval_episodes": 48, "sft_episodes": 64, "sft_reason": False,
+                  "mcts_simulations": "liars_dice=300"},
+}
+MODELS = ("base", "sft", "sft+ppo", "expert")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--games", default="goofspiel,leduc_poker")
-    parser.add_argument("--steps", type=int, help="PPO steps (default 4 after a warm start, 10 without)")
-    parser.add_argument("--max-new-tokens", type=int, default=24, help="reply length: room for a short reason")
-    parser.add_argument("--eval-episodes", type=int, default=16, help="per game and opponent, both seats")
-    parser.add_argument("--opponents", default="random", help="comma-separated: random, mcts")
-    parser.add_argument("--train-opponent", choices=["random", "mcts"], default="random",
-                        help="the opponent PPO trains against")
-    parser.add_argument("--mcts-simulations", type=int, default=300,
-                        help="the MCTS opponent's simulations in training and evaluation (validators: 3000 for "
-                             "poker and dice)")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="random",
+                        help="defaults for the flags below (module docstring)")
+    parser.add_argument("--games", help="comma-separated games")
+    parser.add_argument("--steps", type=int, help="PPO steps (random: 4 after a warm start, 10 without; validator: 40)")
+    parser.add_argument("--max-new-tokens", type=int, help="reply length (random: 24, room for a short reason)")
+    parser.add_argument("--eval-episodes", type=int, help="per game and opponent, both seats")
+    parser.add_argument("--opponents", help="comma-separated evaluation opponents: random, mcts")
+    parser.add_argument("--train-opponent", choices=["random", "mcts"],
+                        help="the opponent PPO trains against and the SFT data's expert games meet")
+    parser.add_argument("--mcts-simulations", type=parse_simulations,
+                        help="the MCTS opponent's simulations in SFT data, training and evaluation: a number, or "
+                        "'game=N,...' for the games named (the others keep the validators' budget)")
     parser.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
                         help="SFT on expert play first, PPO from its adapter; SFT and expert rows in the table")
-    parser.add_argument("--sft-episodes", type=int, default=32, help="expert episodes per game for SFT")
+    parser.add_argument("--models",
+                        help="rows to evaluate (default all): " + ",".join(MODELS) + " after a warm start, base,ppo "
+                        "without; e.g. sft,sft+ppo for an ablation")
+    parser.add_argument("--sft-episodes", type=int, help="expert episodes per game for SFT")
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--sft-batch-size", type=int, default=4, help="conversations per SFT optimizer step")
     parser.add_argument("--sft-learning-rate", type=float, default=1e-3)
     parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS, default=DEFAULT_GOOFSPIEL_EXPERT,
                         help="the goofspiel expert for SFT data and the expert rows (experts.py)")
-    parser.add_argument("--sft-reason", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--sft-reason", action=argparse.BooleanOptionalAction,
                         help="SFT replies '<think>reason</think>ID' (sft_warmstart --reason); --no-sft-reason: the ID "
-                             "alone")
+                        "alone")
     parser.add_argument("--sft-checkpoint", type=Path,
                         help="with --warm-start: start PPO from this SFT checkpoint instead of training one")
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"))
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
-    args = parser.parse_args()
-    games = args.games.split(",")
-    opponents = args.opponents.split(",")
-    steps = args.steps if args.steps is not None else (4 if args.warm_start else 10)
-    if steps < 1:
-        parser.error(f"--steps must be at least 1, got {steps}")
-    # one MCTS strength for training against mcts and for evaluation; random opponents ignore it
-    overrides = [*TRAIN_OVERRIDES, *(WARM_START_OVERRIDES if args.warm_start else []),
-                 f"generation.max_new_tokens={args.max_new_tokens}",
-                 f"env.envs.openspiel.mcts_simulations={args.mcts_simulations}", *args.set]
+    args = parser.parse_args(argv)
+    for name, value in PROFILES[args.profile].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, parse_simulations(value) if name == "mcts_simulations" else value)
+    if args.steps is None:
+        args.steps = 4 if args.warm_start else 10
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    allowed = MODELS if args.warm_start else ("base", "ppo")
+    args.model_rows = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else list(allowed)
+    unknown = [m for m in args.model_rows if m not in allowed]
+    if unknown:
+        parser.error(f"--models: {unknown} are not rows of this run; expected some of {','.join(allowed)}")
     if args.sft_checkpoint is not None and not (args.warm_start and (args.sft_checkpoint / "adapter").is_dir()):
         parser.error(f"--sft-checkpoint needs --warm-start and a checkpoint folder with adapter/: "
                      f"{args.sft_checkpoint}")
     if args.sft_checkpoint is not None and args.output_dir.resolve() in args.sft_checkpoint.resolve().parents:
         parser.error("--sft-checkpoint lies inside --output-dir, which the bench clears first")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    games = args.games.split(",")
+    opponents = args.opponents.split(",")
+    # one MCTS strength for SFT data, training and evaluation; random opponents ignore it
+    overrides = [*TRAIN_OVERRIDES, *(WARM_START_OVERRIDES if args.warm_start else []),
+                 f"generation.max_new_tokens={args.max_new_tokens}",
+                 f"env.envs.openspiel.mcts_simulations={json.dumps(args.mcts_simulations)}", *args.set]
     shutil.rmtree(args.output_dir, ignore_errors=True)  # this bench's own scratch folder
     args.output_dir.mkdir(parents=True)
     timings: dict[str, float] = {}
@@ -215,7 +287,7 @@ def main() -> None:
         started = time.perf_counter()
         sft_args = ["--preset", "cpu", "--games", ",".join(games), "--episodes", str(args.sft_episodes),
                     "--config-ids", ",".join(map(str, variants)), "--goofspiel-expert", args.goofspiel_expert,
-                    "--epochs", str(args.sft_epochs), "--workers", str(args.workers),
+                    "--opponent", args.train_opponent, "--epochs", str(args.sft_epochs), "--workers", str(args.workers),
                     "--batch-size", str(args.sft_batch_size), "--learning-rate", str(args.sft_learning_rate),
                     "--output-dir", str(args.output_dir / "sft"), *(["--reason"] if args.sft_reason else [])]
         for override in overrides:
@@ -225,12 +297,14 @@ def main() -> None:
         sft_checkpoint = find_resumable(args.output_dir / "sft" / "checkpoints")
         timings["sft_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
-    trained = train(games, steps, args.output_dir, overrides, sft_checkpoint, args.train_opponent, variants)
+    trained = train(games, args.steps, args.output_dir, overrides, sft_checkpoint, args.train_opponent, variants)
     timings["ppo_seconds"] = time.perf_counter() - started
+    metrics_path = args.output_dir / "ppo" / "metrics.jsonl"
+    curves = [str(path) for path in visualize.plot_run(metrics_path, args.output_dir / "plots")]
 
     config = load_config(presets=["cpu"], overrides=[*overrides, "generation.temperature=0"])
     trained_label = "sft+ppo" if args.warm_start else "ppo"
-    models = ["base", *(["sft"] if args.warm_start else []), trained_label, *(["expert"] if args.warm_start else [])]
+    models = [m for m in (MODELS if args.warm_start else ("base", "ppo")) if m in args.model_rows]
     results, rows = {}, []
     started = time.perf_counter()
     for opponent in opponents:
@@ -238,32 +312,42 @@ def main() -> None:
         if not played:
             continue
         episodes_path = args.output_dir / f"eval-{opponent}.jsonl"
-        records = play(config, played, args.eval_episodes, opponent, trained, trained_label, with_base=True,
-                       episodes_path=episodes_path)
-        if sft_checkpoint is not None:
+        records = []
+        if trained_label in models:
+            records += play(config, played, args.eval_episodes, opponent, trained, trained_label,
+                            with_base="base" in models, episodes_path=episodes_path)
+        elif "base" in models:
+            records += play(config, played, args.eval_episodes, opponent, None, "base", with_base=False,
+                            episodes_path=episodes_path)
+        if sft_checkpoint is not None and "sft" in models:
             records += play(config, played, args.eval_episodes, opponent, sft_checkpoint, "sft", with_base=False,
                             episodes_path=episodes_path)
+        if args.warm_start and "expert" in models:
             records += expert_records(played, args.eval_episodes, opponent, args.mcts_simulations, args.workers,
                                       args.goofspiel_expert)
         results[opponent], opponent_rows = table(records, opponent, models)
         rows += opponent_rows
     timings["eval_seconds"] = time.perf_counter() - started
     ceilings = {"leduc_poker_best_mean_score_vs_random": round(leduc_best_response_vs_random(), 4)} \
-        if "leduc_poker" in games else {}
-    print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "games": games, "ppo_steps": steps,
-                      "train_opponent": args.train_opponent, "variants": variants,
-                      "train_episodes": steps * config.train.ppo.batch_size, "max_new_tokens": args.max_new_tokens,
-                      "extra_overrides": args.set,
+        if "leduc_poker" in games and "random" in opponents else {}
+    print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "profile": args.profile, "games": games,
+                      "ppo_steps": args.steps, "train_opponent": args.train_opponent, "variants": variants,
+                      "train_episodes": args.steps * config.train.ppo.batch_size, "max_new_tokens": args.max_new_tokens,
+                      "ppo_overrides": overrides, "extra_overrides": args.set,
                       "eval_episodes_per_game": args.eval_episodes, "mcts_simulations": args.mcts_simulations,
                       "sft": ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
                               {"episodes_per_game": args.sft_episodes, "epochs": args.sft_epochs,
-                               "goofspiel_expert": args.goofspiel_expert, "reason": args.sft_reason,
-                               "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate})
+                               "opponent": args.train_opponent, "goofspiel_expert": args.goofspiel_expert,
+                               "reason": args.sft_reason, "batch_size": args.sft_batch_size,
+                               "learning_rate": args.sft_learning_rate})
                       if args.warm_start else None,
                       "checkpoint": str(trained), "seconds": {k: round(v) for k, v in timings.items()},
+                      "total_minutes": round(sum(timings.values()) / 60, 1),
+                      "signal": training_signal(metrics_path), "curves": curves,
                       "ceilings": ceilings, "results": results}, indent=1))
-    print("\n| game | opponent | model | legal-move rate [95% CI] | mean score [95% CI] | score - base [95% CI] |")
-    print("|---|---|---|---|---|---|")
+    print("\n| game | opponent | model | legal-move rate [95% CI] | mean score [95% CI] | score - base [95% CI] "
+          "| score - SFT [95% CI] |")
+    print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

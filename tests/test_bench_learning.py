@@ -1,0 +1,57 @@
+"""bench/learning.py: profiles, per-game MCTS budgets, and the table's paired differences to base and SFT."""
+import importlib.util
+import json
+
+import pytest
+
+from tiny import ROOT
+
+spec = importlib.util.spec_from_file_location("bench_learning", ROOT / "bench" / "learning.py")
+learning = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(learning)
+
+
+def test_simulations_are_one_number_or_per_game():
+    assert learning.parse_simulations("300") == 300
+    assert learning.parse_simulations("liars_dice=300,leduc_poker=1000") == {"liars_dice": 300, "leduc_poker": 1000}
+
+
+def test_the_validator_profile_sets_the_mcts_opponent_everywhere_and_flags_still_win():
+    args = learning.parse_args(["--profile", "validator", "--steps", "12"])
+    assert (args.games, args.opponents, args.train_opponent) == ("leduc_poker,liars_dice", "mcts", "mcts")
+    assert (args.steps, args.eval_episodes, args.max_new_tokens, args.sft_reason) == (12, 48, 6, False)
+    assert args.mcts_simulations == {"liars_dice": 300}
+    assert learning.parse_args([]).steps == 4 and learning.parse_args(["--no-warm-start"]).steps == 10
+
+
+def test_rows_not_in_this_run_are_refused():
+    with pytest.raises(SystemExit):
+        learning.parse_args(["--no-warm-start", "--models", "sft"])
+
+
+def record(model, seed, score):
+    return {"model": model, "game": "leduc_poker", "task_id": 300000000, "seed": seed, "score": score,
+            "outcome": "win" if score > 0.5 else "loss", "turns": 2, "illegal_moves": 0, "parse_failed_game": False,
+            "generated_tokens": 4, "error": None}
+
+
+def test_the_trained_row_carries_its_paired_difference_to_sft():
+    scores = {"base": [0.2, 0.4, 0.3, 0.5], "sft": [0.5, 0.5, 0.4, 0.6], "sft+ppo": [0.6, 0.7, 0.5, 0.6]}
+    records = [record(model, seed, score) for model, values in scores.items() for seed, score in enumerate(values)]
+    result, rows = learning.table(records, "mcts", ["base", "sft", "sft+ppo"])
+    trained = result["leduc_poker"]["sft+ppo"]
+    # differences to sft: 0.1, 0.2, 0.1, 0.0 -> mean 0.1; to base: 0.4, 0.3, 0.2, 0.1 -> 0.25
+    assert trained["score_minus_sft"] == pytest.approx(0.1)
+    assert trained["score_minus_base"] == pytest.approx(0.25)
+    low, high = trained["score_minus_sft_ci95"]
+    assert low < 0.1 < high
+    assert result["leduc_poker"]["sft"]["score_minus_sft"] is None
+    assert rows[-1].startswith("| leduc_poker | mcts | sft+ppo |") and "+0.100" in rows[-1]
+
+
+def test_training_signal_summarises_the_per_step_correlations(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in [
+        {"step": 1, "signal/advantage_logprob_corr": 0.5}, {"step": 2}, {"step": 3, "signal/advantage_logprob_corr": -0.1}]))
+    assert learning.training_signal(path) == {"advantage_logprob_corr_by_step": [0.5, -0.1],
+                                              "advantage_logprob_corr_mean": 0.2, "steps_with_positive_corr": 1}
