@@ -74,9 +74,10 @@ class ModelConfig(Strict):
 
 
 class LoraConfig(Strict):
-    r: int = Field(16, ge=1)
-    alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    r: int = Field(16, ge=1, description="LoRA rank (vLLM needs --max-lora-rank at least this).")
+    alpha: int = Field(32, ge=1, description="LoRA scale numerator: the update is scaled by alpha / r.")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="LoRA dropout (SFT; PPO turns it off, see "
+                           "ppo.disable_dropout).")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="Module name suffixes to adapt; resolved against the model's real module names.",
@@ -99,14 +100,15 @@ class RewardConfig(Strict):
 class PPOConfig(Strict):
     learning_rate: float = Field(1e-5, gt=0, description="Adapter learning rate (AdamW).")
     batch_size: int = Field(8, ge=1, description="Episodes per PPO step.")
-    ppo_epochs: int = Field(4, ge=1)
+    ppo_epochs: int = Field(4, ge=1, description="Passes over each step's episodes.")
     num_minibatches: int = Field(1, ge=1, description="Optimizer steps per epoch.")
     micro_batch_tokens: int = Field(
         4096, ge=64, description="Token budget of one forward/backward pass (gradient accumulation)."
     )
-    cliprange: float = Field(0.2, gt=0)
-    cliprange_value: float = Field(0.2, gt=0)
-    vf_coef: float = Field(0.1, ge=0)
+    cliprange: float = Field(0.2, gt=0, description="PPO ratio clip: the surrogate stops gaining past 1 ± this.")
+    cliprange_value: float = Field(0.2, gt=0, description="Values may move at most this far from the rollout's "
+                                   "values per update (clipped value loss).")
+    vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the total loss.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus; 0 computes no entropy in the update.")
     credit: Literal["turn", "token"] = Field(
         "turn", description="gae only: turn = one value per turn, GAE over turns, the turn's advantage on all "
@@ -116,13 +118,15 @@ class PPOConfig(Strict):
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda per turn (credit turn) or per token (credit token).")
     advantage: Literal["gae", "group"] = Field("gae", description="gae = value head; group = GRPO-style baseline.")
     group_size: int = Field(4, ge=2, description="Episodes per task+seed group in group mode.")
-    whiten_advantages: bool = Field(True)
+    whiten_advantages: bool = Field(True, description="gae: scale the batch's advantages to mean 0 and "
+                                    "variance 1 (group advantages are normalised within each group).")
     loss_weighting: Literal["token", "episode", "game"] = Field(
         "episode", description="token = every reply token counts once; episode = each episode counts once "
         "whatever its length; game = each game in the batch counts once."
     )
-    init_kl_coef: float = Field(0.2, ge=0)
-    adaptive_kl: bool = Field(True)
+    init_kl_coef: float = Field(0.2, ge=0, description="Starting KL coefficient beta (the penalty on KL to the "
+                                "reference).")
+    adaptive_kl: bool = Field(True, description="Move beta toward kl_target (adaptive controller); false = fixed.")
     kl_target: float = Field(0.05, gt=0, description="Target KL to the reference per generated token "
                              "(adaptive controller).")
     kl_horizon: int = Field(100, ge=1, description="Episodes over which the adaptive KL coefficient may change "
@@ -136,7 +140,7 @@ class PPOConfig(Strict):
         0.05, gt=0, description="Skip the optimizer step and end the epochs when a minibatch's approx KL (k3) "
         "per token to the rollout policy passes this; null = never."
     )
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this global norm.")
     disable_dropout: bool = Field(True, description="Dropout off during PPO so the ratio starts at exactly 1.")
     max_consecutive_skips: int = Field(5, ge=1, description="Abort after this many non-finite updates in a row.")
     reward: RewardConfig = Field(default_factory=RewardConfig)
@@ -153,22 +157,28 @@ class PPOConfig(Strict):
 
 class GenerationConfig(Strict):
     backend: Literal["local", "vllm"] = Field("vllm", description="local = the training model generates.")
-    max_new_tokens: int = Field(512, ge=1)
+    max_new_tokens: int = Field(512, ge=1, description="Most tokens of one reply.")
     temperature: float = Field(1.0, ge=0, description="0 = greedy.")
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; keep 1 for training (the update scores "
+                         "the full distribution).")
     top_k: int = Field(0, ge=0, description="0 = off.")
-    context_strategy: Literal["full", "truncated", "last"] = Field("full")
+    context_strategy: Literal["full", "truncated", "last"] = Field(
+        "full", description="What the model sees each turn: full = the whole conversation (validators); truncated = "
+        "earlier thinking replaced by a marker; last = system prompt + the pending decision only."
+    )
     max_prompt_tokens: int = Field(4096, ge=16, description="Oldest turns are dropped past this budget.")
-    max_concurrent_episodes: int = Field(32, ge=1)
+    max_concurrent_episodes: int = Field(32, ge=1, description="Episodes played at once (local: rows per "
+                                         "generation wave).")
     reuse_kv_cache: bool = Field(True, description="local backend: keep each episode's KV cache between its turns.")
     max_turns: int = Field(200, ge=1, description="Model decisions per episode before it is cut off.")
     request_timeout: float = Field(300.0, gt=0, description="Seconds per vLLM request.")
-    request_retries: int = Field(3, ge=0)
+    request_retries: int = Field(3, ge=0, description="Retries of a failed vLLM request (transient errors only).")
 
 
 class LoggingConfig(Strict):
     wandb_project: str | None = Field(None, description="Set to log to Weights & Biases.")
-    wandb_mode: Literal["online", "offline", "disabled"] = Field("offline")
+    wandb_mode: Literal["online", "offline", "disabled"] = Field("offline", description="wandb.init mode "
+                                                                 "(offline: sync later with `wandb sync`).")
     log_samples_every: int = Field(0, ge=0, description="Append one played conversation to samples.jsonl every N steps (0 = never).")
     signal_check_every: int = Field(
         0, ge=0, description="Every N steps re-score the batch after the update and log how each reply's "
@@ -177,8 +187,8 @@ class LoggingConfig(Strict):
 
 
 class CheckpointConfig(Strict):
-    save_every: int = Field(500, ge=1)
-    keep_last: int = Field(3, ge=1)
+    save_every: int = Field(500, ge=1, description="Steps between checkpoints (the last step always saves).")
+    keep_last: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are pruned after a save.")
 
 
 class TrainConfig(Strict):
@@ -322,7 +332,7 @@ def _explain(error: ValidationError, source: str) -> str:
         shown = "" if isinstance(given, dict) else f" (given: {json.dumps(given, default=str)[:80]})"
         message = item["msg"]
         if item["type"] == "extra_forbidden":
-            message = "unknown key (check the spelling against the config reference in README.md)"
+            message = "unknown key (check the spelling against docs/configuration.md)"
         problems.append(f"'{field}': {message}{shown}")
     return f"Invalid configuration in {source}: " + "; ".join(problems) + "."
 
