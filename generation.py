@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import torch
 
-from prefixes import MIN_SHARED_PREFIX, padded_cost, partition
+import prefixes
 from utils import GenerationConfig, derive_seed
 
 log = logging.getLogger(__name__)
@@ -207,9 +207,9 @@ class LocalGenerator:
         is updated in place."""
         fresh = [row for row, n in enumerate(reuse) if n == 0]
         prompts = [requests[row][1] for row in fresh]
-        for members, shared in partition(prompts, padded_cost):
+        for members, shared in prefixes.partition(prompts, prefixes.padded_cost):
             shared = min([shared] + [len(prompts[m]) - 1 for m in members])  # each row keeps a token to feed
-            if len(members) < 2 or shared < MIN_SHARED_PREFIX:
+            if len(members) < 2 or shared < prefixes.MIN_SHARED_PREFIX:
                 continue
             prefix = prompts[members[0]][:shared]
             was_training = self.policy.training

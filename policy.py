@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ppo import logprobs_and_entropy_from_logits, logprobs_from_logits
-from prefixes import MIN_SHARED_PREFIX
+import prefixes
 from model_files import model_source
 from utils import ConfigError, LoraConfig, ModelConfig
 
@@ -273,7 +273,7 @@ class Policy(nn.Module):
         can_share = batch > 1 and attention_mask is None and (self.shares_prefixes_with_gradients()
                                                               or not torch.is_grad_enabled())
         shared = common_prefix_length(input_ids) if can_share else 0
-        if shared < MIN_SHARED_PREFIX:
+        if shared < prefixes.MIN_SHARED_PREFIX:
             return decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         prefix = decoder(input_ids=input_ids[:1, :shared], use_cache=shared < width)
         hidden = prefix.last_hidden_state.expand(batch, -1, -1)  # gradients of the rows add up in the prefix

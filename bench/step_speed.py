@@ -8,8 +8,11 @@ phases (sample -> rollout -> score/advantages/update), on the configured device.
     python bench/step_speed.py --json --episodes 8 --set run.device=cuda
 
 Columns: tokens_processed = tokens through the model in one scoring pass over the step's batch
-(padding included); unique_tokens = the sum over episodes of their packed length; per_turn_tokens =
-what one sample per turn (each prompt repeating the history) would process instead.
+(padding included, a shared prefix counted once); unique_tokens = the sum over episodes of their
+packed length; per_turn_tokens = what one sample per turn (each prompt repeating the history) would
+process instead. `validator/group` is the validator profile's step (leduc_poker + liars_dice against
+MCTS, groups of 4 episodes of one task and seed); `.../whole-rows` is the same step with every row
+run whole, so the pair measures prefix sharing side by side.
 """
 from __future__ import annotations
 
@@ -30,10 +33,15 @@ sys.path.insert(0, str(ROOT))
 
 from rollout_speed import plain_generate  # noqa: E402  (bench/ is the script's folder)
 
-SETTINGS = {  # name -> (game, context strategy)
-    "goofspiel/full": ("goofspiel", "full"),
-    "goofspiel/last": ("goofspiel", "last"),
-    "leduc_poker/full": ("leduc_poker", "full"),
+# name -> (games, opponent, context strategy, extra overrides, share prefixes)
+GROUPS = ["ppo.advantage=group", "ppo.group_size=4", "ppo.micro_batch_tokens=4096",
+          'env.envs.openspiel.mcts_simulations={"liars_dice": 300}']
+SETTINGS = {
+    "goofspiel/full": (["goofspiel"], "random", "full", [], True),
+    "goofspiel/last": (["goofspiel"], "random", "last", [], True),
+    "leduc_poker/full": (["leduc_poker"], "random", "full", [], True),
+    "validator/group": (["leduc_poker", "liars_dice"], "mcts", "full", GROUPS, True),
+    "validator/group/whole-rows": (["leduc_poker", "liars_dice"], "mcts", "full", GROUPS, False),
 }
 
 
@@ -52,10 +60,14 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
     from experience import build_sequences
     from utils import load_config
 
-    game, strategy = SETTINGS[name]
-    stages = json.dumps([{"name": "s", "opponent": "random", "min_episodes": 10**6,
-                          "tasks": [{"env": "openspiel", "games": [game], "config_ids": [0]}]}])
-    overrides = [f"curriculum.stages={stages}", f"generation.context_strategy={strategy}",
+    import prefixes
+
+    games, opponent, strategy, extra, share = SETTINGS[name]
+    if not share:  # every row through the model whole: the same step as before prefixes were shared
+        prefixes.MIN_SHARED_PREFIX = 10**9
+    stages = json.dumps([{"name": "s", "opponent": opponent, "min_episodes": 10**6,
+                          "tasks": [{"env": "openspiel", "games": games, "config_ids": [0]}]}])
+    overrides = [f"curriculum.stages={stages}", f"generation.context_strategy={strategy}", *extra,
                  f"ppo.batch_size={args.episodes}", f"generation.max_concurrent_episodes={args.episodes}",
                  f"generation.max_new_tokens={args.max_new_tokens}", "generation.max_prompt_tokens=4096",
                  "run.max_steps=1", "run.name=step-speed", *args.set]

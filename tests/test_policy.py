@@ -80,9 +80,10 @@ def _scored_with_gradients(policy, ids, mask):
 
 def test_rows_with_a_common_prefix_score_and_train_as_if_run_whole(tiny_policy, monkeypatch):
     import policy as policy_module
+    import prefixes
 
     ids, mask = _rows_sharing_a_prefix(tiny_policy)
-    assert policy_module.common_prefix_length(ids) > policy_module.MIN_SHARED_PREFIX
+    assert policy_module.common_prefix_length(ids) > prefixes.MIN_SHARED_PREFIX
     with torch.no_grad():
         for name, parameter in tiny_policy.named_parameters():
             if "lora_B" in name:
@@ -92,7 +93,7 @@ def test_rows_with_a_common_prefix_score_and_train_as_if_run_whole(tiny_policy, 
             module.p = 0.0  # as in PPO (ppo.disable_dropout): two passes must see the same network
     tiny_policy.train()
     shared, shared_grads = _scored_with_gradients(tiny_policy, ids, mask)
-    monkeypatch.setattr(policy_module, "MIN_SHARED_PREFIX", 10**9)  # every row run whole
+    monkeypatch.setattr(prefixes, "MIN_SHARED_PREFIX", 10**9)  # every row run whole
     whole, whole_grads = _scored_with_gradients(tiny_policy, ids, mask)
     for name in ("logprobs", "values", "entropy"):
         assert torch.allclose(getattr(shared, name), getattr(whole, name), atol=1e-5), name
