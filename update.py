@@ -90,6 +90,8 @@ def _optimizer_step(policy, optimizer, minibatch: list[TrainSequence], cfg: PPOC
     value_weight = float(sum(s.value_weights.sum() for s in minibatch)) if use_critic else 0.0
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
+    predicted: list[torch.Tensor] = []  # values and their returns over the whole minibatch: a micro-batch
+    targets: list[torch.Tensor] = []  # may hold only a few value positions, too few for a variance
     finite = True
     for group in plan_micro_batches([s.input_ids for s in minibatch], cfg.micro_batch_tokens,
                                     policy.shares_prefixes_with_gradients()):
@@ -126,8 +128,8 @@ def _optimizer_step(policy, optimizer, minibatch: list[TrainSequence], cfg: PPOC
             loss = loss + cfg.vf_coef * vf_loss
             losses["value/loss"] = vf_loss.item()
             means.update({f"value/{k}": float(v) for k, v in vf_stats.items()})
-            means["value/explained_variance"] = explained_variance(scored.values.detach(), batch["returns"],
-                                                                   value_mask)
+            predicted.append(scored.values.detach()[value_mask])
+            targets.append(batch["returns"][value_mask])
         if not torch.isfinite(loss):
             finite = False
             break
@@ -138,6 +140,9 @@ def _optimizer_step(policy, optimizer, minibatch: list[TrainSequence], cfg: PPOC
         for key, value in means.items():
             sums[key] = sums.get(key, 0.0) + value * share
 
+    if predicted:
+        values, returns = torch.cat(predicted), torch.cat(targets)
+        sums["value/explained_variance"] = explained_variance(values, returns, torch.ones_like(values))
     grad_norm = float("nan")
     if finite:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

@@ -1,4 +1,5 @@
 """update.py on a tiny model: critic warm-up leaves the policy alone, KL early stop, no entropy at coef 0."""
+import pytest
 import torch
 
 import policy as policy_module
@@ -124,3 +125,21 @@ def test_one_update_raises_replies_with_positive_advantage_and_lowers_the_others
     signal = one_update_signal(tiny_policy, cfg, two_turn_episodes(tiny_policy, scores), [0, 0, 0, 0, 1, 1, 1, 1])
     assert signal["signal/advantage_logprob_corr"] > 0.7
     assert signal["signal/logprob_change_positive"] > 0 > signal["signal/logprob_change_negative"]
+
+
+def test_explained_variance_is_taken_over_the_whole_minibatch_not_per_micro_batch(tiny_policy):
+    from ppo import explained_variance
+
+    for module in tiny_policy.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0  # the update's forward then sees the values the scoring pass saw
+    with torch.no_grad():
+        tiny_policy.value_head.weight.normal_(0.0, 0.5)  # values that vary, so the variance is informative
+    cfg = PPOConfig(learning_rate=1e-3, ppo_epochs=1, micro_batch_tokens=64)  # one sequence per micro-batch
+    sequences = prepared(tiny_policy, cfg)
+    values = torch.cat([s.old_values[s.value_weights != 0] for s in sequences])
+    returns = torch.cat([s.returns[s.value_weights != 0] for s in sequences])
+    expected = explained_variance(values, returns, torch.ones_like(values))
+    stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-3), sequences, cfg, 0.0, 1.0,
+                       torch.Generator().manual_seed(0), UpdateState())
+    assert stats["value/explained_variance"] == pytest.approx(expected, abs=1e-4)
