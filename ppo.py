@@ -112,13 +112,29 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    global_sum: Callable[[torch.Tensor], torch.Tensor] = _unchanged,
+) -> torch.Tensor:
     """Scale the valid entries to unit (unbiased) variance and, with `shift_mean`, zero mean.
 
     Without `shift_mean` the valid entries keep their mean. Masked positions are 0 in the output.
+    When `x` is one part of a batch split over ranks, `global_sum` sums a tensor over every part, so
+    the mean and variance are the whole batch's (the default: `x` is the whole batch).
     """
-    mean = masked_mean(x, mask)
-    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + WHITEN_EPS)
+    valid = mask.bool()
+    # two passes (mean, then squared deviations), each summed in float64 over every part of the batch
+    total, count = global_sum(torch.stack([torch.where(valid, x.double(), 0).sum(), valid.sum().double()]))
+    mean = (total / count.clamp(min=1)).to(x.dtype)
+    squares = global_sum(torch.where(valid, (x - mean).double() ** 2, 0).sum().reshape(1))[0]
+    var = torch.where(count > 1, squares / (count - 1).clamp(min=1), 0).to(x.dtype)
+    whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask.bool(), whitened, 0)
