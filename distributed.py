@@ -184,8 +184,8 @@ class Ranks:
         return totals
 
     def sum_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
-        """Replace each gradient by its sum over the ranks in one all-reduce; a parameter without a gradient on
-        every rank keeps none (the optimizer then leaves it alone, as it would in one process)."""
+        """Replace each gradient by its sum over the ranks, in one all-reduce. A parameter that has a gradient on
+        no rank keeps none (the optimizer then leaves it alone, as it would in one process)."""
         if self.world_size == 1:
             return
         parameters = list(parameters)

@@ -30,6 +30,7 @@ the value head trains, on a detached trunk (the policy does not move).
 Run:  python train_ppo.py --preset cpu                  (offline CPU demo with SmolLM2-135M)
       python train_ppo.py                               (Qwen3-4B, 4-bit, vLLM at localhost:8000)
       python train_ppo.py --resume latest --output-dir runs
+      torchrun --nproc-per-node 8 train_ppo.py --set ppo.batch_size=64   (data-parallel, docs/distributed.md)
 """
 from __future__ import annotations
 

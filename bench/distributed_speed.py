@@ -48,7 +48,8 @@ def run(ranks: int, device: str, args: argparse.Namespace, folder: Path, setting
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                str(ROOT / "train_ppo.py"), *settings, "--output-dir", str(output), "--max-steps", str(args.steps + 1),
                "--set", "run.name=bench", "--set", f"run.device={device}", "--set", "generation.backend=local",
-               "--set", f"ppo.batch_size={args.episodes}", "--set", f"generation.max_concurrent_episodes={args.episodes}",
+               "--set", f"ppo.batch_size={args.episodes}",
+               "--set", f"generation.max_concurrent_episodes={args.episodes}",
                "--set", "checkpointing.save_every=100000", "--set", f"curriculum.stages={STAGES}",
                *[a for s in args.set for a in ("--set", s)]]
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

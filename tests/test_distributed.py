@@ -208,8 +208,8 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank_instead_of_a_hang(tmp_pat
 @pytest.mark.slow
 def test_unreachable_vllm_servers_stop_every_rank_at_start(tiny_model_dir, tmp_path):
     dead = f"http://127.0.0.1:{_free_port()}/v1"
-    result = torchrun(str(ROOT / "train_ppo.py"), *tiny_args(tiny_model_dir, tmp_path, "--set", "generation.backend=vllm",
-                                                              "--set", f'env.vllm_url=["{dead}"]'), timeout=300)
+    args = tiny_args(tiny_model_dir, tmp_path, "--set", "generation.backend=vllm", "--set", f'env.vllm_url=["{dead}"]')
+    result = torchrun(str(ROOT / "train_ppo.py"), *args, timeout=300)
     assert result.returncode != 0
     assert result.stderr.count(f"Stopped: The vLLM server at {dead} is not reachable") == 1  # said once, by rank 0
     assert "lost contact" not in result.stderr  # every rank stopped on its own, none was left waiting
