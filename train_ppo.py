@@ -84,8 +84,9 @@ class StopRequested:
         if self.signal is not None:
             os._exit(128 + signum)  # safe: checkpoints are atomic
         self.signal = signum
+        # emoji=False: the signal may land while the loop's first print imports rich's emoji table
         console.print(f"[yellow]{signal.Signals(signum).name}: finishing the current phase, saving, exiting "
-                      "(send again to exit at once)[/yellow]")
+                      "(send again to exit at once)[/yellow]", emoji=False)
 
     def __bool__(self) -> bool:
         return self.signal is not None
