@@ -145,9 +145,11 @@ def clean_temporaries(checkpoint_dir: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def find_resumable(checkpoint_dir: Path) -> Path | None:
-    """The highest-step checkpoint whose manifest verifies (older ones are the fallback)."""
-    clean_temporaries(checkpoint_dir)
+def find_resumable(checkpoint_dir: Path, clean: bool = True) -> Path | None:
+    """The highest-step checkpoint whose manifest verifies (older ones are the fallback); `clean` removes
+    unfinished ones first (in data-parallel runs rank 0 alone writes, so it alone cleans)."""
+    if clean:
+        clean_temporaries(checkpoint_dir)
     for step, path in reversed(list_checkpoints(checkpoint_dir)):
         if verify(path):
             return path

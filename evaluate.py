@@ -216,7 +216,7 @@ def model_runs(config: Config, adapter_dir: Path | None, compare_base: bool
         tokenizer = load_tokenizer(cfg.model)
         rank = (json.loads((adapter_dir / "adapter_config.json").read_text())["r"] if adapter_dir else cfg.lora.r)
         api_key = os.environ.get(config.env.vllm_api_key_env) if config.env.vllm_api_key_env else None
-        generator = VLLMGenerator(config.env.vllm_url, cfg.model.name_or_path, tokenizer, gen_cfg, rank,
+        generator = VLLMGenerator(config.env.vllm_urls[0], cfg.model.name_or_path, tokenizer, gen_cfg, rank,
                                   eos_token_ids(tokenizer, load_generation_config(cfg.model)), api_key,
                                   served_from=model_source(cfg.model))
 

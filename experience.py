@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from policy import Policy, common_prefix_length
 from prefixes import padded_cost, partition
-from ppo import compute_gae, group_advantages, kl_penalty, masked_mean, masked_whiten
+from ppo import compute_gae, group_advantages, kl_penalty, masked_whiten
 from rollout import Episode
 from utils import PPOConfig
 
@@ -205,20 +206,25 @@ def _episode_turns(sequences: list[TrainSequence]) -> dict[int, list[_TurnRef]]:
 
 
 def assign_advantages(sequences: list[TrainSequence], episodes: list[Episode], cfg: PPOConfig, kl_coef: float,
-                      group_ids: list[int] | None) -> dict[str, float]:
-    """Rewards (score, step rewards, -beta*KL), advantages, returns and loss weights, written into the sequences."""
+                      group_ids: list[int] | None,
+                      global_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, float]:
+    """Rewards (score, step rewards, -beta*KL), advantages, returns and loss weights, written into the sequences.
+
+    In data-parallel training `sequences` are this rank's share of the batch's (`episodes` is the whole
+    batch, indexed by `TrainSequence.episode`) and `global_sum` sums a tensor over the ranks: advantages
+    are whitened, games counted and statistics averaged over the whole batch. A group stays on one rank."""
     by_episode = _episode_turns(sequences)
     episode_ids = sorted(by_episode)
     n = len(episode_ids)
-    # [E, T] with one column per reply token in order across the episode's turns
-    width = max(sum(ref.span.stop - ref.span.start for ref in by_episode[e]) for e in episode_ids)
+    # [E, T] with one column per reply token in order across the episode's turns (a rank may have none)
+    width = max((sum(ref.span.stop - ref.span.start for ref in by_episode[e]) for e in episode_ids), default=1)
     kl = torch.zeros(n, width)
     token_mask = torch.zeros(n, width)
     token_values = torch.zeros(n, width)
     token_rewards = torch.zeros(n, width)  # env rewards at each turn's last token, before the KL
     turn_of_token = torch.zeros(n, width, dtype=torch.long)
     # [E, N] with one column per turn
-    max_turns = max(len(by_episode[e]) for e in episode_ids)
+    max_turns = max((len(by_episode[e]) for e in episode_ids), default=1)
     turn_mask = torch.zeros(n, max_turns)
     turn_values = torch.zeros(n, max_turns)
     turn_env_rewards = torch.zeros(n, max_turns)
@@ -260,16 +266,19 @@ def assign_advantages(sequences: list[TrainSequence], episodes: list[Episode], c
                                                     turn_mask, cfg.gamma, cfg.lam)
         advantages = turn_advantages.gather(1, turn_of_token) * token_mask
         # a turn's value and return sit at its first token
-        rows, columns, turn_columns = (torch.tensor(index) for index in zip(*turn_starts))
+        rows, columns, turn_columns = torch.tensor(turn_starts, dtype=torch.long).reshape(-1, 3).T
         value_mask = torch.zeros(n, width)
         value_mask[rows, columns] = 1
         returns = torch.zeros(n, width)
         returns[rows, columns] = turn_returns[rows, turn_columns]
     if cfg.whiten_advantages and cfg.advantage == "gae":
-        advantages = masked_whiten(advantages, token_mask)
+        advantages = masked_whiten(advantages, token_mask, global_sum=global_sum)
 
-    token_weights = _loss_weights(token_mask, [episodes[e].game_name for e in episode_ids], cfg.loss_weighting)
-    value_weights = _loss_weights(value_mask, [episodes[e].game_name for e in episode_ids], cfg.loss_weighting)
+    games = [episodes[e].game_name for e in episode_ids]
+    # the whole batch's episodes of each game (those with reply tokens: every one of them has sequences)
+    games_in_batch = Counter(episode.game_name for episode in episodes if episode.generated_tokens)
+    token_weights = _loss_weights(token_mask, games, cfg.loss_weighting, games_in_batch)
+    value_weights = _loss_weights(value_mask, games, cfg.loss_weighting, games_in_batch)
     for r, e in enumerate(episode_ids):
         position = 0
         for ref in by_episode[e]:
@@ -282,33 +291,46 @@ def assign_advantages(sequences: list[TrainSequence], episodes: list[Episode], c
                 getattr(ref.sequence, name)[ref.span] = source[r, columns]
             position += length
 
-    tokens = token_mask.sum()
-    entropy = [s.entropy for s in sequences if s.entropy is not None]
+    # every statistic is a sum over the batch divided by a count, both summed over the ranks
+    valued = (value_mask if cfg.advantage == "gae" else token_mask).bool()
+    entropy = torch.cat([s.entropy for s in sequences if s.entropy is not None] or [torch.zeros(0)])
+    kl_total, tokens, episode_count, returns_total, advantage_total, value_total, valued_count, entropy_total, \
+        entropy_count = global_sum(torch.stack([
+            (kl * token_mask).double().sum(), token_mask.double().sum(), torch.tensor(float(n), dtype=torch.float64),
+            episode_returns.double().sum(), torch.where(token_mask.bool(), advantages, 0).double().sum(),
+            torch.where(valued, token_values, 0).double().sum(), valued.double().sum(), entropy.double().sum(),
+            torch.tensor(float(entropy.numel()), dtype=torch.float64),
+        ])).tolist()
     stats = {
-        "reward/kl_per_token": float((kl * token_mask).sum() / tokens.clamp(min=1)),
-        "reward/kl_per_episode": float((kl * token_mask).sum(dim=1).mean()),
-        "reward/episode_return": float(episode_returns.mean()),
-        "reward/advantage_mean": float(masked_mean(advantages, token_mask)),
-        "value/mean": float(masked_mean(token_values, value_mask if cfg.advantage == "gae" else token_mask)),
+        "reward/kl_per_token": kl_total / max(tokens, 1.0),
+        "reward/kl_per_episode": kl_total / max(episode_count, 1.0),
+        "reward/episode_return": returns_total / max(episode_count, 1.0),
+        "reward/advantage_mean": advantage_total / max(tokens, 1.0),
+        "value/mean": value_total / max(valued_count, 1.0),
     }
-    if entropy:
-        stats["policy/entropy"] = float(torch.cat(entropy).mean())
+    if entropy_count:
+        stats["policy/entropy"] = entropy_total / entropy_count
     return stats
 
 
-def _loss_weights(mask: torch.Tensor, games: list[str], weighting: str) -> torch.Tensor:
-    """[E, T] weights on `mask`: 1 per token, or each episode's (game's) tokens sharing one unit."""
+def _loss_weights(mask: torch.Tensor, games: list[str], weighting: str,
+                  games_in_batch: Counter | None = None) -> torch.Tensor:
+    """[E, T] weights on `mask`: 1 per token, or each episode's (game's) tokens sharing one unit;
+    `games_in_batch` counts the whole batch's episodes per game (default: these rows')."""
     if weighting == "token":
         return mask.clone()
     per_episode = mask / mask.sum(dim=1, keepdim=True).clamp(min=1)
     if weighting == "episode":
         return per_episode
-    episodes_of_game = Counter(games)
+    episodes_of_game = games_in_batch if games_in_batch is not None else Counter(games)
     return per_episode / torch.tensor([float(episodes_of_game[g]) for g in games])[:, None]
 
 
-def sampler_gap(sequences: list[TrainSequence]) -> float | None:
-    """Mean |trainer - sampler| log-prob on the sampled tokens; large values mean the server runs other weights."""
+def sampler_gap(sequences: list[TrainSequence],
+                global_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> float | None:
+    """Mean |trainer - sampler| log-prob on the sampled tokens (over every rank's with `global_sum`); large
+    values mean a server runs other weights."""
     gaps = [abs(float(o) - s) for sequence in sequences if sequence.sampler_logprobs
             for o, s in zip(sequence.old_logprobs, sequence.sampler_logprobs) if not math.isnan(s)]
-    return sum(gaps) / len(gaps) if gaps else None
+    total, count = global_sum(torch.tensor([sum(gaps), len(gaps)], dtype=torch.float64)).tolist()
+    return total / count if count else None

@@ -6,7 +6,8 @@
   cache is kept between its turns: a turn prefills only the tokens its prompt does not share with
   what the episode already processed (with `full` context the new observation; with `last` the
   rules stay cached).
-- `VLLMGenerator`: an OpenAI-compatible vLLM server with LoRA adapters hot-loaded after updates.
+- `VLLMGenerator`: an OpenAI-compatible vLLM server with LoRA adapters hot-loaded after updates;
+  `VLLMServers` spreads episodes over several such servers.
 
 Both stop at every EOS id of the model (tokenizer and generation config) and return the exact
 sampled token ids.
@@ -447,3 +448,50 @@ class VLLMGenerator:
             del self.loaded[name]
         self.active_adapter = None
         await self.client.aclose()
+
+
+class VLLMServers:
+    """Several vLLM servers with the same base model (one per GPU or per node), used as one generator.
+
+    An episode's requests all go to one server, `order_key % servers` (the episode's place in the
+    step's batch), so its growing prompt stays in that server's prefix cache while the batch spreads
+    evenly. `load_adapter` loads an adapter into every server; in data-parallel training rank 0 does
+    that once per update and the other ranks `use_adapters` the names it got."""
+
+    def __init__(self, base_urls: list[str], *args: Any, **kwargs: Any):
+        self.servers = [VLLMGenerator(url, *args, **kwargs) for url in base_urls]
+        self.eos_ids = self.servers[0].eos_ids
+
+    @property
+    def loaded(self) -> dict[str, Path]:
+        """Every adapter this process loaded and has not unloaded, on any server: name -> folder."""
+        return {name: folder for server in self.servers for name, folder in server.loaded.items()}
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(server.generated_tokens for server in self.servers)
+
+    @property
+    def retries(self) -> int:
+        return sum(server.retries for server in self.servers)
+
+    async def check_server(self) -> None:
+        """Every server answers and fits the configuration (the first failure is raised)."""
+        for server in self.servers:
+            await server.check_server()
+
+    async def load_adapter(self, adapter_dir: Path, label: str) -> list[str]:
+        """Load the adapter into every server at once; returns its name on each (they may differ)."""
+        return list(await asyncio.gather(*(server.load_adapter(adapter_dir, label) for server in self.servers)))
+
+    def use_adapters(self, names: list[str]) -> None:
+        """Request these adapters (one per server), loaded by another process (rank 0), which also unloads them."""
+        for server, name in zip(self.servers, names):
+            server.active_adapter = name
+
+    async def generate(self, prompt_ids: list[int], order_key: int, seed: int) -> Generation:
+        return await self.servers[order_key % len(self.servers)].generate(prompt_ids, order_key, seed)
+
+    async def close(self) -> None:
+        for server in self.servers:
+            await server.close()

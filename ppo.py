@@ -112,13 +112,29 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    global_sum: Callable[[torch.Tensor], torch.Tensor] = _unchanged,
+) -> torch.Tensor:
     """Scale the valid entries to unit (unbiased) variance and, with `shift_mean`, zero mean.
 
     Without `shift_mean` the valid entries keep their mean. Masked positions are 0 in the output.
+    When `x` is one part of a batch split over ranks, `global_sum` sums a tensor over every part, so
+    the mean and variance are the whole batch's (the default: `x` is the whole batch).
     """
-    mean = masked_mean(x, mask)
-    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + WHITEN_EPS)
+    valid = mask.bool()
+    # two passes (mean, then squared deviations), each summed in float64 over every part of the batch
+    total, count = global_sum(torch.stack([torch.where(valid, x.double(), 0).sum(), valid.sum().double()]))
+    mean = (total / count.clamp(min=1)).to(x.dtype)
+    squares = global_sum(torch.where(valid, (x - mean).double() ** 2, 0).sum().reshape(1))[0]
+    var = torch.where(count > 1, squares / (count - 1).clamp(min=1), 0).to(x.dtype)
+    whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask.bool(), whitened, 0)
@@ -260,6 +276,25 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
         if returns_var.item() == 0.0:
             return 0.0
         return (1.0 - masked_var(returns - values, mask) / returns_var).item()
+
+
+def explained_variance_moments(values: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:
+    """[n, sum R, sum R^2, sum (R - V), sum (R - V)^2] of 1-D values and returns, in float64: moments of several
+    parts (micro-batches, ranks) add up to the whole's."""
+    returns = returns.double()
+    errors = returns - values.double()
+    count = torch.tensor(float(returns.numel()), dtype=torch.float64)
+    return torch.stack([count, returns.sum(), (returns**2).sum(), errors.sum(), (errors**2).sum()])
+
+
+def explained_variance_from_moments(moments: torch.Tensor) -> float | None:
+    """1 - Var[R - V] / Var[R] from `explained_variance_moments` (summed); 0.0 when Var[R] is 0, None under 2 values."""
+    n, r, r2, e, e2 = moments.tolist()
+    if n < 2:
+        return None
+    returns_var = (r2 - r * r / n) / (n - 1)
+    errors_var = (e2 - e * e / n) / (n - 1)
+    return 1.0 - errors_var / returns_var if returns_var > 1e-12 else 0.0
 
 
 def pearson_correlation(x: torch.Tensor, y: torch.Tensor) -> float:

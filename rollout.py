@@ -102,9 +102,11 @@ class RolloutRunner:
         self.cfg = gen_cfg
         self.validator_conversation = validator_conversation
 
-    async def run(self, tasks: list[Task], step: int, on_episode_done: Callable[[Episode], None] | None = None
-                  ) -> list[Episode]:
-        """Play every task; at most `max_concurrent_episodes` live at once, results in task order."""
+    async def run(self, tasks: list[Task], step: int, on_episode_done: Callable[[Episode], None] | None = None,
+                  first_index: int = 0) -> list[Episode]:
+        """Play every task; at most `max_concurrent_episodes` live at once, results in task order.
+        `first_index` is the first task's place in the whole step's batch (this rank's share starts
+        there): episodes draw their seeds and pick their vLLM server by their place in the batch."""
         if hasattr(self.generator, "reset_waves"):
             self.generator.reset_waves(step)
         episodes: list[Episode | None] = [None] * len(tasks)
@@ -117,14 +119,14 @@ class RolloutRunner:
             if index is not None:
                 started()
             while index is not None:
-                episode = await self.play(index, tasks[index], step)
+                episode = await self.play(first_index + index, tasks[index], step)
                 episodes[index] = episode
                 # admit the next episode before retiring this one, with no await in between, so the
                 # set of live episodes at every generation wave depends only on what was generated
                 done_index, index = index, next(queue, None)
                 if index is not None:
                     started()
-                finished(done_index)
+                finished(first_index + done_index)
                 if on_episode_done:
                     on_episode_done(episode)
 

@@ -22,8 +22,9 @@ console = Console(stderr=True)
 PLAIN_PROGRESS_SECONDS = 60.0
 
 
-def setup_logging(level: int = logging.INFO) -> None:
-    logging.basicConfig(level=level, format="%(message)s", datefmt="[%X]",
+def setup_logging(level: int = logging.INFO, prefix: str = "") -> None:
+    """Rich console logging; `prefix` marks the lines of one rank among several."""
+    logging.basicConfig(level=level, format=prefix + "%(message)s", datefmt="[%X]",
                         handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)], force=True)
     for noisy in ("httpx", "urllib3", "filelock", "transformers", "datasets", "affinetes"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -144,9 +145,13 @@ def _mean(values: list[float]) -> float:
 
 
 @contextmanager
-def rollout_progress(total: int, description: str) -> Iterator[Any]:
+def rollout_progress(total: int, description: str, visible: bool = True) -> Iterator[Any]:
     """A progress bar over finished episodes; yields a callback to advance it. Without a terminal (a
-    log file, a pipe) the bar is invisible, so a plain line every minute shows that long work moves."""
+    log file, a pipe) the bar is invisible, so a plain line every minute shows that long work moves.
+    `visible=False` shows nothing (the ranks other than 0 of a data-parallel run)."""
+    if not visible:
+        yield lambda *_: None
+        return
     if not console.is_terminal:
         started = last = time.monotonic()
         done = 0

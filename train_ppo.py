@@ -30,6 +30,7 @@ the value head trains, on a detached trunk (the policy does not move).
 Run:  python train_ppo.py --preset cpu                  (offline CPU demo with SmolLM2-135M)
       python train_ppo.py                               (Qwen3-4B, 4-bit, vLLM at localhost:8000)
       python train_ppo.py --resume latest --output-dir runs
+      torchrun --nproc-per-node 8 train_ppo.py --set ppo.batch_size=64   (data-parallel, docs/distributed.md)
 """
 from __future__ import annotations
 
@@ -45,15 +46,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 from checkpoint import (find_resumable, list_checkpoints, load_trainer_state, rng_state, save_checkpoint,
                         set_rng_state)
 from curriculum import Curriculum, Task
+from distributed import ONE_PROCESS, RankFailed, RankLost, Ranks, SilentLogger, check_world_size, rng_state_of
 from envs.factory import make_envs, playable_filter
 from experience import (assign_advantages, build_sequences, final_reward, sampler_gap, score_sequences,
                         turn_rewards)
-from generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
 from allocator import return_freed_memory_to_the_os, training_allocations
+from generation import LocalGenerator, VLLMError, VLLMServers, eos_token_ids
 from policy import VALUE_HEAD_FILE, adapter_folder, load_policy, pick_device
 from ppo import AdaptiveKLController, FixedKLController
 from model_files import model_source
@@ -81,8 +84,9 @@ class StopRequested:
         if self.signal is not None:
             os._exit(128 + signum)  # safe: checkpoints are atomic
         self.signal = signum
+        # emoji=False: the signal may land while the loop's first print imports rich's emoji table
         console.print(f"[yellow]{signal.Signals(signum).name}: finishing the current phase, saving, exiting "
-                      "(send again to exit at once)[/yellow]")
+                      "(send again to exit at once)[/yellow]", emoji=False)
 
     def __bool__(self) -> bool:
         return self.signal is not None
@@ -99,10 +103,11 @@ class StartupError(RuntimeError):
 class Trainer:
     """Everything one run owns; `train()` is the loop."""
 
-    def __init__(self, config: Config, run_dir: Path, resume: str | None, init_adapter: Path | None = None):
-        self.config, self.run_dir = config, run_dir
+    def __init__(self, config: Config, run_dir: Path, resume: str | None, init_adapter: Path | None = None,
+                 ranks: Ranks = ONE_PROCESS):
+        self.config, self.run_dir, self.ranks = config, run_dir, ranks
         cfg = config.train
-        self.device = pick_device(cfg.run.device)
+        self.device = ranks.local_device(pick_device(cfg.run.device))
         return_freed_memory_to_the_os()
         self.policy = load_policy(cfg.model, cfg.lora, self.device)
         if cfg.ppo.disable_dropout:
@@ -119,13 +124,14 @@ class Trainer:
             raise StartupError(f"Could not start the environments: {exc}") from None
         self.update_state = UpdateState()
         self._warned_cut_off = False
-        self.step = 0
+        self.step = self.saved_step = 0
         self.totals = {"episodes": 0, "episodes_failed": 0, "generated_tokens": 0}
         self.checkpoint_dir = run_dir / "checkpoints"
         wandb_id = self._resume(resume) if resume else None
         if init_adapter is not None:
             self._init_adapter(init_adapter)
-        self.logger = RunLogger(run_dir, cfg.logging, config.model_dump(mode="json"), wandb_id, self.step)
+        self.logger = (RunLogger(run_dir, cfg.logging, config.model_dump(mode="json"), wandb_id, self.step)
+                       if ranks.is_main else SilentLogger())
         self.generator = self._make_generator()
         self.runner = RolloutRunner(self.envs, self.generator,
                                     PromptBuilder(self.policy.tokenizer, cfg.generation.max_prompt_tokens,
@@ -135,10 +141,11 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     async def train(self) -> None:
         cfg = self.config.train
-        if isinstance(self.generator, VLLMGenerator):
-            await self.generator.check_server()
+        self.ranks.broadcast_parameters(p for group in self.optimizer.param_groups for p in group["params"])
+        if isinstance(self.generator, VLLMServers):
+            await self.ranks.all_succeed_async(self.generator.check_server())
             await self.push_adapter()
-        while self.step < cfg.run.max_steps and not self.stop:
+        while self.step < cfg.run.max_steps and not self.stopping():
             curriculum_before = self.curriculum.state_dict()
             tasks, group_ids = self.sample()
             started = time.perf_counter()
@@ -156,25 +163,38 @@ class Trainer:
                 self.logger.log_sample(self.step, episodes[0])
             metrics.update(self.advance_curriculum(episodes))
             metrics["kl/coef"] = self.kl_ctl.value
-            if isinstance(self.generator, VLLMGenerator) and usable:
+            if isinstance(self.generator, VLLMServers) and usable:
                 await self.push_adapter()
+            metrics["perf/step_seconds"] = time.perf_counter() - started
             self.logger.log(self.step, metrics)
-            if self.step % cfg.checkpointing.save_every == 0 or self.step == cfg.run.max_steps or self.stop:
+            if self.step % cfg.checkpointing.save_every == 0 or self.step == cfg.run.max_steps or self.stopping():
                 self.save()
-        if self.stop and not (self.checkpoint_dir / f"checkpoint-{self.step}").exists() and self.step > 0:
+        if self.stopping() and self.saved_step != self.step:
             self.save()
+
+    def stopping(self) -> bool:
+        """SIGINT/SIGTERM reached this rank or another: every rank leaves the loop at the same point."""
+        return self.ranks.any(bool(self.stop))
 
     # ------------------------------------------------------------------ phases
     def sample(self) -> tuple[list[Task], list[int] | None]:
+        """The whole step's tasks, drawn by rank 0 from the run's one curriculum."""
         ppo = self.config.train.ppo
-        if ppo.advantage == "group":
-            tasks = self.curriculum.sample_groups(ppo.batch_size // ppo.group_size, ppo.group_size)
-            return tasks, [i // ppo.group_size for i in range(len(tasks))]
-        return self.curriculum.sample(ppo.batch_size), None
+
+        def draw() -> tuple[list[Task], list[int] | None]:
+            if ppo.advantage == "group":
+                tasks = self.curriculum.sample_groups(ppo.batch_size // ppo.group_size, ppo.group_size)
+                return tasks, [i // ppo.group_size for i in range(len(tasks))]
+            return self.curriculum.sample(ppo.batch_size), None
+
+        return self.ranks.from_main(draw)
 
     async def rollout(self, tasks: list[Task]) -> list[Episode] | None:
-        with rollout_progress(len(tasks), f"step {self.step + 1} rollout") as advance:
-            play = asyncio.ensure_future(self.runner.run(tasks, self.step, on_episode_done=advance))
+        """This rank plays its share of `tasks`; returns every rank's episodes, or None when any was interrupted."""
+        mine = self.ranks.share(len(tasks))
+        with rollout_progress(len(mine), f"step {self.step + 1} rollout", visible=self.ranks.is_main) as advance:
+            play = asyncio.ensure_future(self.runner.run([tasks[i] for i in mine], self.step,
+                                                         on_episode_done=advance, first_index=mine.start))
             while not play.done():
                 await asyncio.wait({play}, timeout=0.2)
                 if self.stop and not play.done():
@@ -183,8 +203,8 @@ class Trainer:
                         await play
                     except asyncio.CancelledError:
                         pass
-                    return None
-            return play.result()
+            episodes = None if play.cancelled() else play.result()
+        return self.ranks.gather_lists(episodes)
 
     def usable(self, episodes: list[Episode], group_ids: list[int] | None):
         """Failed and cut-off episodes are dropped (a cut-off game has no outcome to learn from); in
@@ -212,17 +232,21 @@ class Trainer:
         """score -> advantages -> update -> adapt beta, on the episodes that can be trained on."""
         cfg = self.config.train
         started = time.perf_counter()
-        sequences = build_sequences(episodes)
+        # this rank's share of the batch; sums over the whole batch go through self.ranks
+        mine = self.ranks.share(len(episodes), cfg.ppo.group_size if group_ids is not None else 1)
+        sequences = [sequence for sequence in build_sequences(episodes) if sequence.episode in mine]
         with training_allocations():
             metrics = score_sequences(self.policy, sequences, cfg.ppo.micro_batch_tokens, self.temperature,
                                       with_values=cfg.ppo.advantage == "gae")
-            metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids))
-            metrics.update(self.update(sequences, episodes))
+            metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids,
+                                             self.ranks.sum))
+            metrics.update(self.update(sequences, [episodes[i] for i in mine]))
             every = cfg.logging.signal_check_every
             if every and (self.step + 1) % every == 0:
-                metrics.update(update_signal(self.policy, sequences, cfg.ppo.micro_batch_tokens, self.temperature))
+                metrics.update(update_signal(self.policy, sequences, cfg.ppo.micro_batch_tokens, self.temperature,
+                                             self.ranks))
         metrics["perf/update_seconds"] = time.perf_counter() - started
-        gap = sampler_gap(sequences)
+        gap = sampler_gap(sequences, self.ranks.sum)
         if gap is not None:
             metrics["vllm/logprob_gap"] = gap
         self.kl_ctl.update(metrics["reward/kl_per_token"], len(episodes))
@@ -234,7 +258,7 @@ class Trainer:
         shuffle = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "minibatches", self.step))
         return ppo_update(self.policy, self.optimizer, sequences, cfg.ppo, self.kl_ctl.value, self.temperature,
                           shuffle, self.update_state, value_only=value_only,
-                          task_ids=[e.task.task_id for e in episodes])
+                          task_ids=[e.task.task_id for e in episodes], ranks=self.ranks)
 
     def advance_curriculum(self, episodes: list[Episode]) -> dict[str, Any]:
         stage_before = self.curriculum.stage.name
@@ -257,8 +281,9 @@ class Trainer:
         self.totals["generated_tokens"] += sum(e.generated_tokens for e in episodes)
         metrics["totals/episodes"] = self.totals["episodes"]
         metrics["totals/episodes_failed"] = self.totals["episodes_failed"]
+        metrics["dist/world_size"] = self.ranks.world_size
         for name, (_, env) in self.envs.items():
-            counts = env.error_counts() if hasattr(env, "error_counts") else {}
+            counts = self.ranks.sum_stats(env.error_counts() if hasattr(env, "error_counts") else {})
             metrics.update({f"env_errors/{name}/{k}": v for k, v in counts.items()})
         return metrics
 
@@ -270,22 +295,28 @@ class Trainer:
     def _make_generator(self):
         cfg = self.config.train
         if cfg.generation.backend == "local":
-            return LocalGenerator(self.policy, cfg.generation, seed=cfg.run.seed)
+            return LocalGenerator(self.policy, cfg.generation, seed=self.ranks.seed(cfg.run.seed))
         api_key = os.environ.get(self.config.env.vllm_api_key_env) if self.config.env.vllm_api_key_env else None
-        return VLLMGenerator(self.config.env.vllm_url, cfg.model.name_or_path, self.policy.tokenizer,
-                             cfg.generation, cfg.lora.r,
-                             eos_token_ids(self.policy.tokenizer, self.policy.model.generation_config), api_key=api_key,
-                             served_from=model_source(cfg.model))
+        return VLLMServers(self.config.env.vllm_urls, cfg.model.name_or_path, self.policy.tokenizer,
+                           cfg.generation, cfg.lora.r,
+                           eos_token_ids(self.policy.tokenizer, self.policy.model.generation_config), api_key=api_key,
+                           served_from=model_source(cfg.model))
 
     async def push_adapter(self) -> None:
-        """Save the LoRA weights alone and hot-load them into vLLM under a new name."""
-        folder = self.run_dir / "vllm_adapters" / f"step-{self.step}"
-        self.policy.model.save_pretrained(folder)
-        await self.generator.load_adapter(folder, f"{self.run_dir.name}-step-{self.step}")
-        in_use = {path.name for path in self.generator.loaded.values()}
-        for old in (self.run_dir / "vllm_adapters").iterdir():
-            if old.name not in in_use:
-                shutil.rmtree(old, ignore_errors=True)
+        """Rank 0 saves the LoRA weights alone and hot-loads them into every vLLM server under a new name;
+        every rank then requests that name."""
+
+        async def save_and_load() -> list[str]:
+            folder = self.run_dir / "vllm_adapters" / f"step-{self.step}"
+            self.policy.model.save_pretrained(folder)
+            names = await self.generator.load_adapter(folder, f"{self.run_dir.name}-step-{self.step}")
+            in_use = {path.name for path in self.generator.loaded.values()}
+            for old in (self.run_dir / "vllm_adapters").iterdir():
+                if old.name not in in_use:
+                    shutil.rmtree(old, ignore_errors=True)
+            return names
+
+        self.generator.use_adapters(await self.ranks.from_main_async(save_and_load))
 
     def save(self) -> None:
         state = {
@@ -295,17 +326,18 @@ class Trainer:
             "curriculum": self.curriculum.state_dict(),
             "update_state": vars(self.update_state),
             "totals": dict(self.totals),
-            "rng": rng_state(),
+            "rng": self.ranks.gather(rng_state()),  # by rank
             "config": self.config.model_dump(mode="json"),
             "wandb_id": self.logger.wandb_id,
         }
-        path = save_checkpoint(self.checkpoint_dir, self.step, self.policy.save, state,
-                               self.config.train.checkpointing.keep_last)
+        path = self.ranks.from_main(lambda: save_checkpoint(self.checkpoint_dir, self.step, self.policy.save, state,
+                                                            self.config.train.checkpointing.keep_last))
+        self.saved_step = self.step
         log.info("saved %s", path)
 
     def _resume(self, resume: str) -> str | None:
         if resume == "latest":
-            checkpoint = find_resumable(self.checkpoint_dir)
+            checkpoint = find_resumable(self.checkpoint_dir, clean=self.ranks.is_main)
             if checkpoint is None:
                 raise ConfigError(f"--resume latest: no complete checkpoint under {self.checkpoint_dir}.")
         else:
@@ -322,8 +354,10 @@ class Trainer:
         self.curriculum.load_state_dict(state["curriculum"])
         self.update_state = UpdateState(**state["update_state"])
         self.totals = state["totals"]
-        self.step = state["step"]
-        set_rng_state(state["rng"])
+        self.step = self.saved_step = state["step"]
+        rng = rng_state_of(self.ranks, state["rng"])
+        if rng is not None:  # else: a rank the saving run did not have keeps the state its seed gave it
+            set_rng_state(rng)
         log.info("resumed from %s (step %d)", checkpoint, self.step)
         return state.get("wandb_id")
 
@@ -340,7 +374,6 @@ class Trainer:
                  "that adapter" if anchored_to_it else "the base model")
 
     async def close(self) -> None:
-        self.stop.restore()
         await self.generator.close()
         for _, env in self.envs.values():
             try:
@@ -371,11 +404,15 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"run.output_dir={args.output_dir}")
     if args.max_steps is not None:
         overrides.append(f"run.max_steps={args.max_steps}")
-    trainer = None
+    trainer, ranks = None, ONE_PROCESS
     try:
+        ranks = Ranks.from_environment()  # torchrun / accelerate launch: one process per rank
+        if not ranks.is_main:  # rank 0 reports the run; the others only their own trouble
+            setup_logging(logging.WARNING, prefix=f"[rank {ranks.rank}] ")
         config = load_config(args.config, args.env_config, args.curriculum_config, args.preset, overrides)
         cfg = config.train
         check_training_config(cfg)
+        check_world_size(cfg.ppo, ranks.world_size)
         if cfg.generation.top_p < 1 or cfg.generation.top_k:
             log.warning("generation.top_p/top_k truncate sampling, but old log-probs are scored on the full "
                         "distribution (temperature only), so the PPO ratio starts slightly off-policy; "
@@ -396,14 +433,21 @@ def main(argv: list[str] | None = None) -> int:
                               "continue it with --resume latest, or start a new run elsewhere (--set run.name=NEW "
                               "or --output-dir DIR).")
         run_dir.mkdir(parents=True, exist_ok=True)
-        trainer = Trainer(config, run_dir, args.resume, args.init_adapter)
+        ranks.start(ranks.local_device(pick_device(cfg.run.device)), cfg.run.rank_timeout_minutes)
+        trainer = ranks.all_succeed(lambda: Trainer(config, run_dir, args.resume, args.init_adapter, ranks))
         asyncio.run(_train_and_close(trainer))
     except ConfigError as exc:
-        console.print(f"[red]Configuration error:[/red] {exc}", highlight=False, soft_wrap=True)
+        if ranks.is_main:
+            console.print(f"[red]Configuration error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
-    except (TooManySkips, VLLMError, StartupError, BatchFailed) as exc:
-        console.print(f"[red]Stopped:[/red] {exc}", highlight=False, soft_wrap=True)
+    except (TooManySkips, VLLMError, StartupError, BatchFailed, RankFailed) as exc:
+        if ranks.is_main or isinstance(exc, RankLost):  # rank 0 hears of every other failure
+            console.print(f"[red]Stopped:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 1
+    finally:
+        if trainer is not None:  # only now: a launcher's SIGTERM during the clean-up must not cut the report short
+            trainer.stop.restore()
+        ranks.close()
     return 0
 
 

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distributed import ONE_PROCESS, Ranks
 from experience import TrainSequence, collate, plan_micro_batches
 from policy import Policy
-from ppo import explained_variance, kl_penalty, pearson_correlation, policy_loss, value_loss, weighted_mean
+from ppo import (explained_variance_from_moments, explained_variance_moments, kl_penalty, pearson_correlation,
+                 policy_loss, value_loss, weighted_mean)
 from utils import PPOConfig
 
 log = logging.getLogger(__name__)
@@ -49,24 +51,30 @@ def ppo_update(
     state: UpdateState,
     value_only: bool = False,
     task_ids: list[int] | None = None,
+    ranks: Ranks = ONE_PROCESS,
 ) -> dict[str, float]:
     """`ppo_epochs` passes; returns the mean of each logged statistic over optimizer steps.
 
     Before each optimizer step the minibatch's approximate KL (k3, per token) to the rollout policy
     is known from its forward pass; past `kl_stop` the step is not taken and the epochs end.
-    `value_only` trains the value head alone on a detached trunk (critic warm-up)."""
+    `value_only` trains the value head alone on a detached trunk (critic warm-up).
+    With several ranks `sequences` is this rank's share of the batch (shares in rank order):
+    minibatches are drawn over the whole batch, each rank trains its members of each, and weights,
+    statistics and gradients are summed over the ranks, so every rank takes the same steps."""
     pad_id = policy.tokenizer.pad_token_id
     stats: dict[str, list[float]] = {}
     early_stop = False
+    first, total = ranks.offset(len(sequences))
     policy.train()
     for epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(len(sequences), generator=generator).tolist()
+        order = torch.randperm(total, generator=generator).tolist()
         minibatches = [order[i :: cfg.num_minibatches] for i in range(cfg.num_minibatches)]
         for minibatch in minibatches:
             if not minibatch:
                 continue
-            step_stats = _optimizer_step(policy, optimizer, [sequences[i] for i in minibatch], cfg, kl_coef,
-                                         temperature, pad_id, value_only, state, task_ids)
+            mine = [sequences[i - first] for i in minibatch if first <= i < first + len(sequences)]
+            step_stats = _optimizer_step(policy, optimizer, mine, cfg, kl_coef, temperature, pad_id, value_only,
+                                         state, task_ids, ranks)
             early_stop = step_stats.pop("update/kl_stopped", 0.0) > 0
             for key, value in step_stats.items():
                 stats.setdefault(key, []).append(value)
@@ -82,12 +90,15 @@ def ppo_update(
 
 
 def _optimizer_step(policy, optimizer, minibatch: list[TrainSequence], cfg: PPOConfig, kl_coef, temperature, pad_id,
-                    value_only, state: UpdateState, task_ids) -> dict[str, float]:
+                    value_only, state: UpdateState, task_ids, ranks: Ranks) -> dict[str, float]:
     use_critic = cfg.advantage == "gae"
     train_policy = not value_only
-    tokens = sum(s.response_len for s in minibatch)
-    policy_weight = float(sum(s.token_weights.sum() for s in minibatch))
-    value_weight = float(sum(s.value_weights.sum() for s in minibatch)) if use_critic else 0.0
+    # the whole minibatch's totals (every rank's part): each rank's loss is its share of the whole's
+    tokens, policy_weight, value_weight = ranks.sum(torch.tensor([
+        float(sum(s.response_len for s in minibatch)),
+        float(sum(s.token_weights.sum() for s in minibatch)),
+        float(sum(s.value_weights.sum() for s in minibatch)) if use_critic else 0.0,
+    ], dtype=torch.float64)).tolist()
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     predicted: list[torch.Tensor] = []  # values and their returns over the whole minibatch: a micro-batch
@@ -140,11 +151,17 @@ def _optimizer_step(policy, optimizer, minibatch: list[TrainSequence], cfg: PPOC
         for key, value in means.items():
             sums[key] = sums.get(key, 0.0) + value * share
 
-    if predicted:
-        values, returns = torch.cat(predicted), torch.cat(targets)
-        sums["value/explained_variance"] = explained_variance(values, returns, torch.ones_like(values))
+    finite = not ranks.any(not finite)
+    sums = ranks.sum_stats(sums)
+    if use_critic:  # over every value position of the minibatch, every rank's part included
+        values = torch.cat(predicted) if predicted else torch.zeros(0)
+        returns = torch.cat(targets) if targets else torch.zeros(0)
+        explained = explained_variance_from_moments(ranks.sum(explained_variance_moments(values, returns)))
+        if explained is not None:
+            sums["value/explained_variance"] = explained
     grad_norm = float("nan")
     if finite:
+        ranks.sum_gradients(p for group in optimizer.param_groups for p in group["params"])
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)) if params else 0.0
         finite = math.isfinite(grad_norm)
@@ -175,11 +192,11 @@ def _optimizer_step(policy, optimizer, minibatch: list[TrainSequence], cfg: PPOC
 
 
 @torch.no_grad()
-def update_signal(policy: Policy, sequences: list[TrainSequence], token_budget: int, temperature: float
-                  ) -> dict[str, float]:
-    """Did the update push each reply the way its advantage says? Re-scores the batch and relates every
-    reply's advantage (the mean over its tokens) to the change of its log-probability (summed over its
-    tokens) since the rollout: a healthy update has a clearly positive correlation."""
+def update_signal(policy: Policy, sequences: list[TrainSequence], token_budget: int, temperature: float,
+                  ranks: Ranks = ONE_PROCESS) -> dict[str, float]:
+    """Did the update push each reply the way its advantage says? Re-scores the batch (this rank's share)
+    and relates every reply's advantage (the mean over its tokens) to the change of its log-probability
+    (summed over its tokens) since the rollout: a healthy update has a clearly positive correlation."""
     pad_id = policy.tokenizer.pad_token_id
     was_training = policy.training
     policy.eval()
@@ -198,7 +215,8 @@ def update_signal(policy: Policy, sequences: list[TrainSequence], token_budget: 
                     changes.append(float(change[span].sum()))
     finally:
         policy.train(was_training)
-    advantage, change = torch.tensor(advantages), torch.tensor(changes)
+    pairs = [pair for part in ranks.gather(list(zip(advantages, changes))) for pair in part]
+    advantage, change = torch.tensor([a for a, _ in pairs]), torch.tensor([c for _, c in pairs])
     positive, negative = advantage > 0, advantage < 0
     return {
         "signal/advantage_logprob_corr": pearson_correlation(advantage, change),

@@ -13,7 +13,6 @@ import argparse
 import copy
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,6 +49,10 @@ class RunConfig(Strict):
     seed: int = Field(0, ge=0, description="Seeds every random stream of the run.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
     max_steps: int = Field(1000, ge=1, description="PPO steps (rollout + update) to run.")
+    rank_timeout_minutes: float = Field(
+        60.0, gt=0, description="Data-parallel runs: how long a rank waits for the others at a meeting point "
+        "(the slowest rank's rollout, rank 0's checkpoint write) before it gives up."
+    )
 
 
 class ModelConfig(Strict):
@@ -273,7 +276,10 @@ class EnvConfig(Strict):
         default_factory=lambda: {"openspiel": EnvSpec(kind="openspiel")},
         description="Named environments; curriculum task sources refer to these names.",
     )
-    vllm_url: str = Field("http://localhost:8000/v1", description="OpenAI-compatible vLLM server (generation.backend=vllm).")
+    vllm_url: str | list[str] = Field(
+        "http://localhost:8000/v1", description="OpenAI-compatible vLLM server (generation.backend=vllm), or a "
+        "list of servers of the same model (e.g. one per GPU): episodes are spread over them."
+    )
     vllm_api_key_env: str | None = Field(None, description="Environment variable holding the vLLM API key, if any.")
 
     @field_validator("envs")
@@ -282,6 +288,17 @@ class EnvConfig(Strict):
         if not envs:
             raise ValueError("at least one environment is needed")
         return envs
+
+    @field_validator("vllm_url")
+    @classmethod
+    def _some_server(cls, url: str | list[str]) -> str | list[str]:
+        if isinstance(url, list) and not url:
+            raise ValueError("an empty list names no server; give one URL or a list of them")
+        return url
+
+    @property
+    def vllm_urls(self) -> list[str]:
+        return [self.vllm_url] if isinstance(self.vllm_url, str) else list(self.vllm_url)
 
 
 # ---------------------------------------------------------------- the whole run

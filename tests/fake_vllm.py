@@ -3,9 +3,10 @@
 Implements what the trainer uses, the way vLLM documents it: `GET /v1/models`,
 `POST /v1/completions` (prompt as token ids, `logprobs`, `return_tokens_as_token_ids`, `seed`),
 `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (404 unless runtime LoRA updating
-is on, like vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING); and what an env's evaluate() uses:
-`POST /v1/chat/completions` (the model's chat template, streamed or not). `--max-new-tokens N` caps
-every reply, like vLLM's `--override-generation-config '{"max_new_tokens": N}'`.
+is on, like vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING); what an env's evaluate() uses:
+`POST /v1/chat/completions` (the model's chat template, streamed or not); and `GET /test/stats`
+(not vLLM's), which counts the completions served and lists every adapter name ever loaded, in order.
+`--max-new-tokens N` caps every reply, like vLLM's `--override-generation-config '{"max_new_tokens": N}'`.
 
 Run: python tests/fake_vllm.py --model DIR --port P [--no-runtime-lora] [--ignore-adapters]
         [--served-model-name NAME] [--max-model-len N] [--max-new-tokens N]
@@ -30,6 +31,7 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     state = {"model": base, "adapters": {}}
+    stats = {"completions": 0, "loaded": []}
     lock = threading.Lock()
     app = FastAPI()
 
@@ -64,6 +66,7 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
                 else:
                     state["model"] = PeftModel.from_pretrained(base, path, adapter_name=name).eval()
             state["adapters"][name] = path
+            stats["loaded"].append(name)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     @app.post("/v1/unload_lora_adapter")
@@ -92,6 +95,7 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
             stop_ids = {tokenizer.eos_token_id, *body.get("stop_token_ids", [])}
             tokens, logprobs, finish = _sample(model, adapter, prompt, int(body.get("max_tokens", 16)), temperature,
                                                stop_ids, generator, ignore_adapters)
+            stats["completions"] += 1
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         shown = [f"token_id:{t}" if as_ids else tokenizer.decode([t]) for t in tokens]
         choice = {
@@ -130,6 +134,10 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
             chunks.append({"choices": [], "usage": usage})
         events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
         return StreamingResponse(iter([events]), media_type="text/event-stream")
+
+    @app.get("/test/stats")
+    def served():
+        return stats
 
     return app
 

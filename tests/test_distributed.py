@@ -1,0 +1,259 @@
+"""Data-parallel training over torch.distributed: gloo ranks on the CPU, started by torchrun."""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+import train_ppo
+from checkpoint import find_resumable, load_trainer_state, verify
+from distributed import Ranks, check_world_size, rng_state_of
+from test_train import _free_port, metrics, tiny_args
+from utils import ConfigError, PPOConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def torchrun(*args: str, ranks: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node N ARGS` (gloo on this CPU machine), from the repository root."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
+    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=environment)
+
+
+def as_rank(rank: int, world_size: int) -> Ranks:
+    return Ranks(rank=rank, world_size=world_size)
+
+
+# ---------------------------------------------------------------- who plays and trains what
+def test_each_of_two_ranks_plays_a_contiguous_half_of_the_batch():
+    assert [as_rank(r, 2).share(8) for r in (0, 1)] == [range(0, 4), range(4, 8)]
+
+
+def test_a_share_is_cut_between_groups():
+    # 3 groups of 2 usable episodes over 2 ranks: one group, then two
+    assert [as_rank(r, 2).share(6, unit=2) for r in (0, 1)] == [range(0, 2), range(2, 6)]
+
+
+def test_with_fewer_episodes_than_ranks_a_rank_gets_none():
+    assert [as_rank(r, 2).share(1) for r in (0, 1)] == [range(0, 0), range(0, 1)]
+
+
+def test_rank_zero_keeps_the_run_seed_and_other_ranks_get_their_own():
+    assert as_rank(0, 2).seed(7) == 7
+    assert as_rank(1, 2).seed(7) not in (7, as_rank(2, 3).seed(7))
+
+
+def test_a_rank_resumes_its_own_rng_state_and_a_new_rank_keeps_its_seeded_one():
+    saved = [{"rank": 0}, {"rank": 1}]
+    assert rng_state_of(as_rank(1, 2), saved) == {"rank": 1}
+    assert rng_state_of(as_rank(0, 1), {"python": "one process"}) == {"python": "one process"}  # older checkpoints
+    assert rng_state_of(as_rank(2, 4), saved) is None
+
+
+# ---------------------------------------------------------------- bad input stops at start
+def test_a_world_size_that_does_not_divide_the_batch_names_the_field():
+    with pytest.raises(ConfigError, match=r"ppo.batch_size=6 .* 4 ranks"):
+        check_world_size(PPOConfig(batch_size=6), 4)
+
+
+def test_groups_that_would_straddle_two_ranks_name_both_fields():
+    with pytest.raises(ConfigError, match=r"ppo.batch_size=4 .*ppo.group_size=4 .*multiple of 8"):
+        check_world_size(PPOConfig(batch_size=4, advantage="group", group_size=4), 2)
+
+
+@pytest.mark.parametrize("world_size,sets,fields", [
+    ("4", ["ppo.batch_size=6"], ["ppo.batch_size=6", "4 ranks"]),
+    ("2", ["ppo.batch_size=4", "ppo.advantage=group", "ppo.group_size=4"], ["ppo.batch_size", "ppo.group_size"]),
+])
+def test_a_bad_world_size_stops_every_rank_at_start_with_one_line(world_size, sets, fields):
+    for rank in (0, 1):  # every rank stops before it would wait for the others; rank 0 says why
+        result = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), "--preset", "cpu",
+                                 *[arg for s in sets for arg in ("--set", s)]], capture_output=True, text=True,
+                                timeout=120, cwd=ROOT,
+                                env={**os.environ, "WORLD_SIZE": world_size, "RANK": str(rank), "LOCAL_RANK": "0"})
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        message = result.stderr.strip()
+        if rank == 0:
+            assert len(message.splitlines()) == 1 and all(field in message for field in fields), message
+        else:
+            assert message == ""
+
+
+# ---------------------------------------------------------------- the same update as one process
+@pytest.fixture
+def one_thread():
+    """torchrun gives each rank one thread; the one-process reference runs the same way, so the two differ
+    only by how the ranks split the sums."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_two_ranks_of_two_episodes_update_like_one_process_of_four(tiny_model_dir, tmp_path, one_thread):
+    from dist_learn import CASES, learn_once
+
+    result = torchrun(str(ROOT / "tests" / "dist_learn.py"), str(tiny_model_dir), str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for case in CASES:
+        alone = learn_once(tiny_model_dir, tmp_path / f"alone-{case}", case)
+        rank0, rank1 = (torch.load(tmp_path / f"{case}-rank{r}.pt", weights_only=False) for r in (0, 1))
+        for name, weight in alone["weights"].items():
+            assert torch.equal(rank0["weights"][name], rank1["weights"][name]), f"{case}: ranks differ on {name}"
+            assert torch.allclose(rank0["weights"][name], weight, rtol=0, atol=1e-4), f"{case}: {name}"
+        moved = max(float(w.abs().max()) for n, w in alone["weights"].items() if "lora_B" in n or "value_head" in n)
+        assert moved > 1e-2, f"{case}: the step barely moved the weights, so the comparison proves little"
+        # the same losses and pre-clip gradient norm: a mean over ranks instead of a sum would halve the norm
+        for key in ("policy/loss", "value/loss", "update/grad_norm", "reward/kl_per_token", "policy/entropy"):
+            if key in alone["metrics"]:
+                assert rank0["metrics"][key] == pytest.approx(alone["metrics"][key], rel=1e-5, abs=1e-7), (case, key)
+        assert rank0["kl_coef"] == pytest.approx(alone["kl_coef"], rel=1e-9)
+        if case == "gae":  # the update-signal check correlates every rank's replies
+            assert rank0["metrics"]["signal/advantage_logprob_corr"] == pytest.approx(
+                alone["metrics"]["signal/advantage_logprob_corr"], abs=1e-4)
+
+
+# ---------------------------------------------------------------- the real loop on two ranks
+@pytest.mark.slow
+def test_a_two_rank_run_resumes_on_one_rank_and_the_other_way_round(tiny_model_dir, tmp_path):
+    args = tiny_args(tiny_model_dir, tmp_path, "--set", "checkpointing.save_every=1")
+    result = torchrun(str(ROOT / "train_ppo.py"), *args, "--max-steps", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoints = tmp_path / "t" / "checkpoints"
+    assert len(load_trainer_state(checkpoints / "checkpoint-2")["rng"]) == 2  # each rank's RNG state
+    assert train_ppo.main(args + ["--max-steps", "3", "--resume", "latest"]) == 0
+    result = torchrun(str(ROOT / "train_ppo.py"), *args, "--max-steps", "4", "--resume", "latest")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = metrics(tmp_path / "t")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["dist/world_size"] for r in records] == [2, 2, 1, 2]
+    assert [r["env/episodes"] for r in records] == [4, 4, 4, 4]  # the global batch, whatever the ranks
+    assert [r["totals/episodes"] for r in records] == [4, 8, 12, 16]
+    assert all("policy/loss" in r for r in records)
+    assert find_resumable(checkpoints).name == "checkpoint-4"
+
+
+CRASH_RANK_ONE = textwrap.dedent("""
+    import os, sys
+    sys.path[:0] = [{root!r}]
+    import train_ppo
+    learn = train_ppo.Trainer.learn
+    def learn_or_crash(self, episodes, group_ids):
+        if self.step == 1 and self.ranks.rank == 1:
+            raise MemoryError("rank 1 ran out of memory (simulated)")
+        return learn(self, episodes, group_ids)
+    train_ppo.Trainer.learn = learn_or_crash
+    sys.exit(train_ppo.main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.slow
+def test_a_crashed_rank_stops_the_run_with_a_message_and_the_last_checkpoint_intact(tiny_model_dir, tmp_path):
+    script = tmp_path / "crash_rank_one.py"
+    script.write_text(CRASH_RANK_ONE.format(root=str(ROOT)))
+    result = torchrun(str(script), *tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3",
+                                               "--set", "checkpointing.save_every=1"))
+    assert result.returncode != 0
+    assert "MemoryError: rank 1 ran out of memory (simulated)" in result.stderr  # the crashed rank's own report
+    assert "Stopped: rank 0 lost contact with another rank" in result.stderr  # and rank 0's, instead of a hang
+    assert "--resume latest" in result.stderr
+    checkpoints = tmp_path / "t" / "checkpoints"
+    assert find_resumable(checkpoints).name == "checkpoint-1" and verify(checkpoints / "checkpoint-1")
+    assert [r["step"] for r in metrics(tmp_path / "t")] == [1]
+
+
+AGREEMENT = textwrap.dedent("""
+    import sys
+    sys.path[:0] = [{root!r}]
+    import torch
+    from distributed import Ranks
+    ranks = Ranks.from_environment()
+    ranks.start(torch.device("cpu"), timeout_minutes=1)
+    def fail_on_rank_one():
+        if ranks.rank == 1:
+            raise ConnectionError("env server 10.0.0.2:8765 refused the connection")
+    def fail_on_rank_zero():
+        raise OSError("No space left on device")
+    for attempt in (lambda: ranks.all_succeed(fail_on_rank_one), lambda: ranks.from_main(fail_on_rank_zero)):
+        try:
+            attempt()
+        except Exception as exc:
+            print(f"rank {{ranks.rank}}: {{type(exc).__name__}}: {{exc}}", flush=True)
+    ranks.close()
+""")
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_is_raised_on_every_rank_instead_of_a_hang(tmp_path):
+    script = tmp_path / "agreement.py"
+    script.write_text(AGREEMENT.format(root=str(ROOT)))
+    result = torchrun(str(script), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = set(result.stdout.splitlines())
+    assert {"rank 1: ConnectionError: env server 10.0.0.2:8765 refused the connection",
+            "rank 0: RankFailed: rank 1 failed: ConnectionError: env server 10.0.0.2:8765 refused the connection",
+            "rank 0: OSError: No space left on device",
+            "rank 1: RankFailed: rank 0 failed: OSError: No space left on device"} == lines
+
+
+@pytest.mark.slow
+def test_unreachable_vllm_servers_stop_every_rank_at_start(tiny_model_dir, tmp_path):
+    dead = f"http://127.0.0.1:{_free_port()}/v1"
+    args = tiny_args(tiny_model_dir, tmp_path, "--set", "generation.backend=vllm", "--set", f'env.vllm_url=["{dead}"]')
+    result = torchrun(str(ROOT / "train_ppo.py"), *args, timeout=300)
+    assert result.returncode != 0
+    assert result.stderr.count(f"Stopped: The vLLM server at {dead} is not reachable") == 1  # said once, by rank 0
+    assert "lost contact" not in result.stderr  # every rank stopped on its own, none was left waiting
+
+
+@contextlib.contextmanager
+def fake_vllm_servers(model_dir: Path, count: int):
+    """`count` fake vLLM servers (tests/fake_vllm.py) on free ports; yields their /v1 URLs."""
+    ports = [_free_port() for _ in range(count)]
+    processes = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_vllm.py"), "--model", str(model_dir),
+                                   "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for port in ports]
+    urls = [f"http://127.0.0.1:{port}/v1" for port in ports]
+    try:
+        for url in urls:
+            deadline = time.time() + 120
+            while True:
+                try:
+                    if httpx.get(f"{url}/models", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    assert time.time() < deadline, f"fake vLLM server {url} did not start"
+                    time.sleep(0.2)
+        yield urls
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_two_ranks_spread_episodes_over_two_vllm_servers_that_each_load_every_adapter_once(tiny_model_dir, tmp_path):
+    with fake_vllm_servers(tiny_model_dir, 2) as urls:
+        result = torchrun(str(ROOT / "train_ppo.py"), *tiny_args(
+            tiny_model_dir, tmp_path, "--max-steps", "2", "--set", "generation.backend=vllm",
+            "--set", f"env.vllm_url={json.dumps(urls)}", "--set", "ppo.learning_rate=1e-2"))
+        assert result.returncode == 0, result.stderr[-3000:]
+        served = [httpx.get(url.removesuffix("/v1") + "/test/stats").json() for url in urls]
+    # episodes 0 and 2 of each step asked the first server, 1 and 3 the second, whichever rank played them
+    assert all(stats["completions"] > 0 for stats in served)
+    # rank 0 loaded each adapter once per server (the initial one, then one per update), not once per rank
+    assert [[name.split("-step-")[1].split("-")[0] for name in stats["loaded"]] for stats in served] == \
+        [["0", "1", "2"], ["0", "1", "2"]]
+    records = metrics(tmp_path / "t")
+    assert [r["dist/world_size"] for r in records] == [2, 2]
+    # every server sampled with the adapter just trained: the trainer's log-probs match the servers'
+    assert all(r["vllm/logprob_gap"] < 1e-3 for r in records)
