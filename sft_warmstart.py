@@ -11,7 +11,7 @@ fine-tuning of the LoRA adapter on the expert's replies, written as a checkpoint
 3. Save `checkpoints/checkpoint-<optimizer steps>` (adapter + a zero value head).
 
 Run:  python sft_warmstart.py --preset cpu --games leduc_poker,goofspiel --episodes 200
-      python train_ppo.py --preset cpu --init-adapter runs/sft-warmstart/checkpoints/checkpoint-50
+      python train_ppo.py --preset cpu --preset warm_start --init-adapter runs/sft-warmstart/checkpoints/checkpoint-50
 """
 from __future__ import annotations
 
@@ -283,9 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         console.print(f"[red]Configuration error:[/red] {exc}", highlight=False, soft_wrap=True)
         return 2
+    # PPO goes on against the opponent the experts met: trained against random, a policy loses to MCTS
+    versus = " --curriculum-config config/curriculum_vs_mcts.json" if args.opponent == "mcts" else ""
     console.print(f"saved {checkpoint}\ncontinue with PPO: python train_ppo.py "
-                  f"{' '.join('--preset ' + p for p in args.preset)} --init-adapter {checkpoint}",
-                  highlight=False, soft_wrap=True)
+                  f"{' '.join('--preset ' + p for p in [*args.preset, 'warm_start'])}{versus} "
+                  f"--init-adapter {checkpoint}", highlight=False, soft_wrap=True)
     return 0
 
 

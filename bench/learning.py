@@ -20,8 +20,8 @@ Profiles set the defaults every flag can still override:
 
 With `--warm-start` (default) `sft_warmstart.py` first imitates the experts (CFR+ for leduc_poker,
 MCTS for liars_dice, prize matching for goofspiel) against the training opponent, on the game
-variants the evaluation plays, and PPO (`train_ppo.py`: cpu preset + the overrides below, KL
-anchored to the SFT adapter) starts from that adapter. Evaluation is `evaluate.py`'s (greedy, full
+variants the evaluation plays, and PPO (`train_ppo.py`: the cpu and warm_start presets + the
+overrides below, KL anchored to the SFT adapter) starts from that adapter. Evaluation is `evaluate.py`'s (greedy, full
 conversation, seeds derived from EVAL_SEED that training never draws); every played episode goes to
 `<output-dir>/eval-<opponent>.jsonl`, the PPO run's curves to `<output-dir>/plots/`. Intervals are
 `report.py`'s: Wilson for the legal-move rate over replies, Student t for mean scores and paired
@@ -58,8 +58,9 @@ TRAIN_OVERRIDES = ["ppo.batch_size=8", "ppo.ppo_epochs=1", "ppo.learning_rate=2e
                    "ppo.kl_target=0.2", "generation.context_strategy=full", "generation.max_concurrent_episodes=8",
                    "generation.max_prompt_tokens=4096", "logging.log_samples_every=1", "logging.signal_check_every=1",
                    "ppo.micro_batch_tokens=4096"]
-# PPO from an SFT adapter samples at 0.7: at 1.0 the peaked imitation policy wanders into replies it never saw
-WARM_START_OVERRIDES = ["generation.temperature=0.7"]
+# PPO from an SFT adapter runs with the warm_start preset (config/warm_start_config.json: temperature 0.7,
+# a loose KL anchor to the SFT adapter); the bench's own curriculum stage replaces the preset's.
+WARM_START_PRESET = "warm_start"
 EVAL_SEED = 900_000  # training draws its seeds from the curriculum's generator; these are derived apart
 
 
@@ -74,7 +75,8 @@ def train(games: list[str], steps: int, out: Path, overrides: list[str], init_ad
     """The real train_ppo loop; returns the final checkpoint (a stopped run is an error, not a result)."""
     stages = json.dumps([{"name": "bench", "opponent": opponent, "min_episodes": 10**6,
                           "tasks": [{"env": "openspiel", "games": games, "config_ids": config_ids or [0]}]}])
-    args = ["--preset", "cpu", "--output-dir", str(out), "--max-steps", str(steps), "--set", "run.name=ppo",
+    presets = ["--preset", "cpu"] + (["--preset", WARM_START_PRESET] if init_adapter is not None else [])
+    args = [*presets, "--output-dir", str(out), "--max-steps", str(steps), "--set", "run.name=ppo",
             "--set", f"curriculum.stages={stages}"]
     for override in overrides:
         args += ["--set", override]
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     games = args.games.split(",")
     opponents = args.opponents.split(",")
     # one MCTS strength for SFT data, training and evaluation; random opponents ignore it
-    overrides = [*TRAIN_OVERRIDES, *(WARM_START_OVERRIDES if args.warm_start else []),
+    overrides = [*TRAIN_OVERRIDES,
                  f"generation.max_new_tokens={args.max_new_tokens}",
                  f"env.envs.openspiel.mcts_simulations={json.dumps(args.mcts_simulations)}", *args.set]
     shutil.rmtree(args.output_dir, ignore_errors=True)  # this bench's own scratch folder
@@ -333,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "profile": args.profile, "games": games,
                       "ppo_steps": args.steps, "train_opponent": args.train_opponent, "variants": variants,
                       "train_episodes": args.steps * config.train.ppo.batch_size, "max_new_tokens": args.max_new_tokens,
+                      "ppo_presets": ["cpu", WARM_START_PRESET] if args.warm_start else ["cpu"],
                       "ppo_overrides": overrides, "extra_overrides": args.set,
                       "eval_episodes_per_game": args.eval_episodes, "mcts_simulations": args.mcts_simulations,
                       "sft": ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
