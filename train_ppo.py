@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from rich.markup import escape
 
-from checkpoint import (find_resumable, list_checkpoints, load_trainer_state, rng_state, save_checkpoint,
-                        set_rng_state)
+from checkpoint import (CheckpointWriteError, find_resumable, list_checkpoints, load_trainer_state, rng_state,
+                        save_checkpoint, set_rng_state)
 from curriculum import Curriculum, Task
 from distributed import ONE_PROCESS, RankFailed, RankLost, Ranks, SilentLogger, check_world_size, rng_state_of
 from envs.factory import make_envs, playable_filter
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         if ranks.is_main:
             console.print(f"[red]Configuration error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
-    except (TooManySkips, VLLMError, StartupError, BatchFailed, RankFailed) as exc:
+    except (TooManySkips, VLLMError, StartupError, BatchFailed, RankFailed, CheckpointWriteError) as exc:
         if ranks.is_main or isinstance(exc, RankLost):  # rank 0 hears of every other failure
             console.print(f"[red]Stopped:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 1
