@@ -63,14 +63,15 @@ from model_files import model_source
 from prompts import PromptBuilder
 from rollout import Episode, RolloutRunner
 from run_log import RunLogger, console, episode_summary, rollout_progress, setup_logging
-from update import TooManySkips, UpdateState, build_optimizer, ppo_update, update_signal
+from update import TooManySkips, TrainingSnapshot, UpdateState, build_optimizer, ppo_update, update_signal
 from utils import Config, ConfigError, add_config_arguments, check_training_config, derive_seed, load_config
 
 log = logging.getLogger("train_ppo")
 
 
 class StopRequested:
-    """SIGINT/SIGTERM set a flag that the loop checks at phase boundaries; a second signal exits at once."""
+    """SIGINT/SIGTERM set a flag that the loop checks at phase boundaries and the update before each
+    minibatch (an interrupted step is undone); a second signal exits at once."""
 
     def __init__(self):
         self.signal: int | None = None
@@ -85,11 +86,15 @@ class StopRequested:
             os._exit(128 + signum)  # safe: checkpoints are atomic
         self.signal = signum
         # emoji=False: the signal may land while the loop's first print imports rich's emoji table
-        console.print(f"[yellow]{signal.Signals(signum).name}: finishing the current phase, saving, exiting "
-                      "(send again to exit at once)[/yellow]", emoji=False)
+        console.print(f"[yellow]{signal.Signals(signum).name}: stopping at the next phase boundary or minibatch, "
+                      "saving the last finished step, exiting (send again to exit at once)[/yellow]", emoji=False)
 
     def __bool__(self) -> bool:
         return self.signal is not None
+
+
+class StepInterrupted(Exception):
+    """A stop signal arrived mid-update: the step is abandoned and the last finished one is saved."""
 
 
 class BatchFailed(RuntimeError):
@@ -146,18 +151,22 @@ class Trainer:
             await self.ranks.all_succeed_async(self.generator.check_server())
             await self.push_adapter()
         while self.step < cfg.run.max_steps and not self.stopping():
-            curriculum_before = self.curriculum.state_dict()
+            before = self.curriculum.state_dict(), dict(self.totals)
             tasks, group_ids = self.sample()
             started = time.perf_counter()
             episodes = await self.rollout(tasks)
             if episodes is None:  # interrupted mid-rollout: forget this step's draws
-                self.curriculum.load_state_dict(curriculum_before)
+                self.forget_step(*before)
                 break
             rollout_seconds = time.perf_counter() - started
             usable, usable_groups = self.usable(episodes, group_ids)
             metrics = self.episode_metrics(episodes, rollout_seconds)
             if usable:
-                metrics.update(self.learn(usable, usable_groups))
+                learned = self.learn(usable, usable_groups)
+                if learned is None:  # interrupted mid-update: the weights are back where the step began
+                    self.forget_step(*before)
+                    break
+                metrics.update(learned)
             self.step += 1
             if cfg.logging.log_samples_every and self.step % cfg.logging.log_samples_every == 0:
                 self.logger.log_sample(self.step, episodes[0])
@@ -175,6 +184,15 @@ class Trainer:
     def stopping(self) -> bool:
         """SIGINT/SIGTERM reached this rank or another: every rank leaves the loop at the same point."""
         return self.ranks.any(bool(self.stop))
+
+    def check_stop(self) -> None:
+        if self.stopping():
+            raise StepInterrupted
+
+    def forget_step(self, curriculum_before: dict[str, Any], totals_before: dict[str, int]) -> None:
+        """Undo an interrupted step's draws and counts, so that the checkpoint is the last finished step."""
+        self.curriculum.load_state_dict(curriculum_before)
+        self.totals = totals_before
 
     # ------------------------------------------------------------------ phases
     def sample(self) -> tuple[list[Task], list[int] | None]:
@@ -228,8 +246,18 @@ class Trainer:
                         cut_off, len(episodes), self.config.train.generation.max_turns)
         return [episodes[i] for i in keep], ([group_ids[i] for i in keep] if group_ids is not None else None)
 
-    def learn(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
-        """score -> advantages -> update -> adapt beta, on the episodes that can be trained on."""
+    def learn(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float] | None:
+        """score -> advantages -> update -> adapt beta, on the episodes that can be trained on; None when
+        a stop signal interrupted it (the weights and optimizer are then as before)."""
+        snapshot = TrainingSnapshot.take(self.optimizer, self.update_state)
+        try:
+            return self._learn(episodes, group_ids)
+        except StepInterrupted:
+            snapshot.restore(self.optimizer, self.update_state)
+            log.info("step %d interrupted during the update; its changes are undone", self.step + 1)
+            return None
+
+    def _learn(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
         cfg = self.config.train
         started = time.perf_counter()
         # this rank's share of the batch; sums over the whole batch go through self.ranks
@@ -238,6 +266,7 @@ class Trainer:
         with training_allocations():
             metrics = score_sequences(self.policy, sequences, cfg.ppo.micro_batch_tokens, self.temperature,
                                       with_values=cfg.ppo.advantage == "gae")
+            self.check_stop()
             metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids,
                                              self.ranks.sum))
             metrics.update(self.update(sequences, [episodes[i] for i in mine]))
@@ -258,7 +287,7 @@ class Trainer:
         shuffle = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "minibatches", self.step))
         return ppo_update(self.policy, self.optimizer, sequences, cfg.ppo, self.kl_ctl.value, self.temperature,
                           shuffle, self.update_state, value_only=value_only,
-                          task_ids=[e.task.task_id for e in episodes], ranks=self.ranks)
+                          task_ids=[e.task.task_id for e in episodes], ranks=self.ranks, check_stop=self.check_stop)
 
     def advance_curriculum(self, episodes: list[Episode]) -> dict[str, Any]:
         stage_before = self.curriculum.stage.name
@@ -436,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
         ranks.start(ranks.local_device(pick_device(cfg.run.device)), cfg.run.rank_timeout_minutes)
         trainer = ranks.all_succeed(lambda: Trainer(config, run_dir, args.resume, args.init_adapter, ranks))
         asyncio.run(_train_and_close(trainer))
+        if trainer.stop.signal is not None:  # a scheduler that preempted the run sees it did not finish
+            log.info("stopped by %s after step %d%s", signal.Signals(trainer.stop.signal).name, trainer.saved_step,
+                     "; continue with --resume latest" if trainer.saved_step else " (nothing to save yet)")
+            return 128 + trainer.stop.signal
     except ConfigError as exc:
         if ranks.is_main:
             console.print(f"[red]Configuration error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)

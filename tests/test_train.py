@@ -333,8 +333,98 @@ def test_sigterm_mid_run_saves_and_exits_cleanly(tiny_model_dir, tmp_path):
         time.sleep(0.2)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stderr[-2000:]
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]  # a scheduler sees a preempted run
     step = len(metrics(tmp_path / "t"))
     checkpoint = find_resumable(tmp_path / "t" / "checkpoints")
     assert checkpoint is not None and checkpoint.name == f"checkpoint-{step}"
     assert os.path.exists(checkpoint / "adapter" / "adapter_config.json")
+
+
+# Runs train_ppo with an update that, at step 2, signals the test after its first optimizer step and then
+# waits: with {checks} the update looks for the stop flag again (as the real one does before every
+# minibatch), without it the update ignores it (a long update that only a second signal may cut short).
+SIGNAL_IN_UPDATE_SCRIPT = textwrap.dedent("""
+    import sys, time
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import train_ppo
+    from pathlib import Path
+    original = train_ppo.ppo_update
+    calls = []
+    def ppo_update(*args, check_stop, **kwargs):
+        calls.append(1)
+        minibatches = []
+        def wait_for_the_signal():
+            minibatches.append(1)
+            if len(calls) == 2 and len(minibatches) == 2:
+                Path({marker!r}).write_text("updating")
+                for _ in range(600):
+                    if {checks}:
+                        check_stop()
+                    time.sleep(0.1)
+            check_stop()
+        return original(*args, check_stop=wait_for_the_signal, **kwargs)
+    train_ppo.ppo_update = ppo_update
+    sys.exit(train_ppo.main(sys.argv[1:]))
+""")
+
+
+def adapter_weights(out: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "t" / "checkpoints" / f"checkpoint-{step}" / "adapter" / "adapter_model.safetensors"))
+
+
+def start_and_wait_for_the_update(tmp_path, args, checks: bool) -> subprocess.Popen:
+    marker = tmp_path / "marker"
+    script = tmp_path / "signal_in_update.py"
+    script.write_text(SIGNAL_IN_UPDATE_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), marker=str(marker),
+                                                     checks=checks))
+    process = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not marker.exists():
+        assert process.poll() is None, process.stderr.read()[-2000:]
+        assert time.time() < deadline, "the run never reached the update of its second step"
+        time.sleep(0.2)
+    return process
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_update_saves_the_last_finished_step_and_resumes_as_if_never_stopped(tiny_model_dir,
+                                                                                                 tmp_path):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert train_ppo.main(tiny_args(tiny_model_dir, straight, "--max-steps", "2", "--set",
+                                    "checkpointing.save_every=1")) == 0
+    stopped.mkdir()
+    args = tiny_args(tiny_model_dir, stopped, "--max-steps", "2", "--set", "checkpointing.save_every=1000")
+    process = start_and_wait_for_the_update(stopped, args, checks=True)
+    signalled = time.time()
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert time.time() - signalled < 30
+    # the half-done update of step 2 was undone: checkpoint-1 holds exactly the weights step 1 left
+    assert find_resumable(stopped / "t" / "checkpoints").name == "checkpoint-1"
+    saved, reference = adapter_weights(stopped, 1), adapter_weights(straight, 1)
+    assert all(torch.equal(saved[k], reference[k]) for k in reference)
+    assert [r["step"] for r in metrics(stopped / "t")] == [1]
+
+    assert train_ppo.main(args + ["--resume", "latest"]) == 0
+    assert [deterministic(r) for r in metrics(stopped / "t")] == [deterministic(r) for r in metrics(straight / "t")]
+    final, reference = adapter_weights(stopped, 2), adapter_weights(straight, 2)
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+
+
+@pytest.mark.slow
+def test_a_second_signal_exits_at_once_leaving_the_last_checkpoint_resumable(tiny_model_dir, tmp_path):
+    args = tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2", "--set", "checkpointing.save_every=1")
+    process = start_and_wait_for_the_update(tmp_path, args, checks=False)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert process.poll() is None  # the first signal only asks the loop to stop at its next check
+    signalled = time.time()
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM and time.time() - signalled < 5, stderr[-2000:]
+    assert "send again to exit at once" in " ".join(stderr.split())  # rich wraps the line
+    assert find_resumable(tmp_path / "t" / "checkpoints").name == "checkpoint-1"
+    assert train_ppo.main(args + ["--resume", "latest"]) == 0
+    assert [r["step"] for r in metrics(tmp_path / "t")] == [1, 2]
