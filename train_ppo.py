@@ -97,6 +97,10 @@ class StepInterrupted(Exception):
     """A stop signal arrived mid-update: the step is abandoned and the last finished one is saved."""
 
 
+class OutOfMemory(RuntimeError):
+    """CUDA ran out of memory on a micro-batch of one sequence: halving the token budget cannot help."""
+
+
 class BatchFailed(RuntimeError):
     """Most episodes of a step failed: something outside the trainer is broken."""
 
@@ -128,6 +132,7 @@ class Trainer:
         except (ConnectionError, RuntimeError) as exc:  # an env server that is down, a container that won't start
             raise StartupError(f"Could not start the environments: {exc}") from None
         self.update_state = UpdateState()
+        self.micro_batch_tokens = cfg.ppo.micro_batch_tokens  # halved after a CUDA out-of-memory error
         self._warned_cut_off = False
         self.step = self.saved_step = 0
         self.totals = {"episodes": 0, "episodes_failed": 0, "generated_tokens": 0}
@@ -250,12 +255,42 @@ class Trainer:
         """score -> advantages -> update -> adapt beta, on the episodes that can be trained on; None when
         a stop signal interrupted it (the weights and optimizer are then as before)."""
         snapshot = TrainingSnapshot.take(self.optimizer, self.update_state)
-        try:
-            return self._learn(episodes, group_ids)
-        except StepInterrupted:
-            snapshot.restore(self.optimizer, self.update_state)
-            log.info("step %d interrupted during the update; its changes are undone", self.step + 1)
-            return None
+        retries = 0
+        while True:
+            try:
+                metrics = self._learn(episodes, group_ids)
+                metrics["train/micro_batch_tokens"] = self.micro_batch_tokens
+                metrics["train/oom_retries"] = retries
+                return metrics
+            except StepInterrupted:
+                snapshot.restore(self.optimizer, self.update_state)
+                log.info("step %d interrupted during the update; its changes are undone", self.step + 1)
+                return None
+            except torch.cuda.OutOfMemoryError:
+                if self.ranks.world_size > 1:  # the other ranks wait in a collective: no retry in step
+                    raise
+                snapshot.restore(self.optimizer, self.update_state)
+            # outside the except block: the traceback's references to the failed pass's tensors are gone
+            retries += 1
+            self.halve_micro_batch_tokens(episodes)
+
+    def halve_micro_batch_tokens(self, episodes: list[Episode]) -> None:
+        """After CUDA ran out of memory: half the token budget for the rest of the run, unless the
+        longest sequence already has a micro-batch of its own."""
+        gen = self.config.train.generation
+        longest = max(len(sequence.input_ids) for sequence in build_sequences(episodes))
+        if self.micro_batch_tokens <= longest:
+            raise OutOfMemory(
+                f"CUDA ran out of memory on a single sequence of {longest} tokens (ppo.micro_batch_tokens is already "
+                f"down to {self.micro_batch_tokens}): it cannot be split. Lower generation.max_prompt_tokens "
+                f"({gen.max_prompt_tokens}) or generation.max_new_tokens ({gen.max_new_tokens}), turn on "
+                "model.gradient_checkpointing, or use a GPU with more memory. The last checkpoint is intact."
+            )
+        self.micro_batch_tokens = max(self.micro_batch_tokens // 2, 1)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        log.warning("CUDA out of memory in step %d: ppo.micro_batch_tokens halved to %d for the rest of the run; "
+                    "retrying the step", self.step + 1, self.micro_batch_tokens)
 
     def _learn(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
         cfg = self.config.train
@@ -264,7 +299,7 @@ class Trainer:
         mine = self.ranks.share(len(episodes), cfg.ppo.group_size if group_ids is not None else 1)
         sequences = [sequence for sequence in build_sequences(episodes) if sequence.episode in mine]
         with training_allocations():
-            metrics = score_sequences(self.policy, sequences, cfg.ppo.micro_batch_tokens, self.temperature,
+            metrics = score_sequences(self.policy, sequences, self.micro_batch_tokens, self.temperature,
                                       with_values=cfg.ppo.advantage == "gae")
             self.check_stop()
             metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids,
@@ -272,7 +307,7 @@ class Trainer:
             metrics.update(self.update(sequences, [episodes[i] for i in mine]))
             every = cfg.logging.signal_check_every
             if every and (self.step + 1) % every == 0:
-                metrics.update(update_signal(self.policy, sequences, cfg.ppo.micro_batch_tokens, self.temperature,
+                metrics.update(update_signal(self.policy, sequences, self.micro_batch_tokens, self.temperature,
                                              self.ranks))
         metrics["perf/update_seconds"] = time.perf_counter() - started
         gap = sampler_gap(sequences, self.ranks.sum)
@@ -285,7 +320,8 @@ class Trainer:
         cfg = self.config.train
         value_only = self.step < cfg.value_head.warmup_steps
         shuffle = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "minibatches", self.step))
-        return ppo_update(self.policy, self.optimizer, sequences, cfg.ppo, self.kl_ctl.value, self.temperature,
+        ppo = cfg.ppo.model_copy(update={"micro_batch_tokens": self.micro_batch_tokens})
+        return ppo_update(self.policy, self.optimizer, sequences, ppo, self.kl_ctl.value, self.temperature,
                           shuffle, self.update_state, value_only=value_only,
                           task_ids=[e.task.task_id for e in episodes], ranks=self.ranks, check_stop=self.check_stop)
 
@@ -473,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         if ranks.is_main:
             console.print(f"[red]Configuration error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
-    except (TooManySkips, VLLMError, StartupError, BatchFailed, RankFailed, CheckpointWriteError) as exc:
+    except (TooManySkips, VLLMError, StartupError, BatchFailed, RankFailed, CheckpointWriteError,
+            OutOfMemory) as exc:
         if ranks.is_main or isinstance(exc, RankLost):  # rank 0 hears of every other failure
             console.print(f"[red]Stopped:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 1

@@ -428,3 +428,42 @@ def test_a_second_signal_exits_at_once_leaving_the_last_checkpoint_resumable(tin
     assert find_resumable(tmp_path / "t" / "checkpoints").name == "checkpoint-1"
     assert train_ppo.main(args + ["--resume", "latest"]) == 0
     assert [r["step"] for r in metrics(tmp_path / "t")] == [1, 2]
+
+
+def out_of_memory_once(original, budgets: list[int]):
+    """`original` (the update), raising CUDA's out-of-memory error on its first call; records each call's budget."""
+
+    def update(policy, optimizer, sequences, cfg, *args, **kwargs):
+        budgets.append(cfg.micro_batch_tokens)
+        if len(budgets) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(policy, optimizer, sequences, cfg, *args, **kwargs)
+
+    return update
+
+
+@pytest.mark.slow
+def test_out_of_memory_in_the_update_halves_the_token_budget_and_retries_the_step(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    budgets: list[int] = []
+    monkeypatch.setattr(train_ppo, "ppo_update", out_of_memory_once(train_ppo.ppo_update, budgets))
+    assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2")) == 0
+    assert budgets == [16384, 8192, 8192]  # the failed try, its retry, then step 2 keeps the halved budget
+    records = metrics(tmp_path / "t")
+    assert [(r["step"], r["train/micro_batch_tokens"], r["train/oom_retries"]) for r in records] == \
+        [(1, 8192, 1), (2, 8192, 0)]
+    assert "policy/loss" in records[0]
+
+
+@pytest.mark.slow
+def test_a_single_sequence_that_does_not_fit_stops_with_the_generation_limits(tiny_model_dir, tmp_path, monkeypatch,
+                                                                              capsys):
+    def always_out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(train_ppo, "score_sequences", always_out_of_memory)
+    assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2")) == 1
+    message = " ".join(capsys.readouterr().err.split())
+    assert "CUDA ran out of memory on a single sequence" in message
+    assert "generation.max_prompt_tokens (8192)" in message and "generation.max_new_tokens (3)" in message
+    assert not (tmp_path / "t" / "metrics.jsonl").exists() or metrics(tmp_path / "t") == []
