@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from curriculum import Task
-from envs.base import Env, StepResult
+from envs.base import Env, EpisodeLost, StepResult
 from envs.openspiel_text import strip_think
 from prompts import PromptBuilder, TokenHistory
 from utils import GenerationConfig, derive_seed
@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 THINKING_MARKER = "<think>[earlier reasoning omitted]</think>"
+# Replays of one episode whose server lost it; past them it counts as failed (a server that keeps
+# restarting is broken, not preempted).
+MAX_REPLAYS = 3
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Episode:
     done: bool = False
     cut_off: bool = False  # hit generation.max_turns
     error: str | None = None
+    replays: int = 0  # times a server lost it and it was played again from the start
     game_name: str = ""
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -119,7 +123,7 @@ class RolloutRunner:
             if index is not None:
                 started()
             while index is not None:
-                episode = await self.play(first_index + index, tasks[index], step)
+                episode = await self.play_to_the_end(first_index + index, tasks[index], step)
                 episodes[index] = episode
                 # admit the next episode before retiring this one, with no await in between, so the
                 # set of live episodes at every generation wave depends only on what was generated
@@ -134,7 +138,22 @@ class RolloutRunner:
         await asyncio.gather(*(worker() for _ in range(workers)))
         return [e for e in episodes if e is not None]
 
+    async def play_to_the_end(self, index: int, task: Task, step: int) -> Episode:
+        """`play`, replayed from its start (same task and seed) when a server lost the episode."""
+        for replays in range(MAX_REPLAYS + 1):
+            try:
+                episode = await self.play(index, task, step)
+            except EpisodeLost as exc:
+                log.warning("episode %s (task %s) lost (%s); %s", index, task.task_id, exc,
+                            "replaying it" if replays < MAX_REPLAYS else "giving up")
+                continue
+            episode.replays = replays
+            return episode
+        return Episode(task=task, env_kind=self.envs[task.env][0], replays=MAX_REPLAYS,
+                       error=f"EpisodeLost: lost {MAX_REPLAYS + 1} times by a server that keeps going away")
+
     async def play(self, index: int, task: Task, step: int) -> Episode:
+        """One episode; raises EpisodeLost when a server lost it (the caller replays it)."""
         kind, env = self.envs[task.env]
         episode = Episode(task=task, env_kind=kind)
         history = TokenHistory(self.prompts, self.generator.eos_ids, continue_sequences=not self.validator_conversation)
@@ -188,7 +207,7 @@ class RolloutRunner:
                         decision_start = len(episode.messages) - 1
             if result["done"]:
                 self._finish(episode, result)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, EpisodeLost):
             raise
         except Exception as exc:  # an env or generator failure fails this episode, not the run
             episode.error = f"{type(exc).__name__}: {exc}"

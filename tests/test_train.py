@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -143,25 +144,27 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture
-def fake_vllm(tiny_model_dir, request):
-    flags = getattr(request, "param", [])
-    port = _free_port()
-    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_vllm.py"), "--model", str(tiny_model_dir),
-                                "--port", str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}/v1"
+def start_fake_vllm(model_dir: Path, port: int, *flags: str) -> subprocess.Popen:
+    """tests/fake_vllm.py on `port`, once it answers."""
     import httpx
 
+    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_vllm.py"), "--model", str(model_dir),
+                                "--port", str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     for _ in range(300):
         try:
-            if httpx.get(f"{url}/models", timeout=1).status_code == 200:
-                break
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
+                return process
         except httpx.HTTPError:
             time.sleep(0.1)
-    else:
-        process.kill()
-        pytest.fail("fake vLLM server did not start: " + process.stderr.read().decode()[-2000:])
-    yield url
+    process.kill()
+    pytest.fail("fake vLLM server did not start: " + process.stderr.read().decode()[-2000:])
+
+
+@pytest.fixture
+def fake_vllm(tiny_model_dir, request):
+    port = _free_port()
+    process = start_fake_vllm(tiny_model_dir, port, *getattr(request, "param", []))
+    yield f"http://127.0.0.1:{port}/v1"
     process.terminate()
     process.wait(timeout=10)
 
@@ -467,3 +470,38 @@ def test_a_single_sequence_that_does_not_fit_stops_with_the_generation_limits(ti
     assert "CUDA ran out of memory on a single sequence" in message
     assert "generation.max_prompt_tokens (8192)" in message and "generation.max_new_tokens (3)" in message
     assert not (tmp_path / "t" / "metrics.jsonl").exists() or metrics(tmp_path / "t") == []
+
+
+@pytest.mark.slow
+def test_a_vllm_server_that_dies_mid_rollout_is_waited_for_and_its_episodes_replayed(tiny_model_dir, tmp_path):
+    import httpx
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/v1"
+    servers = [start_fake_vllm(tiny_model_dir, port, "--exit-after-completions", "3")]
+
+    def restart_once_it_died():
+        servers[0].wait()
+        time.sleep(2.0)  # down long enough for the trainer's quick retries to be spent
+        servers.append(start_fake_vllm(tiny_model_dir, port))
+
+    restarter = threading.Thread(target=restart_once_it_died, daemon=True)
+    restarter.start()
+    try:
+        code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2", "--set",
+                                        "generation.backend=vllm", "--set", f"env.vllm_url={url}",
+                                        "--set", "generation.request_retries=1", "--set", "ppo.learning_rate=1e-2"))
+        restarter.join(timeout=60)
+        stats = httpx.get(f"http://127.0.0.1:{port}/test/stats").json()
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+    assert code == 0 and len(servers) == 2
+    records = metrics(tmp_path / "t")
+    assert [r["env/episodes_failed"] for r in records] == [0, 0]
+    assert records[0]["env/episodes_replayed"] >= 1 and records[1]["env/episodes_replayed"] == 0
+    assert records[0]["curriculum/stage_episodes"] == 4 - records[0]["env/episodes_cut_off"]  # each counted once
+    # the restarted server got the step-0 adapter back before serving the replays, then each new one
+    assert [name.split("-step-")[1].split("-")[0] for name in stats["loaded"]] == ["0", "1", "2"]
+    assert all(r["vllm/logprob_gap"] < 1e-3 for r in records)
