@@ -68,6 +68,13 @@ class Episode:
         return self.sequences[turn.sequence][: turn.start]
 
 
+def _raise_if_lost(result: StepResult) -> None:
+    """An env whose server went away or restarted marks the episode lost (affinetes url/docker mode)."""
+    error = result["info"].get("error")
+    if isinstance(error, dict) and error.get("episode_lost"):
+        raise EpisodeLost(f"the env server lost the episode: {error.get('type')}: {error.get('message')}")
+
+
 # ---------------------------------------------------------------------- context strategies
 def build_messages(
     messages: list[dict[str, str]], decision_start: int, strategy: str, turn_prompt: str | None
@@ -162,6 +169,7 @@ class RolloutRunner:
         try:
             kwargs = {"opponent": task.opponent} if kind == "openspiel" and task.opponent else {}
             result = await env.reset(task_id=task.task_id, seed=task.seed, **kwargs)
+            _raise_if_lost(result)
             episode_id = result["episode_id"]
             self._absorb(episode, result)
             if result["done"]:
@@ -193,6 +201,7 @@ class RolloutRunner:
                 if self.validator_conversation:
                     text = strip_think(text)
                 result = await env.step(text, episode_id)
+                _raise_if_lost(result)
                 parse_error = bool(result["info"].get("parse_error"))
                 episode.turns.append(Turn(
                     response_ids=generation.token_ids, response_text=text, sampler_logprobs=generation.logprobs,
