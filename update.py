@@ -53,7 +53,8 @@ class TrainingSnapshot:
             for parameter, saved in zip(live, self.parameters, strict=True):
                 parameter.copy_(saved)
         optimizer.zero_grad(set_to_none=True)
-        optimizer.load_state_dict(self.optimizer)  # moves the moments back to each parameter's device
+        # a copy: on CPU load_state_dict keeps the given tensors, which the next step would change in place
+        optimizer.load_state_dict(_to_cpu(self.optimizer))
         for name, value in copy.deepcopy(self.counters).items():
             setattr(state, name, value)
 
