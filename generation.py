@@ -413,9 +413,10 @@ class VLLMGenerator:
             else:
                 reloaded = await self._restore_adapter(served)
                 if reloaded is not None:
+                    if was_down:
+                        log.warning("vLLM at %s answers again after %.0f s", self.base_url, time.monotonic() - started)
                     if was_down or reloaded:
                         self.outages += 1
-                        log.warning("vLLM at %s answers again after %.0f s", self.base_url, time.monotonic() - started)
                     return was_down or reloaded
             now = time.monotonic()
             if now >= deadline:
@@ -507,11 +508,13 @@ class VLLMGenerator:
         if self.cfg.top_k:
             payload["top_k"] = self.cfg.top_k
         self.in_flight[model] = self.in_flight.get(model, 0) + 1
+        outages = self.outages
         try:
             response = await self._post("/v1/completions", payload, replay_on_outage=True)
         finally:
             self.in_flight[model] -= 1
-        if response.status_code == 404 and model != self.base_model and await self._recover(f"{model!r} not served"):
+        adapter_missing = response.status_code == 404 and model != self.base_model  # a restarted server?
+        if adapter_missing and (await self._recover(f"{model!r} not served") or self.outages != outages):
             raise EpisodeLost(f"the vLLM server at {self.base_url} restarted without adapter {model!r}")
         if response.status_code >= 400:
             raise VLLMError(f"/v1/completions with model {model!r}: HTTP {response.status_code} {response.text[:300]}")

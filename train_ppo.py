@@ -252,8 +252,9 @@ class Trainer:
         return [episodes[i] for i in keep], ([group_ids[i] for i in keep] if group_ids is not None else None)
 
     def learn(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float] | None:
-        """score -> advantages -> update -> adapt beta, on the episodes that can be trained on; None when
-        a stop signal interrupted it (the weights and optimizer are then as before)."""
+        """score -> advantages -> update -> adapt beta, on the episodes that can be trained on. CUDA out of
+        memory undoes the pass and retries it with half the token budget; a stop signal undoes it and
+        returns None."""
         snapshot = TrainingSnapshot.take(self.optimizer, self.update_state)
         retries = 0
         while True:
@@ -267,7 +268,7 @@ class Trainer:
                 log.info("step %d interrupted during the update; its changes are undone", self.step + 1)
                 return None
             except torch.cuda.OutOfMemoryError:
-                if self.ranks.world_size > 1:  # the other ranks wait in a collective: no retry in step
+                if self.ranks.world_size > 1:  # the other ranks sit in a collective: they cannot retry with us
                     raise
                 snapshot.restore(self.optimizer, self.update_state)
             # outside the except block: the traceback's references to the failed pass's tensors are gone
@@ -275,7 +276,7 @@ class Trainer:
             self.halve_micro_batch_tokens(episodes)
 
     def halve_micro_batch_tokens(self, episodes: list[Episode]) -> None:
-        """After CUDA ran out of memory: half the token budget for the rest of the run, unless the
+        """After CUDA ran out of memory: halve the token budget for the rest of the run, unless the
         longest sequence already has a micro-batch of its own."""
         gen = self.config.train.generation
         longest = max(len(sequence.input_ids) for sequence in build_sequences(episodes))
