@@ -5,19 +5,22 @@ survive, and check that it carries on. One scenario per `--scenario`, one table 
   it with `--resume latest` each time. After every kill each `checkpoint-*` folder left must verify
   against its manifest and `--resume latest` must pick the newest complete one; at the end the
   run's metrics must equal those of an uninterrupted run with the same seed.
-- sigterm: the same with SIGTERM (a preemption). Each time the run must exit within seconds with
-  143, leaving a verified newest checkpoint; the seconds from signal to exit are measured.
+- sigterm: the same with SIGTERM (a preemption). Each time the run must exit with 143 within seconds
+  (measured from signal to exit), leaving a verified newest checkpoint (none if step 1 had not ended),
+  and at the end reproduce the uninterrupted run's metrics.
 - vllm-restart: the run samples from tests/fake_vllm.py; the server is SIGKILLed mid-rollout (one
-  run) and mid-update (a second run) and restarted on the same port a few seconds later. The run
-  must reach its last step without a manual resume, exit 0, lose no episode and, after the restart,
-  show a log-prob gap (trainer vs server on the sampled tokens) below 1e-3.
+  run) and mid-update (a second run) and restarted on the same port a few seconds later. The new
+  server must get the current adapter back first, and the run must reach its last step without a
+  manual resume, exit 0, lose no episode and, after the restart, show a log-prob gap (trainer vs
+  server on the sampled tokens) below 1e-3. The fake server samples from the same tiny model with
+  the loaded adapter, in float32, so the gap is a real check that it serves the trained weights.
 - oom: torch.cuda.OutOfMemoryError is raised once in step 2's update. The step must complete with
   `train/micro_batch_tokens` halved and `train/oom_retries` 1, and the run reach its last step.
 
     python bench/crash_resume.py                        # kill9: 20 kills, tiny random model (CPU, ~5 min)
     python bench/crash_resume.py --kills 6 --steps 6
-    python bench/crash_resume.py --scenario sigterm     # 10 SIGTERMs
-    python bench/crash_resume.py --scenario all --kills 6
+    python bench/crash_resume.py --scenario sigterm     # 10 SIGTERMs (~3 min)
+    python bench/crash_resume.py --scenario all --kills 10   # every scenario, one table (~8 min)
 
 Runs are the real train_ppo.py on a tiny randomly-initialised model (tests/tiny.py), started
 through a small driver that records which phase is running, so interruptions can be aimed at each
@@ -142,8 +145,9 @@ def interrupt_once(command: list[str], phases_file: Path, phase: str, rng: rando
     seen = len(started_phases(phases_file))
     occurrence = rng.randint(1, 3)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # checkpoint writes of a tiny model take tens of ms: aim inside them; the other phases last seconds
-    delay = rng.uniform(0.0, 0.03) if phase == "checkpoint" else rng.uniform(0.0, 0.5)
+    # aim inside the phase: with the tiny model a checkpoint write takes tens of ms, a rollout 0.1-0.9 s and an
+    # update 0.3-1 s
+    delay = rng.uniform(0.0, {"checkpoint": 0.03, "rollout": 0.2, "update": 0.4}[phase])
     if wait_for_phase(process, phases_file, phase, occurrence, seen, timeout):
         time.sleep(delay)
     if process.poll() is not None:
@@ -194,6 +198,11 @@ def interrupt_and_resume(work: Path, model_dir: Path, sig: signal.Signals, count
     return interruptions, runs
 
 
+def hit_in(interruptions: list[dict]) -> str:
+    """How many interruptions landed in each phase, e.g. "rollout 3, update 4, checkpoint 3"."""
+    return ", ".join(f"{phase} {sum(i['hit'] == phase for i in interruptions)}" for phase in PHASES)
+
+
 def kill9(work: Path, model_dir: Path, args: argparse.Namespace) -> dict:
     kills, runs = interrupt_and_resume(work, model_dir, signal.SIGKILL, args.kills, args.steps,
                                        random.Random(args.seed))
@@ -201,8 +210,8 @@ def kill9(work: Path, model_dir: Path, args: argparse.Namespace) -> dict:
     newest = sum(k["resume_picks_newest"] for k in kills)
     equal = all(r["metrics_equal_uninterrupted"] for r in runs)
     return {"scenario": "kill9", "passed": unreadable == 0 and newest == len(kills) and equal,
-            "result": f"{len(kills)} kills, {unreadable} unreadable checkpoints, resume found the newest "
-                      f"{newest}/{len(kills)}, metrics equal uninterrupted: {equal}",
+            "result": f"{len(kills)} kills ({hit_in(kills)}), {unreadable} unreadable checkpoints, resume found the "
+                      f"newest {newest}/{len(kills)}, metrics equal uninterrupted: {equal}",
             "kills": len(kills),
             "killed_in": {phase: sum(k["hit"] == phase for k in kills) for phase in (*PHASES, "start-up")},
             "unreadable_checkpoints": unreadable,
@@ -214,16 +223,20 @@ def kill9(work: Path, model_dir: Path, args: argparse.Namespace) -> dict:
 def sigterm(work: Path, model_dir: Path, args: argparse.Namespace) -> dict:
     stops, runs = interrupt_and_resume(work, model_dir, signal.SIGTERM, args.sigterms, args.steps,
                                        random.Random(args.seed))
+    # a signal before the first step ends leaves no checkpoint: the next start begins afresh, as it should
     resumable = sum(s["exit_code"] == 128 + signal.SIGTERM and not s["unreadable"] and s["resume_picks_newest"]
-                    and bool(s["checkpoints"]) for s in stops)
+                    for s in stops)
+    before_first_step = sum(not s["checkpoints"] for s in stops)
     slowest = max(s["seconds_to_exit"] for s in stops)
     equal = all(r["metrics_equal_uninterrupted"] for r in runs)
     return {"scenario": "sigterm", "passed": resumable == len(stops) and equal,
-            "result": f"{resumable}/{len(stops)} exited 143 with a verified newest checkpoint, at most "
+            "result": f"{len(stops)} signals ({hit_in(stops)}): {resumable}/{len(stops)} exited 143 with a verified "
+                      f"newest checkpoint ({before_first_step} before step 1 had ended, none to leave), at most "
                       f"{slowest:.2f} s from signal to exit, metrics equal uninterrupted: {equal}",
             "signals": len(stops),
             "signalled_in": {phase: sum(s["hit"] == phase for s in stops) for phase in (*PHASES, "start-up")},
             "exit_codes": sorted({s["exit_code"] for s in stops}), "resumable": resumable,
+            "before_first_step": before_first_step,
             "max_seconds_to_exit": slowest, "seconds_to_exit": [s["seconds_to_exit"] for s in stops],
             "runs": runs, "all_runs_reproduce_uninterrupted_metrics": equal}
 
