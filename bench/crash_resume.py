@@ -357,7 +357,7 @@ def main() -> None:
     parser.add_argument("--sigterms", type=int, default=10, help="sigterm: SIGTERMs")
     parser.add_argument("--steps", type=int, default=12,
                         help="kill9, sigterm: steps of each run (a new run starts when one ends)")
-    parser.add_argument("--vllm-steps", type=int, default=4, help="vllm-restart: steps of each run")
+    parser.add_argument("--vllm-steps", type=int, default=4, help="vllm-restart: steps of each run (at least 3)")
     parser.add_argument("--down-seconds", type=float, default=3.0,
                         help="vllm-restart: seconds between killing the server and starting it again")
     parser.add_argument("--oom-steps", type=int, default=3, help="oom: steps of the run (at least 3)")
