@@ -4,9 +4,12 @@ Layout: `<run>/checkpoints/checkpoint-<step>/` holding `adapter/` (peft format),
 `trainer_state.pt` (optimizer, KL controller, curriculum, RNG states, counters) and a
 `manifest.json` (sizes + sha256) written last. A checkpoint is built in a `.tmp-*` folder beside
 the target, fsynced, renamed into place, and only then is `latest` updated and old ones pruned.
+A write that fails (a full disk above all) removes its `.tmp-*` folder and leaves the previous
+checkpoints as they were.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -25,6 +28,11 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.pt"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (the disk is full); the previous ones are intact."""
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -69,24 +77,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(checkpoint_dir: Path, step: int, write_model: Callable[[Path], None],
                     trainer_state: dict[str, Any], keep_last: int) -> Path:
-    """Write checkpoint-<step> atomically; returns its path."""
+    """Write checkpoint-<step> atomically; returns its path. CheckpointWriteError when the disk is full."""
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir / f"checkpoint-{step}"
     tmp = checkpoint_dir / f".tmp-checkpoint-{step}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    write_model(tmp)
-    torch.save(trainer_state, tmp / STATE_FILE)
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {"step": step, "files": {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-                                        for p in files}}
-    _fsync_tree(tmp)
-    manifest_path = tmp / MANIFEST
-    with open(manifest_path, "w") as handle:
-        json.dump(manifest, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        _write_files(tmp, step, write_model, trainer_state)
+    except BaseException as exc:
+        written = _tree_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)  # frees the space the next attempt needs
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            raise CheckpointWriteError(_disk_full_message(checkpoint_dir, step, written, exc)) from exc
+        raise
     if final.exists():  # a re-save of the same step (e.g. after resume): move the old one aside first
         stale = checkpoint_dir / f".tmp-stale-{step}-{os.getpid()}"
         os.replace(final, stale)
@@ -103,6 +107,51 @@ def save_checkpoint(checkpoint_dir: Path, step: int, write_model: Callable[[Path
     _fsync_dir(checkpoint_dir)
     _prune(checkpoint_dir, keep_last)
     return final
+
+
+def _write_files(tmp: Path, step: int, write_model: Callable[[Path], None], trainer_state: dict[str, Any]) -> None:
+    """Everything of one checkpoint into `tmp`, fsynced, the manifest last."""
+    tmp.mkdir()
+    write_model(tmp)
+    torch.save(trainer_state, tmp / STATE_FILE)
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {"step": step, "files": {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                                        for p in files}}
+    _fsync_tree(tmp)
+    with open(tmp / MANIFEST, "w") as handle:
+        json.dump(manifest, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _tree_bytes(folder: Path) -> int:
+    try:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    except OSError:
+        return 0
+
+
+def _disk_full_message(checkpoint_dir: Path, step: int, written: int, exc: OSError) -> str:
+    """Names the folder, the space a checkpoint takes (the previous one's size, else what got written)
+    and what is free, so that the fix is obvious."""
+    previous = list_checkpoints(checkpoint_dir)
+    if previous:
+        needed = f"about {_megabytes(_tree_bytes(previous[-1][1]))} (the size of {previous[-1][1].name})"
+        kept = f"The previous checkpoint {previous[-1][1].name} is intact; resume from it with --resume latest."
+    else:
+        needed = f"more than the {_megabytes(written)} written before the disk filled"
+        kept = "No earlier checkpoint exists."
+    try:
+        free = _megabytes(shutil.disk_usage(checkpoint_dir).free)
+    except OSError:
+        free = "unknown"
+    return (f"Disk full while writing checkpoint-{step} in {checkpoint_dir} ({exc.strerror}): a checkpoint needs "
+            f"{needed}, {free} is free there. {kept} Free some space, lower checkpointing.keep_last, or move "
+            "run.output_dir to a larger disk.")
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
 
 
 def list_checkpoints(checkpoint_dir: Path) -> list[tuple[int, Path]]:

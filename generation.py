@@ -7,7 +7,9 @@
   what the episode already processed (with `full` context the new observation; with `last` the
   rules stay cached).
 - `VLLMGenerator`: an OpenAI-compatible vLLM server with LoRA adapters hot-loaded after updates;
-  `VLLMServers` spreads episodes over several such servers.
+  `VLLMServers` spreads episodes over several such servers. A server that stops answering is
+  waited for (`generation.server_wait_seconds`); once it is back the current adapter is loaded
+  again if it lost it, and the episodes it interrupted are replayed (`EpisodeLost`).
 
 Both stop at every EOS id of the model (tokenizer and generation config) and return the exact
 sampled token ids.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,7 @@ import httpx
 import torch
 
 import prefixes
+from envs.base import EpisodeLost
 from utils import GenerationConfig, derive_seed
 
 log = logging.getLogger(__name__)
@@ -309,6 +313,9 @@ class VLLMGenerator:
         self.in_flight: dict[str, int] = {}
         self.retries = 0
         self.generated_tokens = 0
+        self.outages = 0  # times the server was found down or without our adapter, and then restored
+        self._recovery: asyncio.Future | None = None  # the wait for the server, shared by every request
+        self._gave_up: VLLMError | None = None  # set once the server stayed away past server_wait_seconds
 
     @property
     def required_model_len(self) -> int:
@@ -351,21 +358,110 @@ class VLLMGenerator:
                         "until unloaded)", leftovers)
         log.info("vLLM at %s serves %s (max_model_len %s)", self.base_url, self.base_model, max_len)
 
-    async def _post(self, path: str, payload: dict[str, Any]) -> httpx.Response:
-        """POST with retries on transient failures (connect errors, timeouts, 429, 5xx)."""
+    async def _post(self, path: str, payload: dict[str, Any], replay_on_outage: bool = False) -> httpx.Response:
+        """POST with quick retries of transient failures (connect errors, timeouts, 429, 5xx). When they are
+        spent because the server went away, it is waited for: then an adapter call is sent again, while a
+        completion (`replay_on_outage`) raises EpisodeLost, as its episode may have expired meanwhile."""
+        while True:
+            outages = self.outages
+            response, failure = await self._try_post(path, payload)
+            if response is not None:
+                return response
+            restored = await self._recover(f"{path}: {failure}")
+            if not (restored or self.outages != outages):  # it answers: the request itself fails
+                raise VLLMError(f"{path} failed after {self.cfg.request_retries + 1} attempts: {failure}")
+            if replay_on_outage:
+                raise EpisodeLost(f"the vLLM server at {self.base_url} went away mid-episode ({failure})")
+
+    async def _try_post(self, path: str, payload: dict[str, Any]) -> tuple[httpx.Response | None, str]:
+        """The response, or (None, the last failure) once the quick retries are spent."""
+        failure = ""
         for attempt in range(self.cfg.request_retries + 1):
+            if attempt:
+                self.retries += 1
+                await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0) * (0.5 + random.random()))
+            if self._gave_up is not None:
+                raise self._gave_up
+            if self._recovery is not None and not self._recovery.done():
+                await asyncio.shield(self._recovery)  # no request before the adapter is back
             try:
                 response = await self.client.post(f"{self.server_root}{path}", json=payload)
                 if response.status_code != 429 and response.status_code < 500:
-                    return response
+                    return response, ""
                 failure = f"HTTP {response.status_code}: {response.text[:200]}"
             except (httpx.TransportError, httpx.TimeoutException) as exc:
                 failure = f"{type(exc).__name__}: {exc}"
-            if attempt == self.cfg.request_retries:
-                raise VLLMError(f"{path} failed after {attempt + 1} attempts: {failure}")
-            self.retries += 1
-            await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (0.5 + random.random()))
-        raise AssertionError("unreachable")
+        return None, failure
+
+    async def _recover(self, failure: str) -> bool:
+        """Wait until the server answers and serves the active adapter; True when it had been down or had
+        lost the adapter. Every request that fails meanwhile waits on the same recovery."""
+        if self._gave_up is not None:
+            raise self._gave_up
+        if self._recovery is None or self._recovery.done():
+            self._recovery = asyncio.ensure_future(self._wait_and_restore(failure))
+        return await asyncio.shield(self._recovery)
+
+    async def _wait_and_restore(self, failure: str) -> bool:
+        started = time.monotonic()
+        deadline = started + self.cfg.server_wait_seconds
+        next_log, delay, was_down = started, 1.0, False
+        while True:
+            served = await self._served_models()
+            if served is None:
+                was_down = True
+            else:
+                reloaded = await self._restore_adapter(served)
+                if reloaded is not None:
+                    if was_down:
+                        log.warning("vLLM at %s answers again after %.0f s", self.base_url, time.monotonic() - started)
+                    if was_down or reloaded:
+                        self.outages += 1
+                    return was_down or reloaded
+            now = time.monotonic()
+            if now >= deadline:
+                self._gave_up = VLLMError(
+                    f"The vLLM server at {self.base_url} stopped answering ({failure}) and was not back within "
+                    f"generation.server_wait_seconds={self.cfg.server_wait_seconds:g}. Restart it, then continue "
+                    "with --resume latest. " + self.help_text())
+                raise self._gave_up
+            if now >= next_log:
+                log.warning("vLLM at %s is not answering (%s); waited %.0f s of generation.server_wait_seconds=%g",
+                            self.base_url, failure, now - started, self.cfg.server_wait_seconds)
+                next_log = now + 60.0
+            await asyncio.sleep(min(delay, deadline - now))
+            delay = min(delay * 2, 30.0)
+
+    async def _served_models(self) -> set[str] | None:
+        """The names the server serves, or None when it does not answer."""
+        try:
+            response = await self.client.get(f"{self.base_url}/models", timeout=10.0)
+            response.raise_for_status()
+            return {str(m.get("id")) for m in response.json().get("data", [])}
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def _restore_adapter(self, served: set[str]) -> bool | None:
+        """Load the active adapter again if a restarted server lost it: True if it did, False if nothing was
+        missing, None while it is still missing (loaded by another rank, or the load failed): wait more."""
+        for name in [n for n in self.loaded if n not in served and n != self.active_adapter]:
+            del self.loaded[name]  # a restarted server lost the older adapters too
+        if self.active_adapter is None or self.active_adapter in served:
+            return False
+        folder = self.loaded.get(self.active_adapter)
+        if folder is None:  # rank 0 loaded it and loads it again
+            return None
+        try:
+            payload = {"lora_name": self.active_adapter, "lora_path": str(folder.resolve())}
+            response = await self.client.post(f"{self.server_root}/v1/load_lora_adapter", json=payload)
+        except httpx.HTTPError:
+            return None
+        if response.status_code >= 400:
+            log.warning("reloading adapter %s into vLLM at %s failed: HTTP %s %s", self.active_adapter, self.base_url,
+                        response.status_code, response.text[:200])
+            return None
+        log.warning("vLLM at %s had lost adapter %s (restarted): loaded it again", self.base_url, self.active_adapter)
+        return True
 
     async def load_adapter(self, adapter_dir: Path, label: str) -> str:
         """Load an adapter under a new name (never in place) and make it the active one, then retire unused
@@ -412,10 +508,14 @@ class VLLMGenerator:
         if self.cfg.top_k:
             payload["top_k"] = self.cfg.top_k
         self.in_flight[model] = self.in_flight.get(model, 0) + 1
+        outages = self.outages
         try:
-            response = await self._post("/v1/completions", payload)
+            response = await self._post("/v1/completions", payload, replay_on_outage=True)
         finally:
             self.in_flight[model] -= 1
+        adapter_missing = response.status_code == 404 and model != self.base_model  # a restarted server?
+        if adapter_missing and (await self._recover(f"{model!r} not served") or self.outages != outages):
+            raise EpisodeLost(f"the vLLM server at {self.base_url} restarted without adapter {model!r}")
         if response.status_code >= 400:
             raise VLLMError(f"/v1/completions with model {model!r}: HTTP {response.status_code} {response.text[:300]}")
         token_ids, logprobs = self._parse_logprobs(response.json()["choices"][0])
@@ -439,6 +539,8 @@ class VLLMGenerator:
 
     async def close(self) -> None:
         """Unload every adapter this process loaded (one short try each: the server may be gone), then disconnect."""
+        if self._recovery is not None:
+            self._recovery.cancel()
         for name in list(self.loaded):
             try:
                 await self.client.post(f"{self.server_root}/v1/unload_lora_adapter", json={"lora_name": name},

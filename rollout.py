@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from curriculum import Task
-from envs.base import Env, StepResult
+from envs.base import Env, EpisodeLost, StepResult
 from envs.openspiel_text import strip_think
 from prompts import PromptBuilder, TokenHistory
 from utils import GenerationConfig, derive_seed
@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 THINKING_MARKER = "<think>[earlier reasoning omitted]</think>"
+# Replays of one episode whose server lost it; past them it counts as failed (a server that keeps
+# restarting is broken, not preempted).
+MAX_REPLAYS = 3
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Episode:
     done: bool = False
     cut_off: bool = False  # hit generation.max_turns
     error: str | None = None
+    replays: int = 0  # times a server lost it and it was played again from the start
     game_name: str = ""
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -62,6 +66,13 @@ class Episode:
     def prompt_ids(self, turn: Turn) -> list[int]:
         """The exact prompt the model saw for `turn`."""
         return self.sequences[turn.sequence][: turn.start]
+
+
+def _raise_if_lost(result: StepResult) -> None:
+    """An env whose server went away or restarted marks the episode lost (affinetes url/docker mode)."""
+    error = result["info"].get("error")
+    if isinstance(error, dict) and error.get("episode_lost"):
+        raise EpisodeLost(f"the env server lost the episode: {error.get('type')}: {error.get('message')}")
 
 
 # ---------------------------------------------------------------------- context strategies
@@ -119,7 +130,7 @@ class RolloutRunner:
             if index is not None:
                 started()
             while index is not None:
-                episode = await self.play(first_index + index, tasks[index], step)
+                episode = await self.play_to_the_end(first_index + index, tasks[index], step)
                 episodes[index] = episode
                 # admit the next episode before retiring this one, with no await in between, so the
                 # set of live episodes at every generation wave depends only on what was generated
@@ -134,7 +145,22 @@ class RolloutRunner:
         await asyncio.gather(*(worker() for _ in range(workers)))
         return [e for e in episodes if e is not None]
 
+    async def play_to_the_end(self, index: int, task: Task, step: int) -> Episode:
+        """`play`, replayed from its start (same task and seed) when a server lost the episode."""
+        for replays in range(MAX_REPLAYS + 1):
+            try:
+                episode = await self.play(index, task, step)
+            except EpisodeLost as exc:
+                log.warning("episode %s (task %s) lost (%s); %s", index, task.task_id, exc,
+                            "replaying it" if replays < MAX_REPLAYS else "giving up")
+                continue
+            episode.replays = replays
+            return episode
+        return Episode(task=task, env_kind=self.envs[task.env][0], replays=MAX_REPLAYS,
+                       error=f"EpisodeLost: lost {MAX_REPLAYS + 1} times by a server that keeps going away")
+
     async def play(self, index: int, task: Task, step: int) -> Episode:
+        """One episode; raises EpisodeLost when a server lost it (the caller replays it)."""
         kind, env = self.envs[task.env]
         episode = Episode(task=task, env_kind=kind)
         history = TokenHistory(self.prompts, self.generator.eos_ids, continue_sequences=not self.validator_conversation)
@@ -143,6 +169,7 @@ class RolloutRunner:
         try:
             kwargs = {"opponent": task.opponent} if kind == "openspiel" and task.opponent else {}
             result = await env.reset(task_id=task.task_id, seed=task.seed, **kwargs)
+            _raise_if_lost(result)
             episode_id = result["episode_id"]
             self._absorb(episode, result)
             if result["done"]:
@@ -174,6 +201,7 @@ class RolloutRunner:
                 if self.validator_conversation:
                     text = strip_think(text)
                 result = await env.step(text, episode_id)
+                _raise_if_lost(result)
                 parse_error = bool(result["info"].get("parse_error"))
                 episode.turns.append(Turn(
                     response_ids=generation.token_ids, response_text=text, sampler_logprobs=generation.logprobs,
@@ -188,7 +216,7 @@ class RolloutRunner:
                         decision_start = len(episode.messages) - 1
             if result["done"]:
                 self._finish(episode, result)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, EpisodeLost):
             raise
         except Exception as exc:  # an env or generator failure fails this episode, not the run
             episode.error = f"{type(exc).__name__}: {exc}"

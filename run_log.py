@@ -120,6 +120,7 @@ def episode_summary(episodes, rollout_seconds: float, rewards: dict[int, float])
         "env/episodes": len(episodes),
         "env/episodes_failed": len(episodes) - len(ok),
         "env/episodes_cut_off": sum(e.cut_off for e in episodes),
+        "env/episodes_replayed": sum(e.replays for e in episodes),  # lost by a server, played again
         "env/score_mean": _mean([e.score for e in ok]),
         "env/reward_mean": _mean([rewards[id(e)] for e in ok]),
         "env/success_rate": _mean([float(e.success) for e in ok]),

@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from rich.markup import escape
 
-from checkpoint import (find_resumable, list_checkpoints, load_trainer_state, rng_state, save_checkpoint,
-                        set_rng_state)
+from checkpoint import (CheckpointWriteError, find_resumable, list_checkpoints, load_trainer_state, rng_state,
+                        save_checkpoint, set_rng_state)
 from curriculum import Curriculum, Task
 from distributed import ONE_PROCESS, RankFailed, RankLost, Ranks, SilentLogger, check_world_size, rng_state_of
 from envs.factory import make_envs, playable_filter
@@ -63,14 +63,15 @@ from model_files import model_source
 from prompts import PromptBuilder
 from rollout import Episode, RolloutRunner
 from run_log import RunLogger, console, episode_summary, rollout_progress, setup_logging
-from update import TooManySkips, UpdateState, build_optimizer, ppo_update, update_signal
+from update import TooManySkips, TrainingSnapshot, UpdateState, build_optimizer, ppo_update, update_signal
 from utils import Config, ConfigError, add_config_arguments, check_training_config, derive_seed, load_config
 
 log = logging.getLogger("train_ppo")
 
 
 class StopRequested:
-    """SIGINT/SIGTERM set a flag that the loop checks at phase boundaries; a second signal exits at once."""
+    """SIGINT/SIGTERM set a flag that the loop checks at phase boundaries and the update before each
+    minibatch (an interrupted step is undone); a second signal exits at once."""
 
     def __init__(self):
         self.signal: int | None = None
@@ -85,11 +86,19 @@ class StopRequested:
             os._exit(128 + signum)  # safe: checkpoints are atomic
         self.signal = signum
         # emoji=False: the signal may land while the loop's first print imports rich's emoji table
-        console.print(f"[yellow]{signal.Signals(signum).name}: finishing the current phase, saving, exiting "
-                      "(send again to exit at once)[/yellow]", emoji=False)
+        console.print(f"[yellow]{signal.Signals(signum).name}: stopping at the next phase boundary or minibatch, "
+                      "saving the last finished step, exiting (send again to exit at once)[/yellow]", emoji=False)
 
     def __bool__(self) -> bool:
         return self.signal is not None
+
+
+class StepInterrupted(Exception):
+    """A stop signal arrived mid-update: the step is abandoned and the last finished one is saved."""
+
+
+class OutOfMemory(RuntimeError):
+    """CUDA ran out of memory on a micro-batch of one sequence: halving the token budget cannot help."""
 
 
 class BatchFailed(RuntimeError):
@@ -123,6 +132,7 @@ class Trainer:
         except (ConnectionError, RuntimeError) as exc:  # an env server that is down, a container that won't start
             raise StartupError(f"Could not start the environments: {exc}") from None
         self.update_state = UpdateState()
+        self.micro_batch_tokens = cfg.ppo.micro_batch_tokens  # halved after a CUDA out-of-memory error
         self._warned_cut_off = False
         self.step = self.saved_step = 0
         self.totals = {"episodes": 0, "episodes_failed": 0, "generated_tokens": 0}
@@ -146,18 +156,22 @@ class Trainer:
             await self.ranks.all_succeed_async(self.generator.check_server())
             await self.push_adapter()
         while self.step < cfg.run.max_steps and not self.stopping():
-            curriculum_before = self.curriculum.state_dict()
+            before = self.curriculum.state_dict(), dict(self.totals)
             tasks, group_ids = self.sample()
             started = time.perf_counter()
             episodes = await self.rollout(tasks)
             if episodes is None:  # interrupted mid-rollout: forget this step's draws
-                self.curriculum.load_state_dict(curriculum_before)
+                self.forget_step(*before)
                 break
             rollout_seconds = time.perf_counter() - started
             usable, usable_groups = self.usable(episodes, group_ids)
             metrics = self.episode_metrics(episodes, rollout_seconds)
             if usable:
-                metrics.update(self.learn(usable, usable_groups))
+                learned = self.learn(usable, usable_groups)
+                if learned is None:  # interrupted mid-update: the weights are back where the step began
+                    self.forget_step(*before)
+                    break
+                metrics.update(learned)
             self.step += 1
             if cfg.logging.log_samples_every and self.step % cfg.logging.log_samples_every == 0:
                 self.logger.log_sample(self.step, episodes[0])
@@ -175,6 +189,15 @@ class Trainer:
     def stopping(self) -> bool:
         """SIGINT/SIGTERM reached this rank or another: every rank leaves the loop at the same point."""
         return self.ranks.any(bool(self.stop))
+
+    def check_stop(self) -> None:
+        if self.stopping():
+            raise StepInterrupted
+
+    def forget_step(self, curriculum_before: dict[str, Any], totals_before: dict[str, int]) -> None:
+        """Undo an interrupted step's draws and counts, so that the checkpoint is the last finished step."""
+        self.curriculum.load_state_dict(curriculum_before)
+        self.totals = totals_before
 
     # ------------------------------------------------------------------ phases
     def sample(self) -> tuple[list[Task], list[int] | None]:
@@ -228,22 +251,64 @@ class Trainer:
                         cut_off, len(episodes), self.config.train.generation.max_turns)
         return [episodes[i] for i in keep], ([group_ids[i] for i in keep] if group_ids is not None else None)
 
-    def learn(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
-        """score -> advantages -> update -> adapt beta, on the episodes that can be trained on."""
+    def learn(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float] | None:
+        """score -> advantages -> update -> adapt beta, on the episodes that can be trained on. CUDA out of
+        memory undoes the pass and retries it with half the token budget; a stop signal undoes it and
+        returns None."""
+        snapshot = TrainingSnapshot.take(self.optimizer, self.update_state)
+        retries = 0
+        while True:
+            try:
+                metrics = self._learn(episodes, group_ids)
+                metrics["train/micro_batch_tokens"] = self.micro_batch_tokens
+                metrics["train/oom_retries"] = retries
+                return metrics
+            except StepInterrupted:
+                snapshot.restore(self.optimizer, self.update_state)
+                log.info("step %d interrupted during the update; its changes are undone", self.step + 1)
+                return None
+            except torch.cuda.OutOfMemoryError:
+                if self.ranks.world_size > 1:  # the other ranks sit in a collective: they cannot retry with us
+                    raise
+                snapshot.restore(self.optimizer, self.update_state)
+            # outside the except block: the traceback's references to the failed pass's tensors are gone
+            retries += 1
+            self.halve_micro_batch_tokens(episodes)
+
+    def halve_micro_batch_tokens(self, episodes: list[Episode]) -> None:
+        """After CUDA ran out of memory: halve the token budget for the rest of the run, unless the
+        longest sequence already has a micro-batch of its own."""
+        gen = self.config.train.generation
+        longest = max(len(sequence.input_ids) for sequence in build_sequences(episodes))
+        if self.micro_batch_tokens <= longest:
+            raise OutOfMemory(
+                f"CUDA ran out of memory on a single sequence of {longest} tokens (ppo.micro_batch_tokens is already "
+                f"down to {self.micro_batch_tokens}): it cannot be split. Lower generation.max_prompt_tokens "
+                f"({gen.max_prompt_tokens}) or generation.max_new_tokens ({gen.max_new_tokens}), turn on "
+                "model.gradient_checkpointing, or use a GPU with more memory. The last checkpoint is intact."
+            )
+        self.micro_batch_tokens = max(self.micro_batch_tokens // 2, 1)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        log.warning("CUDA out of memory in step %d: ppo.micro_batch_tokens halved to %d for the rest of the run; "
+                    "retrying the step", self.step + 1, self.micro_batch_tokens)
+
+    def _learn(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
         cfg = self.config.train
         started = time.perf_counter()
         # this rank's share of the batch; sums over the whole batch go through self.ranks
         mine = self.ranks.share(len(episodes), cfg.ppo.group_size if group_ids is not None else 1)
         sequences = [sequence for sequence in build_sequences(episodes) if sequence.episode in mine]
         with training_allocations():
-            metrics = score_sequences(self.policy, sequences, cfg.ppo.micro_batch_tokens, self.temperature,
+            metrics = score_sequences(self.policy, sequences, self.micro_batch_tokens, self.temperature,
                                       with_values=cfg.ppo.advantage == "gae")
+            self.check_stop()
             metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids,
                                              self.ranks.sum))
             metrics.update(self.update(sequences, [episodes[i] for i in mine]))
             every = cfg.logging.signal_check_every
             if every and (self.step + 1) % every == 0:
-                metrics.update(update_signal(self.policy, sequences, cfg.ppo.micro_batch_tokens, self.temperature,
+                metrics.update(update_signal(self.policy, sequences, self.micro_batch_tokens, self.temperature,
                                              self.ranks))
         metrics["perf/update_seconds"] = time.perf_counter() - started
         gap = sampler_gap(sequences, self.ranks.sum)
@@ -256,9 +321,10 @@ class Trainer:
         cfg = self.config.train
         value_only = self.step < cfg.value_head.warmup_steps
         shuffle = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "minibatches", self.step))
-        return ppo_update(self.policy, self.optimizer, sequences, cfg.ppo, self.kl_ctl.value, self.temperature,
+        ppo = cfg.ppo.model_copy(update={"micro_batch_tokens": self.micro_batch_tokens})
+        return ppo_update(self.policy, self.optimizer, sequences, ppo, self.kl_ctl.value, self.temperature,
                           shuffle, self.update_state, value_only=value_only,
-                          task_ids=[e.task.task_id for e in episodes], ranks=self.ranks)
+                          task_ids=[e.task.task_id for e in episodes], ranks=self.ranks, check_stop=self.check_stop)
 
     def advance_curriculum(self, episodes: list[Episode]) -> dict[str, Any]:
         stage_before = self.curriculum.stage.name
@@ -436,11 +502,16 @@ def main(argv: list[str] | None = None) -> int:
         ranks.start(ranks.local_device(pick_device(cfg.run.device)), cfg.run.rank_timeout_minutes)
         trainer = ranks.all_succeed(lambda: Trainer(config, run_dir, args.resume, args.init_adapter, ranks))
         asyncio.run(_train_and_close(trainer))
+        if trainer.stop.signal is not None:  # a scheduler that preempted the run sees it did not finish
+            log.info("stopped by %s after step %d%s", signal.Signals(trainer.stop.signal).name, trainer.saved_step,
+                     "; continue with --resume latest" if trainer.saved_step else " (nothing to save yet)")
+            return 128 + trainer.stop.signal
     except ConfigError as exc:
         if ranks.is_main:
             console.print(f"[red]Configuration error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
-    except (TooManySkips, VLLMError, StartupError, BatchFailed, RankFailed) as exc:
+    except (TooManySkips, VLLMError, StartupError, BatchFailed, RankFailed, CheckpointWriteError,
+            OutOfMemory) as exc:
         if ranks.is_main or isinstance(exc, RankLost):  # rank 0 hears of every other failure
             console.print(f"[red]Stopped:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 1

@@ -1,9 +1,12 @@
 """The PPO update: epochs over shuffled minibatches of sequences, micro-batches packed by a token budget."""
 from __future__ import annotations
 
+import copy
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +33,43 @@ class UpdateState:
     history: list[str] = field(default_factory=list)
 
 
+@dataclass
+class TrainingSnapshot:
+    """The trainable weights, optimizer moments and update counters before a step's update, in CPU
+    memory (LoRA and the value head are small), so that an update abandoned halfway (a stop signal,
+    CUDA out of memory) can be undone and the step saved or retried as if it had not started."""
+    parameters: list[torch.Tensor]
+    optimizer: dict[str, Any]
+    counters: dict[str, Any]
+
+    @classmethod
+    def take(cls, optimizer: torch.optim.Optimizer, state: UpdateState) -> TrainingSnapshot:
+        parameters = [p.detach().to("cpu", copy=True) for group in optimizer.param_groups for p in group["params"]]
+        return cls(parameters, _to_cpu(optimizer.state_dict()), copy.deepcopy(vars(state)))
+
+    def restore(self, optimizer: torch.optim.Optimizer, state: UpdateState) -> None:
+        with torch.no_grad():
+            live = [p for group in optimizer.param_groups for p in group["params"]]
+            for parameter, saved in zip(live, self.parameters, strict=True):
+                parameter.copy_(saved)
+        optimizer.zero_grad(set_to_none=True)
+        # a copy: on CPU load_state_dict keeps the given tensors, which the next step would change in place
+        optimizer.load_state_dict(_to_cpu(self.optimizer))
+        for name, value in copy.deepcopy(self.counters).items():
+            setattr(state, name, value)
+
+
+def _to_cpu(value: Any) -> Any:
+    """A copy of an optimizer state dict with every tensor copied to CPU memory."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(item) for item in value]
+    return value
+
+
 def build_optimizer(policy: Policy, cfg: PPOConfig, value_lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         [
@@ -52,6 +92,7 @@ def ppo_update(
     value_only: bool = False,
     task_ids: list[int] | None = None,
     ranks: Ranks = ONE_PROCESS,
+    check_stop: Callable[[], None] = lambda: None,
 ) -> dict[str, float]:
     """`ppo_epochs` passes; returns the mean of each logged statistic over optimizer steps.
 
@@ -60,7 +101,8 @@ def ppo_update(
     `value_only` trains the value head alone on a detached trunk (critic warm-up).
     With several ranks `sequences` is this rank's share of the batch (shares in rank order):
     minibatches are drawn over the whole batch, each rank trains its members of each, and weights,
-    statistics and gradients are summed over the ranks, so every rank takes the same steps."""
+    statistics and gradients are summed over the ranks, so every rank takes the same steps.
+    `check_stop` runs before every minibatch (on every rank alike) and raises to abandon the update."""
     pad_id = policy.tokenizer.pad_token_id
     stats: dict[str, list[float]] = {}
     early_stop = False
@@ -72,6 +114,7 @@ def ppo_update(
         for minibatch in minibatches:
             if not minibatch:
                 continue
+            check_stop()
             mine = [sequences[i - first] for i in minibatch if first <= i < first + len(sequences)]
             step_stats = _optimizer_step(policy, optimizer, mine, cfg, kl_coef, temperature, pad_id, value_only,
                                          state, task_ids, ranks)

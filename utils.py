@@ -176,6 +176,9 @@ class GenerationConfig(Strict):
     max_turns: int = Field(200, ge=1, description="Model decisions per episode before it is cut off.")
     request_timeout: float = Field(300.0, gt=0, description="Seconds per vLLM request.")
     request_retries: int = Field(3, ge=0, description="Retries of a failed vLLM request (transient errors only).")
+    server_wait_seconds: float = Field(
+        900.0, ge=0, description="How long a vLLM server that stopped answering is waited for (a restart), logged "
+        "once a minute; its interrupted episodes are replayed. Past it the run stops; 0 = stop at once.")
 
 
 class LoggingConfig(Strict):

@@ -14,6 +14,9 @@
   at worst an unused one is left on a server), `step` only when the request provably never reached
   the server (the connection could not be opened). A step whose reply was lost may already have
   been applied, and sending it again would play a second move, so it fails the episode instead.
+- A failure that means the server lost the episode (it could not be reached, the connection
+  dropped, or it answers `episode_not_found` after a restart) is marked `info.error.episode_lost`:
+  the rollout replays such an episode from its start with the same task and seed.
 - Remote episodes are stopped here once they are done or failed (the training loop does not stop
   finished episodes), so servers do not accumulate them.
 - The real Affine images answer with their own `info` (no prompts, no score until done); it is
@@ -58,6 +61,8 @@ _COUNTER_OF_KIND = {
     "remote_error": "remote_errors",
 }
 _COUNTERS = (*_COUNTER_OF_KIND.values(), "retries", "failed_episodes", "stop_errors")
+# Failures that mean the server went away or restarted: the episode is gone, not broken.
+_LOST_KINDS = ("connection_error", "transport_error", "episode_not_found")
 
 
 class RemoteCallError(Exception):
@@ -305,6 +310,8 @@ class AffinetesEnv:
         translated = self._translate(result, episode, remember=True)
         error = translated["info"].get("error")
         if translated["done"] and translated["truncated"] and error:
+            if isinstance(error, dict) and error.get("type") in _LOST_KINDS:  # a restarted server forgot it
+                translated["info"]["error"] = {**error, "episode_lost": True}
             self._counts["remote_errors"] += 1
             self._counts["failed_episodes"] += 1
             self._log_failure(episode_id, f"{method} on {episode.instance.name}", error)
@@ -335,7 +342,8 @@ class AffinetesEnv:
     def _failed(self, episode_id: str | None, method: str, error: RemoteCallError) -> StepResult:
         """The result that ends an episode the env could not continue."""
         self._counts["failed_episodes"] += 1
-        info_error = {"type": error.kind, "message": error.message, "retryable": error.retryable}
+        info_error = {"type": error.kind, "message": error.message, "retryable": error.retryable,
+                      "episode_lost": error.kind in _LOST_KINDS}
         self._log_failure(episode_id, method, info_error)
         return step_result("", done=True, truncated=True, episode_id=episode_id, info={
             "error": info_error, "score": 0.0, "success": False, "parse_error": False,

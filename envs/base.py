@@ -16,6 +16,11 @@ from __future__ import annotations
 from typing import Any, Protocol, TypedDict
 
 
+class EpisodeLost(Exception):
+    """A server the episode depends on (an env server, a vLLM server) went away or restarted and lost
+    it; the rollout replays the episode from its start with the same task and seed."""
+
+
 class StepResult(TypedDict):
     observation: str
     reward: float

@@ -125,6 +125,7 @@ class Protections:
     bwrap_path: str | None  # None: bubblewrap missing or not working here
     drop_uid: bool  # we are root, so each run gets its own unprivileged uid
     process_limit: bool  # RLIMIT_NPROC is enforceable for the run
+    bwrap_failure: str | None = None  # bubblewrap is installed but its probe failed: what it said
 
     def describe(self) -> str:
         active = ["rlimits (cpu, address space, file size)", "scrubbed environment", "own session",
@@ -171,25 +172,30 @@ def _probe(use_bwrap: bool) -> Protections:
     is_root = os.geteuid() == 0
     if use_bwrap:
         bwrap = shutil.which("bwrap")
-        if bwrap and _works(Protections(bwrap_path=bwrap, drop_uid=is_root, process_limit=True)):
-            return Protections(bwrap_path=bwrap, drop_uid=is_root, process_limit=True)
-        return Protections(bwrap_path=None, drop_uid=False, process_limit=False)
+        failure = None
+        if bwrap:
+            failure = _failure(Protections(bwrap_path=bwrap, drop_uid=is_root, process_limit=True))
+            if failure is None:
+                return Protections(bwrap_path=bwrap, drop_uid=is_root, process_limit=True)
+            failure = f"{bwrap}: {failure}"
+        return Protections(bwrap_path=None, drop_uid=False, process_limit=False, bwrap_failure=failure)
     if is_root:
         if not _runs_as_other_uid():
             logger.warning("%s cannot be executed by an unprivileged uid (e.g. it lives under /root), so without "
                            "bubblewrap sandboxed programs run as root", sys.executable)
-        elif _works(Protections(bwrap_path=None, drop_uid=True, process_limit=True)):
+        elif _failure(Protections(bwrap_path=None, drop_uid=True, process_limit=True)) is None:
             return Protections(bwrap_path=None, drop_uid=True, process_limit=True)
     return Protections(bwrap_path=None, drop_uid=False, process_limit=False)
 
 
-def _works(candidate: Protections) -> bool:
+def _failure(candidate: Protections) -> str | None:
+    """None when `candidate` runs a trivial program correctly, else what went wrong (its stderr)."""
     result = _run(candidate, "print(6 * 7)\n", "", 10.0, SandboxLimits())
     if result.returncode == 0 and result.stdout == "42\n":
-        return True
-    logger.warning("sandbox variant %s does not work here (exit %s): %s", candidate, result.returncode,
-                   result.stderr.strip()[-500:])
-    return False
+        return None
+    failure = f"exit {result.returncode}: {result.stderr.strip()[-500:] or '(no message)'}"
+    logger.warning("sandbox variant %s does not work here (%s)", candidate, failure)
+    return failure
 
 
 def _runs_as_other_uid() -> bool:
@@ -206,10 +212,18 @@ def require_isolation() -> Protections:
     """The protections of the default (bubblewrap) sandbox; SandboxUnavailable when bubblewrap does not work here."""
     protections = detect_protections(use_bwrap=True)
     if protections.bwrap_path is None:
+        unsafe = ("Or, at your own risk, set the trace env's unsafe_rlimit_only_sandbox=true to run them with rlimits "
+                  "only: no file-system or network isolation.")
+        if protections.bwrap_failure:
+            raise SandboxUnavailable(
+                "Trace programs (model-written and dataset code) run only inside bubblewrap, which is installed but "
+                f"failed its test run here: {protections.bwrap_failure}. Common causes: unprivileged user "
+                "namespaces disabled (sysctl kernel.unprivileged_userns_clone / "
+                "kernel.apparmor_restrict_unprivileged_userns), or a container without CAP_SYS_ADMIN. " + unsafe
+            )
         raise SandboxUnavailable(
             "Trace programs (model-written and dataset code) run only inside bubblewrap, which is not installed "
-            f"or does not work here. Install it: '{INSTALL_BWRAP}' (as root). Or, at your own risk, set the trace "
-            "env's unsafe_rlimit_only_sandbox=true to run them with rlimits only: no file-system or network isolation."
+            f"(no 'bwrap' on PATH). Install it: '{INSTALL_BWRAP}' (as root). " + unsafe
         )
     return protections
 
@@ -340,7 +354,27 @@ def _bwrap_argv(protections: Protections, limits: SandboxLimits, program_fd: int
             argv += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             argv += ["--ro-bind", top, top]
-    created: set[str] = set()
+    argv += [
+        "--proc", "/proc", "--dev", "/dev",
+        # Each tmpfs is RAM outside RLIMIT_AS, hence the size caps; /dev/shm serves multiprocessing.
+        "--perms", "1777", "--size", str(limits.scratch_bytes), "--tmpfs", "/dev/shm",
+        "--perms", "1777", "--size", str(limits.scratch_bytes), "--tmpfs", "/tmp",
+        "--perms", "0777", "--size", str(limits.scratch_bytes), "--tmpfs", SANDBOX_WORKDIR,
+        "--perms", "0444", "--ro-bind-data", str(program_fd), f"{SANDBOX_WORKDIR}/{PROGRAM_NAME}",
+    ]
+    # After the private tmpfs mounts: an interpreter under /tmp or /dev/shm (a venv there) would
+    # otherwise be hidden by them.
+    argv += _interpreter_binds(mounted={"/dev", "/dev/shm", "/tmp", SANDBOX_WORKDIR})
+    argv += ["--chdir", SANDBOX_WORKDIR, "--clearenv"]
+    for key, value in env.items():
+        argv += ["--setenv", key, value]
+    return argv + ["--"]
+
+
+def _interpreter_binds(mounted: set[str]) -> list[str]:
+    """Read-only binds of the interpreter's folders, creating their parent folders as needed."""
+    argv: list[str] = []
+    created = set(mounted)
     for root in _interpreter_roots():
         parts = root.strip("/").split("/")
         for depth in range(1, len(parts)):
@@ -350,18 +384,7 @@ def _bwrap_argv(protections: Protections, limits: SandboxLimits, program_fd: int
                 argv += ["--perms", "0755", "--dir", parent]
                 created.add(parent)
         argv += ["--ro-bind", root, root]
-    argv += [
-        "--proc", "/proc", "--dev", "/dev",
-        # Each tmpfs is RAM outside RLIMIT_AS, hence the size caps; /dev/shm serves multiprocessing.
-        "--perms", "1777", "--size", str(limits.scratch_bytes), "--tmpfs", "/dev/shm",
-        "--perms", "1777", "--size", str(limits.scratch_bytes), "--tmpfs", "/tmp",
-        "--perms", "0777", "--size", str(limits.scratch_bytes), "--tmpfs", SANDBOX_WORKDIR,
-        "--perms", "0444", "--ro-bind-data", str(program_fd), f"{SANDBOX_WORKDIR}/{PROGRAM_NAME}",
-        "--chdir", SANDBOX_WORKDIR, "--clearenv",
-    ]
-    for key, value in env.items():
-        argv += ["--setenv", key, value]
-    return argv + ["--"]
+    return argv
 
 
 def _interpreter_roots() -> list[str]:

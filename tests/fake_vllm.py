@@ -7,14 +7,18 @@ is on, like vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING); what an env's evalua
 `POST /v1/chat/completions` (the model's chat template, streamed or not); and `GET /test/stats`
 (not vLLM's), which counts the completions served and lists every adapter name ever loaded, in order.
 `--max-new-tokens N` caps every reply, like vLLM's `--override-generation-config '{"max_new_tokens": N}'`.
+`--exit-after-completions N` makes the process die on receiving its Nth completion request, unanswered
+(a crashed or preempted server).
 
 Run: python tests/fake_vllm.py --model DIR --port P [--no-runtime-lora] [--ignore-adapters]
-        [--served-model-name NAME] [--max-model-len N] [--max-new-tokens N]
+        [--served-model-name NAME] [--max-model-len N] [--max-new-tokens N] [--exit-after-completions N]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import threading
 
 import torch
@@ -25,7 +29,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool = False, served_name: str | None = None,
-              max_model_len: int = 32768, max_new_tokens: int | None = None) -> FastAPI:
+              max_model_len: int = 32768, max_new_tokens: int | None = None,
+              exit_after_completions: int | None = None) -> FastAPI:
     from peft import PeftModel
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -33,6 +38,7 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
     state = {"model": base, "adapters": {}}
     stats = {"completions": 0, "loaded": []}
     lock = threading.Lock()
+    received = itertools.count(1)
     app = FastAPI()
 
     served_name = served_name or model_dir
@@ -84,6 +90,8 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        if next(received) == exit_after_completions:
+            os._exit(1)
         body = await request.json()
         model, adapter = model_for(body["model"])
         prompt = body["prompt"]
@@ -187,7 +195,8 @@ if __name__ == "__main__":
     parser.add_argument("--served-model-name")
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--max-new-tokens", type=int, help="cap on every reply (vLLM: --override-generation-config)")
+    parser.add_argument("--exit-after-completions", type=int, help="die on receiving the Nth completion request")
     args = parser.parse_args()
     uvicorn.run(build_app(args.model, not args.no_runtime_lora, args.ignore_adapters, args.served_model_name,
-                          args.max_model_len, args.max_new_tokens), host="127.0.0.1", port=args.port,
-                log_level="warning")
+                          args.max_model_len, args.max_new_tokens, args.exit_after_completions), host="127.0.0.1",
+                port=args.port, log_level="warning")

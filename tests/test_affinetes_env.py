@@ -536,6 +536,7 @@ def test_server_killed_mid_episode_fails_that_episode_and_the_run_goes_on(game_s
     counts = env.error_counts()
     run(env.close())
     assert lost["done"] and lost["truncated"] and lost["info"]["error"]["type"] == "connection_error"
+    assert lost["info"]["error"]["episode_lost"]  # the rollout plays it again from its start
     assert while_down["done"] and while_down["info"]["error"]["type"] == "connection_error"
     # a refused connection never reached the server, so even the step was retried
     assert counts["retries"] == 2 * FAST["max_retries"]
@@ -544,7 +545,7 @@ def test_server_killed_mid_episode_fails_that_episode_and_the_run_goes_on(game_s
     assert after_restart["done"] and not after_restart["truncated"]
 
 
-def test_server_restarted_between_reset_and_step_fails_that_episode(game_server):
+def test_server_restarted_between_reset_and_step_marks_that_episode_lost(game_server):
     env = url_env(game_server.url)
 
     async def play():
@@ -556,8 +557,80 @@ def test_server_restarted_between_reset_and_step_fails_that_episode(game_server)
     counts = env.error_counts()
     run(env.close())
     assert result["done"] and result["truncated"]
-    assert result["info"]["error"]["type"] == "episode_not_found"
+    assert result["info"]["error"]["type"] == "episode_not_found" and result["info"]["error"]["episode_lost"]
     assert counts["remote_errors"] == 1 and counts["failed_episodes"] == 1
+
+
+def test_a_step_answered_with_an_error_is_not_a_lost_episode():
+    def respond(method, kwargs):
+        if method == "reset":
+            return success(openenv("Legal Actions:\n  1 -> Call", episode_id="e1", game_name="leduc_poker"))
+        return 500, b'{"detail": "boom"}'
+
+    with FakeServer(respond) as server:
+        env = url_env(server.url)
+
+        async def play():
+            first = await env.reset(task_id=1, seed=1)
+            return await env.step("1", first["episode_id"])
+
+        result = run(play())
+        run(env.close())
+    assert result["info"]["error"]["type"] == "http_error" and not result["info"]["error"]["episode_lost"]
+
+
+# ------------------------------------------------------------------ replays of lost episodes by the rollout
+def replaying_runner(policy, env):
+    from generation import Generation
+    from prompts import PromptBuilder
+    from rollout import RolloutRunner
+    from utils import GenerationConfig
+
+    class RepliesOne:
+        def __init__(self):
+            self.eos_ids: set[int] = set()
+
+        async def generate(self, prompt_ids, order_key, seed):
+            return Generation(list(policy.tokenizer("1", add_special_tokens=False)["input_ids"]))
+
+    return RolloutRunner({"game": ("affinetes", env)}, RepliesOne(), PromptBuilder(policy.tokenizer, 4096),
+                         GenerationConfig(max_new_tokens=4))
+
+
+def test_an_episode_its_restarted_server_forgot_is_replayed_from_its_start(tiny_policy):
+    from curriculum import Task
+
+    game = AffineGame()
+    steps = []
+
+    def restart_at_the_first_step(method, kwargs):
+        if method == "step":
+            steps.append(kwargs["episode_id"])
+            if len(steps) == 1:
+                game.live.clear()  # the server restarted: it holds no episode
+        return game(method, kwargs)
+
+    with FakeServer(restart_at_the_first_step) as server:
+        env = url_env(server.url)
+        [episode] = run(replaying_runner(tiny_policy, env).run([Task("game", 7, 3, None, "s", False)], step=0))
+        run(env.close())
+        resets = [kwargs for method, kwargs in server.calls if method == "reset"]
+    assert episode.error is None and episode.done and episode.replays == 1
+    assert [(r["task_id"], r["seed"]) for r in resets] == [(7, 3), (7, 3)]  # the same task and seed again
+    assert steps == game.created  # one step in each of the two episodes
+
+
+def test_an_env_server_that_stays_away_fails_the_episode_after_the_replays(tiny_policy):
+    from curriculum import Task
+    from rollout import MAX_REPLAYS
+
+    with FakeServer(AffineGame()) as server:
+        env = url_env(server.url)
+    # the server is gone: every reset is refused
+    [episode] = run(replaying_runner(tiny_policy, env).run([Task("game", 7, 3, None, "s", False)], step=0))
+    run(env.close())
+    assert episode.replays == MAX_REPLAYS and "lost 4 times" in episode.error
+    assert env.error_counts()["connection_errors"] == (MAX_REPLAYS + 1) * (FAST["max_retries"] + 1)
 
 
 # ------------------------------------------------------------------ docker mode (no Docker engine needed)

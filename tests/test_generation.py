@@ -113,3 +113,92 @@ def test_first_prompts_that_begin_alike_are_prefilled_once(tiny_policy, temperat
     later_turns = shared.prefilled_tokens - first_wave
     assert 0 < later_turns < whole.prompt_tokens - 4 * first_prompt
     assert shared.prefilled_tokens < 0.5 * whole.prefilled_tokens
+
+
+COMPLETION = {"choices": [{"finish_reason": "stop", "text": "x", "logprobs": {
+    "tokens": ["token_id:11"], "token_logprobs": [-0.5]}}]}
+
+
+class RestartingServer:
+    """A mock vLLM that refuses connections for its first `down_for` requests, then answers as a freshly
+    restarted server: the base model only, until an adapter is loaded."""
+
+    def __init__(self, down_for: int):
+        self.down_for = down_for
+        self.adapters: list[str] = []
+        self.log: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.log.append(f"{request.method} {request.url.path}")
+        if len(self.log) <= self.down_for:
+            raise httpx.ConnectError("Connection refused", request=request)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "base"}] + [{"id": name} for name in self.adapters]})
+        if request.url.path == "/v1/load_lora_adapter":
+            self.adapters.append(json.loads(request.content)["lora_name"])
+            return httpx.Response(200, text="Success")
+        if json.loads(request.content)["model"] not in ["base", *self.adapters]:
+            return httpx.Response(404, json={"message": "The model does not exist."})
+        return httpx.Response(200, json=COMPLETION)
+
+
+def vllm_generator(policy, server, **config) -> VLLMGenerator:
+    generator = VLLMGenerator("http://vllm/v1", "base", policy.tokenizer, GenerationConfig(**config), 8, {2})
+    generator.client = httpx.AsyncClient(transport=httpx.MockTransport(server))
+    return generator
+
+
+def test_a_restarted_vllm_gets_the_adapter_back_before_any_request_and_the_episode_is_replayed(tiny_policy, tmp_path):
+    from envs.base import EpisodeLost
+
+    server = RestartingServer(down_for=3)  # two tries of the completion, the first wait's health check
+    generator = vllm_generator(tiny_policy, server, request_retries=1)
+    generator.loaded, generator.active_adapter = {"run-step-4": tmp_path}, "run-step-4"
+
+    async def generate_twice():
+        with pytest.raises(EpisodeLost, match="went away mid-episode"):
+            await generator.generate([1, 2], order_key=0, seed=5)
+        return await generator.generate([1, 2], order_key=0, seed=5)
+
+    assert asyncio.run(generate_twice()).token_ids == [11]
+    assert server.log == ["POST /v1/completions"] * 2 + ["GET /v1/models"] * 2 + ["POST /v1/load_lora_adapter",
+                                                                                  "POST /v1/completions"]
+    assert server.adapters == ["run-step-4"] and generator.outages == 1
+
+
+def test_a_vllm_that_lost_the_adapter_without_a_refused_request_still_gets_it_back(tiny_policy, tmp_path):
+    from envs.base import EpisodeLost
+
+    server = RestartingServer(down_for=0)  # restarted between two requests: it answers, without the adapter
+    generator = vllm_generator(tiny_policy, server)
+    generator.loaded, generator.active_adapter = {"run-step-4": tmp_path}, "run-step-4"
+    with pytest.raises(EpisodeLost, match="restarted without adapter 'run-step-4'"):
+        asyncio.run(generator.generate([1, 2], order_key=0, seed=5))
+    assert server.adapters == ["run-step-4"]
+
+
+def test_a_vllm_that_stays_away_past_the_wait_stops_the_run_with_the_field(tiny_policy):
+    from generation import VLLMError
+
+    server = RestartingServer(down_for=10**6)
+    generator = vllm_generator(tiny_policy, server, request_retries=0, server_wait_seconds=2)
+    with pytest.raises(VLLMError, match=r"not back within generation.server_wait_seconds=2\b.*--resume latest"):
+        asyncio.run(generator.generate([1, 2], order_key=0, seed=5))
+    polls = server.log.count("GET /v1/models")
+    assert 2 <= polls <= 3  # at 0, 1 and 2 s (backing off)
+    with pytest.raises(VLLMError):  # once given up, later requests fail at once instead of waiting again
+        asyncio.run(generator.generate([1, 2], order_key=1, seed=6))
+    assert server.log.count("GET /v1/models") == polls
+
+
+def test_an_answering_vllm_that_fails_a_request_is_an_error_not_a_wait(tiny_policy):
+    from generation import VLLMError
+
+    def broken(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "base"}]})
+        return httpx.Response(500, text="internal error")
+
+    generator = vllm_generator(tiny_policy, broken, request_retries=0)
+    with pytest.raises(VLLMError, match="failed after 1 attempts: HTTP 500"):
+        asyncio.run(generator.generate([1, 2], order_key=0, seed=5))

@@ -19,6 +19,8 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -464,6 +466,48 @@ def test_no_bubblewrap_means_no_program_runs(monkeypatch, tmp_path):
     with pytest.raises(SandboxUnavailable):
         TraceEnv()
     assert TraceEnv(unsafe_rlimit_only_sandbox=True).use_bwrap is False  # the explicit, unsafe opt-in
+
+
+def test_a_bubblewrap_that_fails_is_quoted_not_called_missing(monkeypatch, tmp_path):
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(sandbox, "_probed", {})
+    with pytest.raises(SandboxUnavailable) as raised:
+        run_python("print(1)")
+    message = str(raised.value)
+    assert f"installed but failed its test run here: {fake}: exit 1: bwrap: setting up uid map: Permission denied" \
+        in message
+    assert "not installed" not in message
+
+
+_VENV_DRIVER = """
+import json, sys
+from envs.sandbox import detect_protections, run_python
+result = run_python("import sys; print(sys.executable)", timeout=10.0)
+print(json.dumps({"bwrap": detect_protections().bwrap_path is not None, "stdout": result.stdout,
+                  "prefix": sys.prefix}))
+"""
+
+
+@needs_bwrap
+@pytest.mark.parametrize("parent", ["/tmp", "/dev/shm"])
+def test_an_interpreter_in_a_venv_under_a_private_tmpfs_still_runs_programs(parent, tmp_path):
+    """The sandbox mounts its own /tmp and /dev/shm; a venv living there must stay visible inside."""
+    if not os.access(parent, os.W_OK):
+        pytest.skip(f"{parent} is not writable here")
+    scratch = Path(tempfile.mkdtemp(prefix="sandbox-venv-", dir=parent))
+    venv = scratch / "venv"  # made 0755 by venv, inside a 0700 folder as in a user's private temp dir
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+                       check=True, timeout=120)
+        completed = subprocess.run([str(venv / "bin" / "python"), "-c", _VENV_DRIVER], cwd=REPO, check=False,
+                                   capture_output=True, text=True, timeout=60)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout) == {"bwrap": True, "stdout": f"{venv}/bin/python\n", "prefix": str(venv)}
 
 
 # ---------------------------------------------------------------- the unsafe rlimit-only mode

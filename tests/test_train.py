@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -143,25 +144,27 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture
-def fake_vllm(tiny_model_dir, request):
-    flags = getattr(request, "param", [])
-    port = _free_port()
-    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_vllm.py"), "--model", str(tiny_model_dir),
-                                "--port", str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}/v1"
+def start_fake_vllm(model_dir: Path, port: int, *flags: str) -> subprocess.Popen:
+    """tests/fake_vllm.py on `port`, once it answers."""
     import httpx
 
+    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_vllm.py"), "--model", str(model_dir),
+                                "--port", str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     for _ in range(300):
         try:
-            if httpx.get(f"{url}/models", timeout=1).status_code == 200:
-                break
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
+                return process
         except httpx.HTTPError:
             time.sleep(0.1)
-    else:
-        process.kill()
-        pytest.fail("fake vLLM server did not start: " + process.stderr.read().decode()[-2000:])
-    yield url
+    process.kill()
+    pytest.fail("fake vLLM server did not start: " + process.stderr.read().decode()[-2000:])
+
+
+@pytest.fixture
+def fake_vllm(tiny_model_dir, request):
+    port = _free_port()
+    process = start_fake_vllm(tiny_model_dir, port, *getattr(request, "param", []))
+    yield f"http://127.0.0.1:{port}/v1"
     process.terminate()
     process.wait(timeout=10)
 
@@ -333,8 +336,172 @@ def test_sigterm_mid_run_saves_and_exits_cleanly(tiny_model_dir, tmp_path):
         time.sleep(0.2)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stderr[-2000:]
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]  # a scheduler sees a preempted run
     step = len(metrics(tmp_path / "t"))
     checkpoint = find_resumable(tmp_path / "t" / "checkpoints")
     assert checkpoint is not None and checkpoint.name == f"checkpoint-{step}"
     assert os.path.exists(checkpoint / "adapter" / "adapter_config.json")
+
+
+# Runs train_ppo with an update that, at step 2, signals the test after its first optimizer step and then
+# waits: with {checks} the update looks for the stop flag again (as the real one does before every
+# minibatch), without it the update ignores it (a long update that only a second signal may cut short).
+SIGNAL_IN_UPDATE_SCRIPT = textwrap.dedent("""
+    import sys, time
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import train_ppo
+    from pathlib import Path
+    original = train_ppo.ppo_update
+    calls = []
+    def ppo_update(*args, check_stop, **kwargs):
+        calls.append(1)
+        minibatches = []
+        def wait_for_the_signal():
+            minibatches.append(1)
+            if len(calls) == 2 and len(minibatches) == 2:
+                Path({marker!r}).write_text("updating")
+                for _ in range(600):
+                    if {checks}:
+                        check_stop()
+                    time.sleep(0.1)
+            check_stop()
+        return original(*args, check_stop=wait_for_the_signal, **kwargs)
+    train_ppo.ppo_update = ppo_update
+    sys.exit(train_ppo.main(sys.argv[1:]))
+""")
+
+
+def adapter_weights(out: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "t" / "checkpoints" / f"checkpoint-{step}" / "adapter" / "adapter_model.safetensors"))
+
+
+def start_and_wait_for_the_update(tmp_path, args, checks: bool) -> subprocess.Popen:
+    marker = tmp_path / "marker"
+    script = tmp_path / "signal_in_update.py"
+    script.write_text(SIGNAL_IN_UPDATE_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), marker=str(marker),
+                                                     checks=checks))
+    process = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not marker.exists():
+        assert process.poll() is None, process.stderr.read()[-2000:]
+        assert time.time() < deadline, "the run never reached the update of its second step"
+        time.sleep(0.2)
+    return process
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_update_saves_the_last_finished_step_and_resumes_as_if_never_stopped(tiny_model_dir,
+                                                                                                 tmp_path):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert train_ppo.main(tiny_args(tiny_model_dir, straight, "--max-steps", "2", "--set",
+                                    "checkpointing.save_every=1")) == 0
+    stopped.mkdir()
+    args = tiny_args(tiny_model_dir, stopped, "--max-steps", "2", "--set", "checkpointing.save_every=1000")
+    process = start_and_wait_for_the_update(stopped, args, checks=True)
+    signalled = time.time()
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert time.time() - signalled < 30
+    # the half-done update of step 2 was undone: checkpoint-1 holds exactly the weights step 1 left
+    assert find_resumable(stopped / "t" / "checkpoints").name == "checkpoint-1"
+    saved, reference = adapter_weights(stopped, 1), adapter_weights(straight, 1)
+    assert all(torch.equal(saved[k], reference[k]) for k in reference)
+    assert [r["step"] for r in metrics(stopped / "t")] == [1]
+
+    assert train_ppo.main(args + ["--resume", "latest"]) == 0
+    assert [deterministic(r) for r in metrics(stopped / "t")] == [deterministic(r) for r in metrics(straight / "t")]
+    final, reference = adapter_weights(stopped, 2), adapter_weights(straight, 2)
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+
+
+@pytest.mark.slow
+def test_a_second_signal_exits_at_once_leaving_the_last_checkpoint_resumable(tiny_model_dir, tmp_path):
+    args = tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2", "--set", "checkpointing.save_every=1")
+    process = start_and_wait_for_the_update(tmp_path, args, checks=False)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert process.poll() is None  # the first signal only asks the loop to stop at its next check
+    signalled = time.time()
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM and time.time() - signalled < 5, stderr[-2000:]
+    assert "send again to exit at once" in " ".join(stderr.split())  # rich wraps the line
+    assert find_resumable(tmp_path / "t" / "checkpoints").name == "checkpoint-1"
+    assert train_ppo.main(args + ["--resume", "latest"]) == 0
+    assert [r["step"] for r in metrics(tmp_path / "t")] == [1, 2]
+
+
+def out_of_memory_once(original, budgets: list[int]):
+    """`original` (the update), raising CUDA's out-of-memory error on its first call; records each call's budget."""
+
+    def update(policy, optimizer, sequences, cfg, *args, **kwargs):
+        budgets.append(cfg.micro_batch_tokens)
+        if len(budgets) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(policy, optimizer, sequences, cfg, *args, **kwargs)
+
+    return update
+
+
+@pytest.mark.slow
+def test_out_of_memory_in_the_update_halves_the_token_budget_and_retries_the_step(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    budgets: list[int] = []
+    monkeypatch.setattr(train_ppo, "ppo_update", out_of_memory_once(train_ppo.ppo_update, budgets))
+    assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2")) == 0
+    assert budgets == [16384, 8192, 8192]  # the failed try, its retry, then step 2 keeps the halved budget
+    records = metrics(tmp_path / "t")
+    assert [(r["step"], r["train/micro_batch_tokens"], r["train/oom_retries"]) for r in records] == \
+        [(1, 8192, 1), (2, 8192, 0)]
+    assert "policy/loss" in records[0]
+
+
+@pytest.mark.slow
+def test_a_single_sequence_that_does_not_fit_stops_with_the_generation_limits(tiny_model_dir, tmp_path, monkeypatch,
+                                                                              capsys):
+    def always_out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(train_ppo, "score_sequences", always_out_of_memory)
+    assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2")) == 1
+    message = " ".join(capsys.readouterr().err.split())
+    assert "CUDA ran out of memory on a single sequence" in message
+    assert "generation.max_prompt_tokens (8192)" in message and "generation.max_new_tokens (3)" in message
+    assert not (tmp_path / "t" / "metrics.jsonl").exists() or metrics(tmp_path / "t") == []
+
+
+@pytest.mark.slow
+def test_a_vllm_server_that_dies_mid_rollout_is_waited_for_and_its_episodes_replayed(tiny_model_dir, tmp_path):
+    import httpx
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/v1"
+    servers = [start_fake_vllm(tiny_model_dir, port, "--exit-after-completions", "3")]
+
+    def restart_once_it_died():
+        servers[0].wait()
+        time.sleep(2.0)  # down long enough for the trainer's quick retries to be spent
+        servers.append(start_fake_vllm(tiny_model_dir, port))
+
+    restarter = threading.Thread(target=restart_once_it_died, daemon=True)
+    restarter.start()
+    try:
+        code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2", "--set",
+                                        "generation.backend=vllm", "--set", f"env.vllm_url={url}",
+                                        "--set", "generation.request_retries=1", "--set", "ppo.learning_rate=1e-2"))
+        restarter.join(timeout=60)
+        stats = httpx.get(f"http://127.0.0.1:{port}/test/stats").json()
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+    assert code == 0 and len(servers) == 2
+    records = metrics(tmp_path / "t")
+    assert [r["env/episodes_failed"] for r in records] == [0, 0]
+    assert records[0]["env/episodes_replayed"] >= 1 and records[1]["env/episodes_replayed"] == 0
+    assert records[0]["curriculum/stage_episodes"] == 4 - records[0]["env/episodes_cut_off"]  # each counted once
+    # the restarted server got the step-0 adapter back before serving the replays, then each new one
+    assert [name.split("-step-")[1].split("-")[0] for name in stats["loaded"]] == ["0", "1", "2"]
+    assert all(r["vllm/logprob_gap"] < 1e-3 for r in records)

@@ -6,7 +6,7 @@ import policy as policy_module
 from curriculum import Task
 from experience import assign_advantages, build_sequences, collate, score_sequences
 from rollout import Episode, Turn
-from update import UpdateState, build_optimizer, ppo_update, update_signal
+from update import TrainingSnapshot, UpdateState, build_optimizer, ppo_update, update_signal
 from utils import PPOConfig
 
 
@@ -143,3 +143,40 @@ def test_explained_variance_is_taken_over_the_whole_minibatch_not_per_micro_batc
     stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-3), sequences, cfg, 0.0, 1.0,
                        torch.Generator().manual_seed(0), UpdateState())
     assert stats["value/explained_variance"] == pytest.approx(expected, abs=1e-4)
+
+
+class Stop(Exception):
+    pass
+
+
+def test_an_update_abandoned_halfway_is_undone_by_its_snapshot(tiny_policy):
+    """A stop (or out-of-memory) after some optimizer steps: weights, moments and counters return to the start."""
+    cfg = PPOConfig(learning_rate=1e-2, ppo_epochs=2, num_minibatches=2, kl_stop=None)
+    sequences = prepared(tiny_policy, cfg)
+    optimizer = build_optimizer(tiny_policy, cfg, value_lr=1e-2)
+    state = UpdateState()
+    ppo_update(tiny_policy, optimizer, sequences, cfg, 0.0, 1.0, torch.Generator().manual_seed(0), state)
+    weights_before = {n: p.detach().clone() for n, p in tiny_policy.named_parameters() if p.requires_grad}
+    moments_before = {n: optimizer.state[p]["exp_avg"].clone() for n, p in tiny_policy.named_parameters()
+                      if p.requires_grad}
+    snapshot = TrainingSnapshot.take(optimizer, state)
+    checks = []
+
+    def stop_at_the_third_minibatch():
+        checks.append(1)
+        if len(checks) == 3:
+            raise Stop
+
+    for _ in range(2):  # a retried step may be abandoned again: the snapshot must survive a restore
+        checks.clear()
+        with pytest.raises(Stop):
+            ppo_update(tiny_policy, optimizer, sequences, cfg, 0.0, 1.0, torch.Generator().manual_seed(1), state,
+                       check_stop=stop_at_the_third_minibatch)
+        assert state.optimizer_steps == 4 + 2  # two steps were taken before the stop
+        assert any(not torch.equal(p, weights_before[n]) for n, p in tiny_policy.named_parameters() if p.requires_grad)
+        snapshot.restore(optimizer, state)
+        assert state.optimizer_steps == 4
+        for name, parameter in tiny_policy.named_parameters():
+            if parameter.requires_grad:
+                assert torch.equal(parameter, weights_before[name]), name
+                assert torch.equal(optimizer.state[parameter]["exp_avg"], moments_before[name]), name
