@@ -183,11 +183,13 @@ AGREEMENT = textwrap.dedent("""
             raise ConnectionError("env server 10.0.0.2:8765 refused the connection")
     def fail_on_rank_zero():
         raise OSError("No space left on device")
-    for attempt in (lambda: ranks.all_succeed(fail_on_rank_one), lambda: ranks.from_main(fail_on_rank_zero)):
-        try:
-            attempt()
-        except Exception as exc:
-            print(f"rank {{ranks.rank}}: {{type(exc).__name__}}: {{exc}}", flush=True)
+    # one file per rank: two ranks printing to one shared stdout can interleave their lines
+    with open(f"{out}/rank{{ranks.rank}}.txt", "w") as report:
+        for attempt in (lambda: ranks.all_succeed(fail_on_rank_one), lambda: ranks.from_main(fail_on_rank_zero)):
+            try:
+                attempt()
+            except Exception as exc:
+                report.write(f"rank {{ranks.rank}}: {{type(exc).__name__}}: {{exc}}\\n")
     ranks.close()
 """)
 
@@ -195,10 +197,10 @@ AGREEMENT = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_failure_on_one_rank_is_raised_on_every_rank_instead_of_a_hang(tmp_path):
     script = tmp_path / "agreement.py"
-    script.write_text(AGREEMENT.format(root=str(ROOT)))
+    script.write_text(AGREEMENT.format(root=str(ROOT), out=str(tmp_path)))
     result = torchrun(str(script), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = set(result.stdout.splitlines())
+    lines = set((tmp_path / "rank0.txt").read_text().splitlines() + (tmp_path / "rank1.txt").read_text().splitlines())
     assert {"rank 1: ConnectionError: env server 10.0.0.2:8765 refused the connection",
             "rank 0: RankFailed: rank 1 failed: ConnectionError: env server 10.0.0.2:8765 refused the connection",
             "rank 0: OSError: No space left on device",
