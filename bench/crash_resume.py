@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from checkpoint import CHECKPOINT_RE, find_resumable, verify  # noqa: E402
+import fake_vllm as fake_vllm_server  # noqa: E402
 
 PHASES = ("rollout", "update", "checkpoint")
 SCENARIOS = ("kill9", "sigterm", "vllm-restart", "oom")
@@ -247,23 +248,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_fake_vllm(model_dir: Path, port: int) -> subprocess.Popen:
-    """tests/fake_vllm.py on `port`, once it answers."""
-    import httpx
-
-    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_vllm.py"), "--model", str(model_dir),
-                               "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while server.poll() is None and time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    server.kill()
-    raise RuntimeError(f"tests/fake_vllm.py did not start on port {port}")
-
-
 def vllm_restart_run(work: Path, model_dir: Path, phase: str, steps: int, down_seconds: float) -> dict:
     """One run on the fake vLLM server, which is SIGKILLed 0.1 s into the run's 2nd `phase` and started again
     on the same port `down_seconds` later."""
@@ -275,7 +259,7 @@ def vllm_restart_run(work: Path, model_dir: Path, phase: str, steps: int, down_s
     phases_file = out / "phases.txt"
     command = write_driver(out / "driver.py", phases_file) + train_args(
         model_dir, out, steps, **{"generation.backend": "vllm", "env.vllm_url": f"http://127.0.0.1:{port}/v1"})
-    server = start_fake_vllm(model_dir, port)
+    server = fake_vllm_server.start(model_dir, port)
     started = time.monotonic()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -286,7 +270,7 @@ def vllm_restart_run(work: Path, model_dir: Path, phase: str, steps: int, down_s
         server.wait()
         killed = time.monotonic()
         time.sleep(down_seconds)
-        server = start_fake_vllm(model_dir, port)
+        server = fake_vllm_server.start(model_dir, port)
         outage = time.monotonic() - killed  # the down time plus the new server's start-up
         _, stderr = process.communicate(timeout=900)
         reloaded = httpx.get(f"http://127.0.0.1:{port}/test/stats").json()["loaded"]

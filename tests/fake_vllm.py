@@ -19,7 +19,11 @@ import argparse
 import itertools
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 
 import torch
 import uvicorn
@@ -176,6 +180,27 @@ def _sample(model, adapter, prompt, max_tokens, temperature, stop_ids, generator
                 finish = "stop"
                 break
     return tokens, logprobs, finish
+
+
+def start(model_dir, port: int, *flags: str, timeout: float = 300.0) -> subprocess.Popen:
+    """This server as a separate process on `port`, returned once `/v1/models` answers; raises RuntimeError
+    with the end of its stderr if it exits or does not answer within `timeout` seconds."""
+    import httpx
+
+    log = tempfile.TemporaryFile()  # a file, not a pipe: a long-lived server must never block on a full pipe
+    process = subprocess.Popen([sys.executable, __file__, "--model", str(model_dir), "--port", str(port), *flags],
+                               stdout=subprocess.DEVNULL, stderr=log)
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    process.kill()
+    process.wait()
+    log.seek(0)
+    raise RuntimeError(f"fake vLLM server did not start on port {port}: " + log.read().decode(errors="replace")[-2000:])
 
 
 class _nullcontext:

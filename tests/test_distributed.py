@@ -5,13 +5,13 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+import fake_vllm as fake_vllm_server
 import train_ppo
 from checkpoint import find_resumable, load_trainer_state, verify
 from distributed import Ranks, check_world_size, rng_state_of
@@ -221,21 +221,11 @@ def test_unreachable_vllm_servers_stop_every_rank_at_start(tiny_model_dir, tmp_p
 def fake_vllm_servers(model_dir: Path, count: int):
     """`count` fake vLLM servers (tests/fake_vllm.py) on free ports; yields their /v1 URLs."""
     ports = [_free_port() for _ in range(count)]
-    processes = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_vllm.py"), "--model", str(model_dir),
-                                   "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                 for port in ports]
-    urls = [f"http://127.0.0.1:{port}/v1" for port in ports]
+    processes = []
     try:
-        for url in urls:
-            deadline = time.time() + 120
-            while True:
-                try:
-                    if httpx.get(f"{url}/models", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    assert time.time() < deadline, f"fake vLLM server {url} did not start"
-                    time.sleep(0.2)
-        yield urls
+        for port in ports:
+            processes.append(fake_vllm_server.start(model_dir, port))
+        yield [f"http://127.0.0.1:{port}/v1" for port in ports]
     finally:
         for process in processes:
             process.terminate()

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import fake_vllm as fake_vllm_server
 import train_ppo
 from checkpoint import find_resumable, verify
 
@@ -144,26 +145,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_fake_vllm(model_dir: Path, port: int, *flags: str) -> subprocess.Popen:
-    """tests/fake_vllm.py on `port`, once it answers."""
-    import httpx
-
-    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_vllm.py"), "--model", str(model_dir),
-                                "--port", str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    for _ in range(300):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    process.kill()
-    pytest.fail("fake vLLM server did not start: " + process.stderr.read().decode()[-2000:])
-
-
 @pytest.fixture
 def fake_vllm(tiny_model_dir, request):
     port = _free_port()
-    process = start_fake_vllm(tiny_model_dir, port, *getattr(request, "param", []))
+    process = fake_vllm_server.start(tiny_model_dir, port, *getattr(request, "param", []))
     yield f"http://127.0.0.1:{port}/v1"
     process.terminate()
     process.wait(timeout=10)
@@ -478,12 +463,12 @@ def test_a_vllm_server_that_dies_mid_rollout_is_waited_for_and_its_episodes_repl
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}/v1"
-    servers = [start_fake_vllm(tiny_model_dir, port, "--exit-after-completions", "3")]
+    servers = [fake_vllm_server.start(tiny_model_dir, port, "--exit-after-completions", "3")]
 
     def restart_once_it_died():
         servers[0].wait()
         time.sleep(2.0)  # down long enough for the trainer's quick retries to be spent
-        servers.append(start_fake_vllm(tiny_model_dir, port))
+        servers.append(fake_vllm_server.start(tiny_model_dir, port))
 
     restarter = threading.Thread(target=restart_once_it_died, daemon=True)
     restarter.start()
