@@ -395,6 +395,7 @@ class Trainer:
             "rng": self.ranks.gather(rng_state()),  # by rank
             "config": self.config.model_dump(mode="json"),
             "wandb_id": self.logger.wandb_id,
+            "micro_batch_tokens": self.micro_batch_tokens,  # below the config's after an out-of-memory error
         }
         path = self.ranks.from_main(lambda: save_checkpoint(self.checkpoint_dir, self.step, self.policy.save, state,
                                                             self.config.train.checkpointing.keep_last))
@@ -421,11 +422,22 @@ class Trainer:
         self.update_state = UpdateState(**state["update_state"])
         self.totals = state["totals"]
         self.step = self.saved_step = state["step"]
+        self._keep_a_halved_token_budget(state)
         rng = rng_state_of(self.ranks, state["rng"])
         if rng is not None:  # else: a rank the saving run did not have keeps the state its seed gave it
             set_rng_state(rng)
         log.info("resumed from %s (step %d)", checkpoint, self.step)
         return state.get("wandb_id")
+
+    def _keep_a_halved_token_budget(self, state: dict[str, Any]) -> None:
+        """A budget halved after running out of memory stays halved when the run resumes on the same setting;
+        a ppo.micro_batch_tokens changed since (e.g. on a bigger GPU) is the user's choice and wins."""
+        saved = state.get("micro_batch_tokens")
+        configured_then = state["config"]["train"]["ppo"]["micro_batch_tokens"]
+        if saved is not None and saved < configured_then == self.micro_batch_tokens:
+            self.micro_batch_tokens = saved
+            log.warning("ppo.micro_batch_tokens stays at %d, halved after running out of memory before the resume "
+                        "(set it explicitly to override)", saved)
 
     def _init_adapter(self, path: Path) -> None:
         """Start from another run's adapter (e.g. sft_warmstart.py's), and its value head when there is one."""

@@ -434,13 +434,28 @@ def out_of_memory_once(original, budgets: list[int]):
 def test_out_of_memory_in_the_update_halves_the_token_budget_and_retries_the_step(tiny_model_dir, tmp_path,
                                                                                   monkeypatch):
     budgets: list[int] = []
-    monkeypatch.setattr(train_ppo, "ppo_update", out_of_memory_once(train_ppo.ppo_update, budgets))
+    original = train_ppo.ppo_update
+    monkeypatch.setattr(train_ppo, "ppo_update", out_of_memory_once(original, budgets))
     assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2")) == 0
     assert budgets == [16384, 8192, 8192]  # the failed try, its retry, then step 2 keeps the halved budget
     records = metrics(tmp_path / "t")
     assert [(r["step"], r["train/micro_batch_tokens"], r["train/oom_retries"]) for r in records] == \
         [(1, 8192, 1), (2, 8192, 0)]
     assert "policy/loss" in records[0]
+
+    # the halved budget outlives a resume on the same setting; a setting changed since wins
+    resumed: list[int] = []
+
+    def recording(policy, optimizer, sequences, cfg, *args, **kwargs):
+        resumed.append(cfg.micro_batch_tokens)
+        return original(policy, optimizer, sequences, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(train_ppo, "ppo_update", recording)
+    args = tiny_args(tiny_model_dir, tmp_path, "--resume", "latest")
+    assert train_ppo.main(args + ["--max-steps", "3"]) == 0
+    assert train_ppo.main(args + ["--max-steps", "4", "--set", "ppo.micro_batch_tokens=4096"]) == 0
+    assert resumed == [8192, 4096]
+    assert [r["train/micro_batch_tokens"] for r in metrics(tmp_path / "t")][2:] == [8192, 4096]
 
 
 @pytest.mark.slow
