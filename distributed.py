@@ -221,9 +221,7 @@ class Ranks:
             try:
                 outcome = (True, compute())
             except Exception as exc:
-                if self.world_size == 1:
-                    raise
-                self._share((False, f"{type(exc).__name__}: {exc}"), "waiting for rank 0")
+                self._tell_the_others_rank_0_failed(exc)
                 raise
         return self._delivered(outcome)
 
@@ -234,11 +232,13 @@ class Ranks:
             try:
                 outcome = (True, await compute())
             except Exception as exc:
-                if self.world_size == 1:
-                    raise
-                self._share((False, f"{type(exc).__name__}: {exc}"), "waiting for rank 0")
+                self._tell_the_others_rank_0_failed(exc)
                 raise
         return self._delivered(outcome)
+
+    def _tell_the_others_rank_0_failed(self, exc: Exception) -> None:
+        if self.world_size > 1:  # the other ranks wait in _delivered for rank 0's outcome
+            self._share((False, f"{type(exc).__name__}: {exc}"), "waiting for rank 0")
 
     def _delivered(self, outcome: tuple[bool, Any] | None) -> Any:
         if self.world_size == 1:
