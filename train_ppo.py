@@ -437,7 +437,7 @@ class Trainer:
         if saved is not None and saved < configured_then == self.micro_batch_tokens:
             self.micro_batch_tokens = saved
             log.warning("ppo.micro_batch_tokens stays at %d, halved after running out of memory before the resume "
-                        "(set it explicitly to override)", saved)
+                        "(give ppo.micro_batch_tokens another value to override)", saved)
 
     def _init_adapter(self, path: Path) -> None:
         """Start from another run's adapter (e.g. sft_warmstart.py's), and its value head when there is one."""
