@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from envs.tasks import AVAILABLE_GAMES, GAME_ID_STRIDE, TRACE_LEVELS, game_task_id, trace_level_range
+from ppo_affine.envs.tasks import AVAILABLE_GAMES, GAME_ID_STRIDE, TRACE_LEVELS, game_task_id, trace_level_range
 
 VALIDATOR_GAMES = ["goofspiel", "liars_dice", "leduc_poker", "gin_rummy"]
 SEED_LIMIT = 2**32 - 1  # seeds are drawn from [0, SEED_LIMIT)

@@ -2,7 +2,7 @@
 
 Validator settings by default: the MCTS opponent, greedy decoding (temperature 0), the `evaluate`
 observation format with the whole conversation as context, and per task the seed
-`validator_seed(env, task_id)` (envs/tasks.py), whose parity picks the model's seat. The
+`validator_seed(env, task_id)` (ppo_affine/envs/tasks.py), whose parity picks the model's seat. The
 episodes are played by the trainer's own RolloutRunner and generators (local or vLLM), so the
 model is evaluated on exactly the prompts it trains on. `report.py` does the statistics.
 
@@ -35,19 +35,19 @@ from typing import Any, Callable
 
 from rich.console import Console
 
-import env_evaluate
-import report
+from ppo_affine import env_evaluate
+from ppo_affine import report
 from curriculum import Task
-from envs.factory import make_env
-from envs.games import is_playable
-from envs.tasks import (AVAILABLE_GAMES, TRACE_LEVELS, game_name_of, game_task_id, trace_level_range,
+from ppo_affine.envs.factory import make_env
+from ppo_affine.envs.games import is_playable
+from ppo_affine.envs.tasks import (AVAILABLE_GAMES, TRACE_LEVELS, game_name_of, game_task_id, trace_level_range,
                         validator_seed)
-from model_files import model_source
-from policy import adapter_folder, load_adapter_model
-from generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
-from prompts import PromptBuilder
-from rollout import Episode, RolloutRunner
-from run_log import console, rollout_progress, setup_logging
+from ppo_affine.model_files import model_source
+from ppo_affine.policy import adapter_folder, load_adapter_model
+from ppo_affine.generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
+from ppo_affine.prompts import PromptBuilder
+from ppo_affine.rollout import Episode, RolloutRunner
+from ppo_affine.run_log import console, rollout_progress, setup_logging
 from utils import Config, ConfigError, EnvSpec, add_config_arguments, derive_seed, load_config
 
 log = logging.getLogger("evaluate")
@@ -181,7 +181,7 @@ def local_policy(config: Config, adapter_dir: Path | None):
     """A Policy for generation: the adapter on the base, or (base only) a fresh LoRA that is switched off."""
     import torch
 
-    from policy import Policy, load_base_model, load_policy, load_tokenizer, pick_device
+    from ppo_affine.policy import Policy, load_base_model, load_policy, load_tokenizer, pick_device
 
     cfg = config.train
     device = pick_device(cfg.run.device)
@@ -211,7 +211,7 @@ def model_runs(config: Config, adapter_dir: Path | None, compare_base: bool
             with policy.base():
                 yield
     else:
-        from policy import load_generation_config, load_tokenizer
+        from ppo_affine.policy import load_generation_config, load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model)
         rank = (json.loads((adapter_dir / "adapter_config.json").read_text())["r"] if adapter_dir else cfg.lora.r)
@@ -292,7 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-dir", type=Path, help="write episodes.jsonl and summary.json here")
     parser.add_argument("--env-evaluate", metavar="URL|IMAGE",
                         help="score through the env's own evaluate() (the validators' call): a running env server's "
-                        "URL (e.g. http://127.0.0.1:8765 from `python -m envs.server --env openspiel`) or an Affine "
+                        "URL (e.g. http://127.0.0.1:8765 from `python -m ppo_affine.envs.server --env openspiel`) or an Affine "
                         "image to start in Docker (affinefoundation/game:openspiel); needs a vLLM server "
                         "(env.vllm_url)")
     parser.add_argument("--env-llm-url", metavar="URL",

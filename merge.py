@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from policy import adapter_folder, load_adapter_model
-from run_log import console, setup_logging
+from ppo_affine.policy import adapter_folder, load_adapter_model
+from ppo_affine.run_log import console, setup_logging
 from utils import ConfigError, add_config_arguments, load_config
 
 log = logging.getLogger("merge")
@@ -76,8 +76,8 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str) -> dict[str, floa
     load it back and check its weights; rename into place. Returns max logit differences to base + adapter."""
     from transformers import AutoModelForCausalLM
 
-    from policy import load_base_model, load_tokenizer, pick_device
-    from prompts import PromptBuilder
+    from ppo_affine.policy import load_base_model, load_tokenizer, pick_device
+    from ppo_affine.prompts import PromptBuilder
 
     # float32 for the merge itself: W + BA rounded to 16 bits would blur whether the merge is right
     model_cfg = config.train.model.model_copy(update={"dtype": "float32"})

@@ -15,9 +15,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from generation import vllm_serve_command
-from model_files import model_source
-from run_log import console, setup_logging
+from ppo_affine.generation import vllm_serve_command
+from ppo_affine.model_files import model_source
+from ppo_affine.run_log import console, setup_logging
 from utils import ConfigError, add_config_arguments, load_config
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from run_log import console, rollout_progress, setup_logging
+from ppo_affine.run_log import console, rollout_progress, setup_logging
 from utils import ConfigError, add_config_arguments, derive_seed, load_config
 
 log = logging.getLogger("sft_warmstart")
@@ -57,7 +57,7 @@ DEFAULT_BUDGET = {"mcts": 300, "montecarlo": 20, "cfr": 0, "prize": 0}
 def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | None = None,
                cfr_iterations: int = 300, with_reason: bool = False,
                opponent_simulations: int | None = None, *, goofspiel_expert: str) -> ExpertJob:
-    from experts import expert_kind
+    from ppo_affine.experts import expert_kind
 
     kind = expert_kind(game, goofspiel_expert)
     return ExpertJob(game, kind, task_id, seed, opponent, budget or DEFAULT_BUDGET[kind], cfr_iterations,
@@ -69,7 +69,7 @@ def plan_jobs(games: list[str], episodes: int, seed: int, opponent: str, config_
               goofspiel_expert: str) -> list[ExpertJob]:
     """`episodes` jobs per game over the config ids; consecutive seeds alternate the model's seat.
     `opponent_simulations` is one MCTS budget for every game or {game: budget} (unnamed games: the env's)."""
-    from envs.tasks import game_task_id
+    from ppo_affine.envs.tasks import game_task_id
 
     def simulations(game: str) -> int | None:
         return opponent_simulations.get(game) if isinstance(opponent_simulations, dict) else opponent_simulations
@@ -83,8 +83,8 @@ def plan_jobs(games: list[str], episodes: int, seed: int, opponent: str, config_
 
 def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
     """One episode of the env's evaluate() game with the expert in the model's seat, as a conversation."""
-    from envs.openspiel_episode import Episode
-    from experts import Expert
+    from ppo_affine.envs.openspiel_episode import Episode
+    from ppo_affine.experts import Expert
 
     episode = Episode(uuid.uuid4().hex, task_id=job.task_id, seed=job.seed, opponent=job.opponent,
                       observation_format="evaluate", max_parse_attempts=3, mcts_simulations=job.opponent_simulations)
@@ -134,8 +134,8 @@ def conversations_to_episodes(records: list[dict[str, Any]], builder, strategy: 
     """Rollout-shaped episodes (token sequences + turns) of recorded conversations, built the way a rollout
     prompts: the same context strategy, and each reply's ids followed by an EOS."""
     from curriculum import Task
-    from prompts import TokenHistory
-    from rollout import Episode, Turn, build_messages
+    from ppo_affine.prompts import TokenHistory
+    from ppo_affine.rollout import Episode, Turn, build_messages
 
     eos = builder.tokenizer.eos_token_id  # the token that ends an assistant turn in the chat template
     episodes = []
@@ -166,7 +166,7 @@ def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: 
     """Masked SFT: minibatches of `batch_size` sequences, micro-batches by `token_budget`; per-epoch stats."""
     import torch
 
-    from experience import collate, plan_micro_batches
+    from ppo_affine.experience import collate, plan_micro_batches
 
     optimizer = torch.optim.AdamW(policy.adapter_parameters(), lr=learning_rate, weight_decay=0.0)
     order_rng = torch.Generator().manual_seed(seed)
@@ -204,7 +204,7 @@ def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS
+    from ppo_affine.experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--games", default=DEFAULT_GAMES, help="comma-separated games with an expert")
@@ -232,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> list[str]:
     """The games to play; ConfigError naming the option for anything that cannot work."""
-    from experts import ExpertUnavailable, expert_kind
+    from ppo_affine.experts import ExpertUnavailable, expert_kind
 
     games = [g.strip() for g in args.games.split(",") if g.strip()]
     if args.data is None:
@@ -295,12 +295,12 @@ def warm_start(config, records: list[dict[str, Any]], args: argparse.Namespace) 
     """SFT on `records`, then a checkpoint in `args.output_dir/checkpoints`; returns its path."""
     import torch
 
-    from checkpoint import save_checkpoint
-    from experience import build_sequences
-    from generation import eos_token_ids
-    from allocator import return_freed_memory_to_the_os, training_allocations
-    from policy import load_policy, pick_device
-    from prompts import PromptBuilder
+    from ppo_affine.checkpoint import save_checkpoint
+    from ppo_affine.experience import build_sequences
+    from ppo_affine.generation import eos_token_ids
+    from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
+    from ppo_affine.policy import load_policy, pick_device
+    from ppo_affine.prompts import PromptBuilder
 
     cfg = config.train
     device = pick_device(cfg.run.device)

@@ -48,22 +48,22 @@ from typing import Any
 import torch
 from rich.markup import escape
 
-from checkpoint import (CheckpointWriteError, find_resumable, list_checkpoints, load_trainer_state, rng_state,
+from ppo_affine.checkpoint import (CheckpointWriteError, find_resumable, list_checkpoints, load_trainer_state, rng_state,
                         save_checkpoint, set_rng_state)
 from curriculum import Curriculum, Task
-from distributed import ONE_PROCESS, RankFailed, RankLost, Ranks, SilentLogger, check_world_size, rng_state_of
-from envs.factory import make_envs, playable_filter
-from experience import (assign_advantages, build_sequences, final_reward, sampler_gap, score_sequences,
+from ppo_affine.distributed import ONE_PROCESS, RankFailed, RankLost, Ranks, SilentLogger, check_world_size, rng_state_of
+from ppo_affine.envs.factory import make_envs, playable_filter
+from ppo_affine.experience import (assign_advantages, build_sequences, final_reward, sampler_gap, score_sequences,
                         turn_rewards)
-from allocator import return_freed_memory_to_the_os, training_allocations
-from generation import LocalGenerator, VLLMError, VLLMServers, eos_token_ids
-from policy import VALUE_HEAD_FILE, adapter_folder, load_policy, pick_device
-from ppo import AdaptiveKLController, FixedKLController
-from model_files import model_source
-from prompts import PromptBuilder
-from rollout import Episode, RolloutRunner
-from run_log import RunLogger, console, episode_summary, rollout_progress, setup_logging
-from update import TooManySkips, TrainingSnapshot, UpdateState, build_optimizer, ppo_update, update_signal
+from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
+from ppo_affine.generation import LocalGenerator, VLLMError, VLLMServers, eos_token_ids
+from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, load_policy, pick_device
+from ppo_affine.ppo import AdaptiveKLController, FixedKLController
+from ppo_affine.model_files import model_source
+from ppo_affine.prompts import PromptBuilder
+from ppo_affine.rollout import Episode, RolloutRunner
+from ppo_affine.run_log import RunLogger, console, episode_summary, rollout_progress, setup_logging
+from ppo_affine.update import TooManySkips, TrainingSnapshot, UpdateState, build_optimizer, ppo_update, update_signal
 from utils import Config, ConfigError, add_config_arguments, check_training_config, derive_seed, load_config
 
 log = logging.getLogger("train_ppo")

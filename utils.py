@@ -259,14 +259,14 @@ class EnvSpec(Strict):
         if any(b is not None and b < 1 for b in budgets.values()):
             raise ValueError(f"mcts_simulations must be at least 1, got {self.mcts_simulations}")
         if isinstance(self.mcts_simulations, dict):
-            from envs.tasks import AVAILABLE_GAMES
+            from ppo_affine.envs.tasks import AVAILABLE_GAMES
 
             unknown = [g for g in self.mcts_simulations if g not in AVAILABLE_GAMES]
             if unknown:
                 raise ValueError(f"mcts_simulations names unknown games {unknown}; expected names from "
                                  f"{AVAILABLE_GAMES}")
         if self.games is not None:
-            from envs.tasks import AVAILABLE_GAMES
+            from ppo_affine.envs.tasks import AVAILABLE_GAMES
 
             unknown = [g for g in self.games if g not in AVAILABLE_GAMES]
             if unknown:

@@ -21,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
 
-from run_log import console  # noqa: E402
+from ppo_affine.run_log import console  # noqa: E402
 
 STAGE_KEY = "curriculum/stage"
 

@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from checkpoint import CHECKPOINT_RE, find_resumable, verify  # noqa: E402
+from ppo_affine.checkpoint import CHECKPOINT_RE, find_resumable, verify  # noqa: E402
 import fake_vllm as fake_vllm_server  # noqa: E402
 
 PHASES = ("rollout", "update", "checkpoint")

@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from envs.games import GAMES  # noqa: E402
-from envs.openspiel_env import OpenSpielEnv  # noqa: E402
-from envs.tasks import AVAILABLE_GAMES, game_task_id  # noqa: E402
+from ppo_affine.envs.games import GAMES  # noqa: E402
+from ppo_affine.envs.openspiel_env import OpenSpielEnv  # noqa: E402
+from ppo_affine.envs.tasks import AVAILABLE_GAMES, game_task_id  # noqa: E402
 
 
 async def random_speed(game: str, episodes: int, fmt: str) -> dict:
@@ -143,11 +143,11 @@ async def main() -> None:
 
 
 async def url_rows(games: list[str], fmt: str, episodes: int) -> dict:
-    """The same episodes in process and through `python -m envs.server` + AffinetesEnv (bench/env_url_speed.py)."""
+    """The same episodes in process and through `python -m ppo_affine.envs.server` + AffinetesEnv (bench/env_url_speed.py)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from env_url_speed import play, start_server
 
-    from envs.affinetes_env import AffinetesEnv  # imported last: affinetes patches asyncio process-wide
+    from ppo_affine.envs.affinetes_env import AffinetesEnv  # imported last: affinetes patches asyncio process-wide
 
     seeds = range(episodes)
     rows = {game: {"in_process_us_per_step": (await play(OpenSpielEnv(fmt), game, seeds))["us_per_step"]}

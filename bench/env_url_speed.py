@@ -3,7 +3,7 @@
 Each game plays the same episodes both ways: the same seeds, random opponent, and a seeded random
 legal-action policy, so both sides do the same env work (the JSON says whether the trajectories
 matched). in_process: OpenSpielEnv called directly, timed before affinetes is imported (its import
-patches asyncio process-wide). url: AffinetesEnv against `python -m envs.server` on 127.0.0.1 (or
+patches asyncio process-wide). url: AffinetesEnv against `python -m ppo_affine.envs.server` on 127.0.0.1 (or
 `--url`), one episode at a time, so the difference is the HTTP round trip plus (de)serialisation.
 url_concurrent: `--concurrency` episodes in flight at once, wall-clock microseconds per step.
 
@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from envs.openspiel_env import OpenSpielEnv  # noqa: E402
-from envs.tasks import game_task_id  # noqa: E402
+from ppo_affine.envs.openspiel_env import OpenSpielEnv  # noqa: E402
+from ppo_affine.envs.tasks import game_task_id  # noqa: E402
 
 
 async def play(env, game: str, seeds: range) -> dict:
@@ -78,7 +78,7 @@ async def play_concurrently(env, game: str, seeds: range, concurrency: int) -> d
 
 
 def start_server(fmt: str) -> tuple[subprocess.Popen, str]:
-    server = subprocess.Popen([sys.executable, "-m", "envs.server", "--env", "openspiel", "--format", fmt,
+    server = subprocess.Popen([sys.executable, "-m", "ppo_affine.envs.server", "--env", "openspiel", "--format", fmt,
                                "--host", "127.0.0.1", "--port", "0"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -89,7 +89,7 @@ def start_server(fmt: str) -> tuple[subprocess.Popen, str]:
         if not line and server.poll() is not None:
             break
     server.kill()
-    raise RuntimeError("python -m envs.server did not start")
+    raise RuntimeError("python -m ppo_affine.envs.server did not start")
 
 
 async def main() -> None:
@@ -98,7 +98,7 @@ async def main() -> None:
     parser.add_argument("--format", default="evaluate", choices=["evaluate", "openenv"])
     parser.add_argument("--episodes", type=int, default=20)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--url", help="an already running `python -m envs.server --env openspiel` (same --format)")
+    parser.add_argument("--url", help="an already running `python -m ppo_affine.envs.server --env openspiel` (same --format)")
     args = parser.parse_args()
 
     report: dict = {"format": args.format, "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
@@ -107,7 +107,7 @@ async def main() -> None:
     for game in args.games:
         report["games"][game] = {"in_process": await play(OpenSpielEnv(args.format), game, seeds)}
 
-    from envs.affinetes_env import AffinetesEnv
+    from ppo_affine.envs.affinetes_env import AffinetesEnv
 
     server, url = (None, args.url) if args.url else start_server(args.format)
     report["url"] = url

@@ -42,13 +42,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import evaluate  # noqa: E402
-import report  # noqa: E402
+from ppo_affine import report  # noqa: E402
 import sft_warmstart  # noqa: E402
 import train_ppo  # noqa: E402
 import visualize  # noqa: E402
-from checkpoint import find_resumable  # noqa: E402
-from envs.tasks import GAME_ID_STRIDE, game_name_of  # noqa: E402
-from experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS  # noqa: E402
+from ppo_affine.checkpoint import find_resumable  # noqa: E402
+from ppo_affine.envs.tasks import GAME_ID_STRIDE, game_name_of  # noqa: E402
+from ppo_affine.experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS  # noqa: E402
 from utils import load_config  # noqa: E402
 
 # Tuned on this machine so that a CPU budget visibly moves the model: 8 episodes and one epoch per
@@ -179,8 +179,8 @@ def parse_simulations(text: str) -> int | dict[str, int]:
 def has_mcts_opponent(game: str) -> bool:
     """False where the env plays a uniform random opponent whatever the opponent setting (goofspiel,
     as in Affine's env): `mcts` episodes there would repeat the random ones."""
-    from envs.games import GAMES
-    from envs.openspiel_episode import has_search_opponent, load_game
+    from ppo_affine.envs.games import GAMES
+    from ppo_affine.envs.openspiel_episode import has_search_opponent, load_game
 
     spec = GAMES[game]
     return has_search_opponent(load_game(game, tuple(sorted(spec.params(0).items()))), spec)

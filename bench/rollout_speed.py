@@ -21,12 +21,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from curriculum import Task  # noqa: E402
-from envs.factory import make_envs  # noqa: E402
-from envs.tasks import game_task_id  # noqa: E402
-from policy import load_policy  # noqa: E402
-from generation import LocalGenerator  # noqa: E402
-from prompts import PromptBuilder  # noqa: E402
-from rollout import RolloutRunner  # noqa: E402
+from ppo_affine.envs.factory import make_envs  # noqa: E402
+from ppo_affine.envs.tasks import game_task_id  # noqa: E402
+from ppo_affine.policy import load_policy  # noqa: E402
+from ppo_affine.generation import LocalGenerator  # noqa: E402
+from ppo_affine.prompts import PromptBuilder  # noqa: E402
+from ppo_affine.rollout import RolloutRunner  # noqa: E402
 from utils import load_config  # noqa: E402
 
 

@@ -57,10 +57,10 @@ def plain_generate_rate(policy, prompts: list[list[int]], batch_size: int, max_n
 
 def run_setting(name: str, args: argparse.Namespace) -> dict:
     import train_ppo
-    from experience import build_sequences
+    from ppo_affine.experience import build_sequences
     from utils import load_config
 
-    import prefixes
+    from ppo_affine import prefixes
 
     games, opponent, strategy, extra, share = SETTINGS[name]
     if not share:  # every row through the model whole: the same step as before prefixes were shared

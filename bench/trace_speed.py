@@ -15,10 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from envs.sandbox import detect_protections  # noqa: E402
-from envs.tasks import trace_level_range  # noqa: E402
-from envs.trace_env import TraceEnv, inject_debug_prints  # noqa: E402
-from envs.trace_programs import generate_program  # noqa: E402
+from ppo_affine.envs.sandbox import detect_protections  # noqa: E402
+from ppo_affine.envs.tasks import trace_level_range  # noqa: E402
+from ppo_affine.envs.trace_env import TraceEnv, inject_debug_prints  # noqa: E402
+from ppo_affine.envs.trace_programs import generate_program  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

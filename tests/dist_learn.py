@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from curriculum import Task  # noqa: E402
-from distributed import ONE_PROCESS, Ranks  # noqa: E402
-from rollout import Episode, Turn  # noqa: E402
+from ppo_affine.distributed import ONE_PROCESS, Ranks  # noqa: E402
+from ppo_affine.rollout import Episode, Turn  # noqa: E402
 
 STAGES = json.dumps([{"name": "s", "opponent": "random", "tasks": [{"env": "openspiel", "games": ["leduc_poker"]}]}])
 # name -> (config overrides, scores of the step's usable episodes, group ids)

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import pytest
 
-from envs.affinetes_env import AffinetesEnv, RemoteCallError
-from envs.tasks import game_task_id
+from ppo_affine.envs.affinetes_env import AffinetesEnv, RemoteCallError
+from ppo_affine.envs.tasks import game_task_id
 from test_env_server import ServerProcess
 
 FAST = {"call_timeout": 5.0, "max_retries": 2, "backoff_base": 0.01}
@@ -295,7 +295,7 @@ def test_a_step_slower_than_the_timeout_fails_the_episode_once(caplog):
             first = await env.reset(task_id=5, seed=1)
             return await env.step("1", first["episode_id"])
 
-        with caplog.at_level(logging.WARNING, logger="envs.affinetes_env"):
+        with caplog.at_level(logging.WARNING, logger="ppo_affine.envs.affinetes_env"):
             result = run(play())
         counts = env.error_counts()
         run(env.close())
@@ -420,7 +420,7 @@ def test_a_failed_status_from_the_server_fails_the_episode():
 def test_no_server_at_start_is_an_error_that_says_how_to_start_one():
     with FakeServer(AffineGame()) as server:
         url = server.url  # a port that was just freed
-    with pytest.raises(ConnectionError, match=r"python -m envs.server --env openspiel"):
+    with pytest.raises(ConnectionError, match=r"python -m ppo_affine.envs.server --env openspiel"):
         url_env(url)
 
 
@@ -581,9 +581,9 @@ def test_a_step_answered_with_an_error_is_not_a_lost_episode():
 
 # ------------------------------------------------------------------ replays of lost episodes by the rollout
 def replaying_runner(policy, env):
-    from generation import Generation
-    from prompts import PromptBuilder
-    from rollout import RolloutRunner
+    from ppo_affine.generation import Generation
+    from ppo_affine.prompts import PromptBuilder
+    from ppo_affine.rollout import RolloutRunner
     from utils import GenerationConfig
 
     class RepliesOne:
@@ -622,7 +622,7 @@ def test_an_episode_its_restarted_server_forgot_is_replayed_from_its_start(tiny_
 
 def test_an_env_server_that_stays_away_fails_the_episode_after_the_replays(tiny_policy):
     from curriculum import Task
-    from rollout import MAX_REPLAYS
+    from ppo_affine.rollout import MAX_REPLAYS
 
     with FakeServer(AffineGame()) as server:
         env = url_env(server.url)

@@ -1,7 +1,7 @@
 """allocator.py: the heap is used in training passes and the mmap cap comes back after, even on error."""
 import pytest
 
-import allocator
+from ppo_affine import allocator
 
 
 def test_training_allocations_reuse_the_heap_and_restore_the_cap_even_on_error(monkeypatch):

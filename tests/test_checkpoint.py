@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-import checkpoint
-from checkpoint import CheckpointWriteError, find_resumable, load_trainer_state, save_checkpoint, verify
+from ppo_affine import checkpoint
+from ppo_affine.checkpoint import CheckpointWriteError, find_resumable, load_trainer_state, save_checkpoint, verify
 
 
 def write_weights(size: int):

@@ -13,8 +13,8 @@ import torch
 
 import fake_vllm as fake_vllm_server
 import train_ppo
-from checkpoint import find_resumable, load_trainer_state, verify
-from distributed import Ranks, check_world_size, rng_state_of
+from ppo_affine.checkpoint import find_resumable, load_trainer_state, verify
+from ppo_affine.distributed import Ranks, check_world_size, rng_state_of
 from test_train import _free_port, metrics, tiny_args
 from utils import ConfigError, PPOConfig
 
@@ -175,7 +175,7 @@ AGREEMENT = textwrap.dedent("""
     import sys
     sys.path[:0] = [{root!r}]
     import torch
-    from distributed import Ranks
+    from ppo_affine.distributed import Ranks
     ranks = Ranks.from_environment()
     ranks.start(torch.device("cpu"), timeout_minutes=1)
     def fail_on_rank_one():

@@ -1,6 +1,6 @@
 """evaluate.py --env-evaluate: scores from the env's own evaluate(), without Docker and without a real vLLM.
 
-The env is our `python -m envs.server --env openspiel` (or a scripted affinetes server); the LLM is
+The env is our `python -m ppo_affine.envs.server --env openspiel` (or a scripted affinetes server); the LLM is
 tests/fake_vllm.py serving the tiny digit model, whose replies are one token, '1' or '2'.
 tests/test_vllm_server.py repeats the equality check against a real vLLM server.
 """
@@ -20,7 +20,7 @@ import pytest
 
 import evaluate
 from curriculum import Task
-from env_evaluate import env_record
+from ppo_affine.env_evaluate import env_record
 from test_affinetes_env import FakeServer, success
 from test_env_server import ServerProcess
 from test_evaluate import checkpoint, digit_model_dir, read_episodes, tiny_args  # noqa: F401  (fixtures)

@@ -1,4 +1,4 @@
-"""`python -m envs.server`: the affinetes function_based surface, restricted to reset/step/state/stop."""
+"""`python -m ppo_affine.envs.server`: the affinetes function_based surface, restricted to reset/step/state/stop."""
 from __future__ import annotations
 
 import asyncio
@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from envs.base import step_result
-from envs.server import METHODS, create_app, parse_args
+from ppo_affine.envs.base import step_result
+from ppo_affine.envs.server import METHODS, create_app, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 START_DEADLINE_S = 60.0
 
 
 class ServerProcess:
-    """`python -m envs.server ...` in a subprocess on 127.0.0.1; its URL read from the start line."""
+    """`python -m ppo_affine.envs.server ...` in a subprocess on 127.0.0.1; its URL read from the start line."""
 
     def __init__(self, log_path: Path, *args: str, port: int = 0):
         self.log_path = log_path
@@ -34,7 +34,7 @@ class ServerProcess:
         # the log goes to a file so that nobody has to drain a pipe while the server runs
         with open(self.log_path, "a") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "envs.server", "--host", "127.0.0.1", "--port", str(self.port), *self.args],
+                [sys.executable, "-m", "ppo_affine.envs.server", "--host", "127.0.0.1", "--port", str(self.port), *self.args],
                 cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_DEADLINE_S
         while time.monotonic() < deadline:
@@ -116,8 +116,8 @@ def game_client():
     """Our game env's app with evaluate(), its LLM a scripted endpoint that always answers "1"."""
     import httpx
 
-    from envs.llm_play import GameEvaluator
-    from envs.openspiel_env import OpenSpielEnv
+    from ppo_affine.envs.llm_play import GameEvaluator
+    from ppo_affine.envs.openspiel_env import OpenSpielEnv
 
     def always_call(request):
         chunk = {"choices": [{"index": 0, "delta": {"content": "1"}}]}

@@ -7,7 +7,7 @@ import torch
 
 import evaluate
 from curriculum import Task
-from rollout import Episode, Turn
+from ppo_affine.rollout import Episode, Turn
 from utils import ConfigError
 
 

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from curriculum import Task
-from experience import _loss_weights, assign_advantages, batch_cost, build_sequences, collate, plan_micro_batches
-from rollout import Episode, Turn
+from ppo_affine.experience import _loss_weights, assign_advantages, batch_cost, build_sequences, collate, plan_micro_batches
+from ppo_affine.rollout import Episode, Turn
 from utils import PPOConfig
 
 PROMPT, GLUE = [1, 2, 3], [4, 5]

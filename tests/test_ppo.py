@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from ppo import (
+from ppo_affine.ppo import (
     AdaptiveKLController,
     FixedKLController,
     compute_gae,

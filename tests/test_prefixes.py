@@ -1,5 +1,5 @@
 """prefixes.py: which sequences run together so that each common prefix is computed once."""
-from prefixes import CALL_OVERHEAD, common_prefix, padded_cost, partition
+from ppo_affine.prefixes import CALL_OVERHEAD, common_prefix, padded_cost, partition
 
 
 def test_common_prefix_counts_leading_equal_tokens():

@@ -1,7 +1,7 @@
 """prompts.py: later turns continue the episode's exact token ids while the template is append-only."""
 import pytest
 
-from prompts import PromptBuilder, TokenHistory
+from ppo_affine.prompts import PromptBuilder, TokenHistory
 from tiny import make_tokenizer
 
 SYSTEM = {"role": "system", "content": "rules"}

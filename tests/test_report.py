@@ -4,7 +4,7 @@ import math
 import pytest
 from rich.console import Console
 
-import report
+from ppo_affine import report
 
 
 def game_record(outcome, score, turns=4, illegal=0, parse_failed=False, tokens=10, error=None, model="adapter",

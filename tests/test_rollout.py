@@ -5,10 +5,10 @@ import uuid
 import pytest
 
 from curriculum import Task
-from envs.base import step_result
-from generation import Generation, LocalGenerator, cut_at_eos
-from prompts import PromptBuilder
-from rollout import RolloutRunner, build_messages
+from ppo_affine.envs.base import step_result
+from ppo_affine.generation import Generation, LocalGenerator, cut_at_eos
+from ppo_affine.prompts import PromptBuilder
+from ppo_affine.rollout import RolloutRunner, build_messages
 from utils import GenerationConfig
 
 CONVERSATION = [

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from run_log import silence_known_library_warnings
+from ppo_affine.run_log import silence_known_library_warnings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +41,7 @@ def test_a_training_run_prints_no_warning(tiny_model_dir, tmp_path):
 def test_progress_without_a_terminal_prints_a_plain_line_per_interval(monkeypatch):
     import io
 
-    import run_log
+    from ppo_affine import run_log
 
     clock = iter([0.0, 10.0, 70.0, 80.0, 200.0])  # start, then one reading per finished episode
     monkeypatch.setattr(run_log.time, "monotonic", lambda: next(clock))

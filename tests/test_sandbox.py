@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from envs import sandbox
-from envs.sandbox import SandboxLimits, SandboxUnavailable, detect_protections, run_python, run_python_async
+from ppo_affine.envs import sandbox
+from ppo_affine.envs.sandbox import SandboxLimits, SandboxUnavailable, detect_protections, run_python, run_python_async
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = SandboxLimits(memory_bytes=256 << 20, file_size_bytes=1 << 20, max_processes=8,
@@ -461,7 +461,7 @@ def test_no_bubblewrap_means_no_program_runs(monkeypatch, tmp_path):
     with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap.*unsafe_rlimit_only_sandbox"):
         run_python(f"open({str(marker)!r}, 'w')")
     assert not marker.exists()
-    from envs.trace_env import TraceEnv
+    from ppo_affine.envs.trace_env import TraceEnv
 
     with pytest.raises(SandboxUnavailable):
         TraceEnv()
@@ -484,7 +484,7 @@ def test_a_bubblewrap_that_fails_is_quoted_not_called_missing(monkeypatch, tmp_p
 
 _VENV_DRIVER = """
 import json, sys
-from envs.sandbox import detect_protections, run_python
+from ppo_affine.envs.sandbox import detect_protections, run_python
 result = run_python("import sys; print(sys.executable)", timeout=10.0)
 print(json.dumps({"bwrap": detect_protections().bwrap_path is not None, "stdout": result.stdout,
                   "prefix": sys.prefix}))
@@ -534,7 +534,7 @@ def test_fallback_still_enforces_timeout_output_cap_and_scrubbed_env(monkeypatch
 _FALLBACK_DRIVER = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
-from envs.sandbox import SandboxLimits, detect_protections, run_python
+from ppo_affine.envs.sandbox import SandboxLimits, detect_protections, run_python
 limits = SandboxLimits(memory_bytes=256 << 20, max_processes=8)
 programs = {
     "forks": "import os, time\\nn = 0\\ntry:\\n    while True:\\n        if os.fork() == 0:\\n"
@@ -576,7 +576,7 @@ def test_fallback_with_uid_drop_contains_forks_escapes_and_secrets():
 _UNPRIVILEGED_DRIVER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from envs.sandbox import SandboxLimits, detect_protections, run_python
+from ppo_affine.envs.sandbox import SandboxLimits, detect_protections, run_python
 forks = ("import os, time\\nn = 0\\ntry:\\n    while True:\\n        if os.fork() == 0:\\n"
          "            time.sleep(30)\\n            os._exit(0)\\n        n += 1\\nexcept OSError:\\n    print(n)")
 escape = ("import errno\\ntry:\\n    open('/usr/x', 'w')\\nexcept OSError as exc:\\n"

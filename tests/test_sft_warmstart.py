@@ -11,9 +11,9 @@ import torch
 
 import sft_warmstart
 import train_ppo
-from experience import build_sequences
-from experts import Expert, ExpertUnavailable, expert_kind
-from prompts import PromptBuilder
+from ppo_affine.experience import build_sequences
+from ppo_affine.experts import Expert, ExpertUnavailable, expert_kind
+from ppo_affine.prompts import PromptBuilder
 from sft_warmstart import conversations_to_episodes, generate, plan_jobs, play_expert_episode, train_sft
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 
-from envs.sandbox import SandboxLimits, run_python
-from envs.tasks import trace_level_of, trace_level_range
-from envs.trace_env import (
+from ppo_affine.envs.sandbox import SandboxLimits, run_python
+from ppo_affine.envs.tasks import trace_level_of, trace_level_range
+from ppo_affine.envs.trace_env import (
     TraceEnv,
     build_prompt,
     clean_prediction,
@@ -22,7 +22,7 @@ from envs.trace_env import (
     normalize_output,
     score_prediction,
 )
-from envs.trace_programs import generate_program
+from ppo_affine.envs.trace_programs import generate_program
 
 LIMITS = SandboxLimits(memory_bytes=512 << 20, max_processes=16)
 # A variable bound only in a branch that never runs: injected prints that pick `extra` crash.

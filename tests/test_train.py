@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import fake_vllm as fake_vllm_server
 import train_ppo
-from checkpoint import find_resumable, verify
+from ppo_affine.checkpoint import find_resumable, verify
 
 ROOT = Path(__file__).resolve().parent.parent
 TWO_GAMES = ('[{"name": "s", "opponent": "random", "min_episodes": 1000, '
@@ -100,7 +100,8 @@ def test_resume_latest_reproduces_the_straight_run(tiny_model_dir, tmp_path):
 KILL_SCRIPT = textwrap.dedent("""
     import sys, time
     sys.path[:0] = [{root!r}, {tests!r}]
-    import checkpoint, train_ppo
+    import train_ppo
+    from ppo_affine import checkpoint
     from pathlib import Path
     original = checkpoint.save_checkpoint
     def slow_save(checkpoint_dir, step, write_model, state, keep_last):
@@ -182,7 +183,7 @@ def test_resume_against_the_same_vllm_server_and_adapters_unloaded_at_exit(tiny_
 
 
 def test_a_leftover_adapter_name_gets_a_fresh_one(tiny_policy, fake_vllm, tmp_path):
-    from generation import VLLMGenerator
+    from ppo_affine.generation import VLLMGenerator
     from utils import GenerationConfig
 
     tiny_policy.save(tmp_path)

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-import policy as policy_module
+from ppo_affine import policy as policy_module
 from curriculum import Task
-from experience import assign_advantages, build_sequences, collate, score_sequences
-from rollout import Episode, Turn
-from update import TrainingSnapshot, UpdateState, build_optimizer, ppo_update, update_signal
+from ppo_affine.experience import assign_advantages, build_sequences, collate, score_sequences
+from ppo_affine.rollout import Episode, Turn
+from ppo_affine.update import TrainingSnapshot, UpdateState, build_optimizer, ppo_update, update_signal
 from utils import PPOConfig
 
 
@@ -128,7 +128,7 @@ def test_one_update_raises_replies_with_positive_advantage_and_lowers_the_others
 
 
 def test_explained_variance_is_taken_over_the_whole_minibatch_not_per_micro_batch(tiny_policy):
-    from ppo import explained_variance
+    from ppo_affine.ppo import explained_variance
 
     for module in tiny_policy.modules():
         if isinstance(module, torch.nn.Dropout):

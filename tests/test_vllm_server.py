@@ -103,8 +103,8 @@ def test_env_evaluate_scores_equal_the_in_process_scores(trained, tmp_path):
 
     # vLLM renders each chat request into exactly the token ids our own path sends for that conversation
     sys.path.insert(0, str(ROOT))
-    from policy import load_tokenizer
-    from prompts import PromptBuilder
+    from ppo_affine.policy import load_tokenizer
+    from ppo_affine.prompts import PromptBuilder
     from utils import load_config
 
     builder = PromptBuilder(load_tokenizer(load_config(presets=["cpu"]).train.model), max_len)
@@ -120,7 +120,7 @@ def test_env_evaluate_scores_equal_the_in_process_scores(trained, tmp_path):
 
 def test_a_context_longer_than_the_server_allows_is_refused_at_start():
     sys.path.insert(0, str(ROOT))
-    from generation import VLLMError, VLLMGenerator
+    from ppo_affine.generation import VLLMError, VLLMGenerator
     from utils import GenerationConfig
 
     served = httpx.get(f"{URL}/models", timeout=10).json()["data"][0]

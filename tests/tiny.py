@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CORPUS_FILES = ("envs/games.py", "envs/openspiel_text.py", "envs/trace_env.py")
+CORPUS_FILES = ("ppo_affine/envs/games.py", "ppo_affine/envs/openspiel_text.py", "ppo_affine/envs/trace_env.py")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -60,7 +60,7 @@ def load_tiny_policy(model_dir: Path):
     """The trainer's Policy (default LoRA, float32, CPU) on a tiny model folder, seeded so the adapter is repeatable."""
     import torch
 
-    from policy import load_policy
+    from ppo_affine.policy import load_policy
     from utils import LoraConfig, ModelConfig
 
     torch.manual_seed(0)

@@ -1,14 +1,14 @@
 """Serve an embedded env over HTTP in the affinetes function_based format, so env work can move to other machines.
 
-    python -m envs.server --env openspiel --host 0.0.0.0 --port 8765
-    python -m envs.server --env trace --port 8766
+    python -m ppo_affine.envs.server --env openspiel --host 0.0.0.0 --port 8765
+    python -m ppo_affine.envs.server --env trace --port 8766
 
 Clients connect with `affinetes.load_env(mode="url", base_url="http://HOST:PORT")` (GET /methods
 answers, so affinetes picks function_based) or with `mode: "url"` in the trainer's env config.
 This is our own small app rather than affinetes' template server, because the template exposes
 every public callable of the served module and answers `/call` for underscore names as well
 (specs/affinetes-protocol.md B.4); this one answers exactly reset/step/state/stop, plus for the
-game env the validators' `evaluate` (a whole game against an LLM endpoint, envs/llm_play.py). It
+game env the validators' `evaluate` (a whole game against an LLM endpoint, ppo_affine/envs/llm_play.py). It
 runs one process with one worker: episodes live in this process's memory.
 """
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from envs.base import Env
-from envs.llm_play import VALIDATOR_LLM_RETRIES, GameEvaluator
+from ppo_affine.envs.base import Env
+from ppo_affine.envs.llm_play import VALIDATOR_LLM_RETRIES, GameEvaluator
 
-log = logging.getLogger("envs.server")
+log = logging.getLogger("ppo_affine.envs.server")
 
 METHODS = ("reset", "step", "state", "stop")
 EVALUATE = "evaluate"  # the game env's validators' call, served next to METHODS when an evaluator is given
@@ -117,20 +117,20 @@ async def _json_body(request: Request) -> Any:
 def build_env(args: argparse.Namespace) -> tuple[Env, GameEvaluator | None]:
     """The env to serve, and for the game env the evaluator of its `evaluate` call."""
     if args.env == "openspiel":
-        from envs.openspiel_env import OpenSpielEnv
+        from ppo_affine.envs.openspiel_env import OpenSpielEnv
 
         env = OpenSpielEnv(observation_format=args.format, seed=args.seed, mcts_simulations=args.mcts_simulations)
         # evaluate() always plays the validators' conversation, whatever --format the reset/step calls use
         games = OpenSpielEnv(observation_format="evaluate", seed=args.seed, mcts_simulations=args.mcts_simulations)
         return env, GameEvaluator(games, llm_retries=args.llm_retries)
-    from envs.trace_env import TraceEnv
+    from ppo_affine.envs.trace_env import TraceEnv
 
     return TraceEnv(source=args.source, skip_degenerate=args.skip_degenerate, timeout=args.execution_timeout,
                     seed=args.seed, unsafe_rlimit_only_sandbox=args.unsafe_rlimit_only_sandbox), None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m envs.server", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ppo_affine.envs.server", description=__doc__.split("\n")[0])
     parser.add_argument("--env", required=True, choices=("openspiel", "trace"), help="which embedded env to serve")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
     parser.add_argument("--port", type=int, default=8765, help="TCP port; 0 picks a free one (logged at start)")
@@ -182,7 +182,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from envs.sandbox import SandboxUnavailable
+    from ppo_affine.envs.sandbox import SandboxUnavailable
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -20,7 +20,7 @@
 - Remote episodes are stopped here once they are done or failed (the training loop does not stop
   finished episodes), so servers do not accumulate them.
 - The real Affine images answer with their own `info` (no prompts, no score until done); it is
-  mapped to the keys the trainer reads (envs/base.py). Our own `python -m envs.server` already
+  mapped to the keys the trainer reads (ppo_affine/envs/base.py). Our own `python -m ppo_affine.envs.server` already
   sends those keys (`turn_prompt` marks them) and is passed through unchanged.
 - Outside the Env interface, `evaluate()` makes the validators' call: the remote env plays a whole
   game against an LLM endpoint and returns its score (evaluate.py --env-evaluate). Unlike the
@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import httpx
 
-from envs.base import StepResult, step_result
+from ppo_affine.envs.base import StepResult, step_result
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ STOP_TIMEOUT_S = 10.0  # stop is best-effort clean-up: never wait on it as long 
 EVALUATE_GRACE_S = 60.0  # evaluate(timeout=T) ends itself by T (the template server by T + 10 s)
 GAME_SUCCESS_ABOVE = 0.5  # Affine game scores: loss 0, draw 0.5, win 1
 TRACE_SUCCESS_ABOVE = 0.0
-SERVER_HINT = ("start one with `python -m envs.server --env openspiel --host 0.0.0.0 --port 8765` "
+SERVER_HINT = ("start one with `python -m ppo_affine.envs.server --env openspiel --host 0.0.0.0 --port 8765` "
                "(see docs/affinetes.md) or fix the env's `url`")
 
 # failure kind -> error_counts() key; a kind is also the `info.error.type` of the failed episode
@@ -88,7 +88,7 @@ class _Episode:
 
 
 class AffinetesEnv:
-    """The Env interface (envs/base.py) over `affinetes.load_env`, in docker or url mode.
+    """The Env interface (ppo_affine/envs/base.py) over `affinetes.load_env`, in docker or url mode.
 
     mode: "docker" starts `replicas` containers of `image` (one affinetes env each, with `env_vars`);
     "url" connects to `base_url`, one URL or a list of them (one per server).

@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import torch
 
-import prefixes
-from envs.base import EpisodeLost
+from ppo_affine import prefixes
+from ppo_affine.envs.base import EpisodeLost
 from utils import GenerationConfig, derive_seed
 
 log = logging.getLogger(__name__)

@@ -6,12 +6,12 @@ seeded by the task id (A.4), ground truth = stripped stdout, partial on a crash 
 the single-turn reset/step/state/stop protocol (A.9), including its report that reveals the answer
 and the 1.0 an empty answer earns when the expected output is empty.
 
-Departures: programs run in envs/sandbox.py (rlimits, bubblewrap) instead of bare `subprocess.run`,
+Departures: programs run in ppo_affine/envs/sandbox.py (rlimits, bubblewrap) instead of bare `subprocess.run`,
 off the event loop, with a fixed hash seed; a run killed for flooding stdout or for CPU time counts
 as a timeout (ground truth ""), one that passes the memory limit crashes with MemoryError where the
 real env has no limit; a sandbox that fails to start is an error, never a ground truth; the step
 report shows the cleaned answer (what was compared).
-Tasks come from the embedded generator (envs/trace_programs.py) by default, or from the real
+Tasks come from the embedded generator (ppo_affine/envs/trace_programs.py) by default, or from the real
 dataset with `source="hf"`. `skip_degenerate=True` swaps tasks whose expected output is empty or
 whose program crashes or times out for the next task id, for training.
 """
@@ -27,10 +27,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.base import StepResult, step_result
-from envs.sandbox import RunResult, SandboxLimits, require_isolation, run_python_async
-from envs.tasks import TRACE_LEVEL_STRIDE, TRACE_LEVELS
-from envs.trace_programs import generate_program
+from ppo_affine.envs.base import StepResult, step_result
+from ppo_affine.envs.sandbox import RunResult, SandboxLimits, require_isolation, run_python_async
+from ppo_affine.envs.tasks import TRACE_LEVEL_STRIDE, TRACE_LEVELS
+from ppo_affine.envs.trace_programs import generate_program
 
 SOURCES = ("embedded", "hf")
 MAX_INJECTIONS = 6
@@ -250,7 +250,7 @@ def _error(kind: str, message: str, retryable: bool) -> dict[str, Any]:
 
 
 class TraceEnv:
-    """Single-turn trace episodes behind the async OpenEnv interface of envs/base.py."""
+    """Single-turn trace episodes behind the async OpenEnv interface of ppo_affine/envs/base.py."""
 
     def __init__(
         self,

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from policy import Policy, common_prefix_length
-from prefixes import padded_cost, partition
-from ppo import compute_gae, group_advantages, kl_penalty, masked_whiten
-from rollout import Episode
+from ppo_affine.policy import Policy, common_prefix_length
+from ppo_affine.prefixes import padded_cost, partition
+from ppo_affine.ppo import compute_gae, group_advantages, kl_penalty, masked_whiten
+from ppo_affine.rollout import Episode
 from utils import PPOConfig
 
 

@@ -1,8 +1,8 @@
 """The Affine game env's `evaluate()`: play one whole game against an OpenAI-compatible chat endpoint and
-return the real env's result dict (specs/affine-openspiel.md section 6). `python -m envs.server --env
+return the real env's result dict (specs/affine-openspiel.md section 6). `python -m ppo_affine.envs.server --env
 openspiel` offers it, so evaluate.py can score a model through an env's evaluate() without Docker.
 
-The game, its prompts and its parser are our embedded env's `evaluate` format (envs/openspiel_env.py),
+The game, its prompts and its parser are our embedded env's `evaluate` format (ppo_affine/envs/openspiel_env.py),
 the same the trainer plays. What this module adds is the validators' side of the call:
 - The conversation: the system prompt once, one user message per decision, every reply stored as the
   client returns it (whitespace- and think-stripped), and a feedback message after every unusable reply,
@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from envs.openspiel_text import evaluate_feedback, strip_think
-from envs.tasks import game_name_of
+from ppo_affine.envs.openspiel_text import evaluate_feedback, strip_think
+from ppo_affine.envs.tasks import game_name_of
 
 if TYPE_CHECKING:
-    from envs.openspiel_env import OpenSpielEnv
+    from ppo_affine.envs.openspiel_env import OpenSpielEnv
 
 CHUNK_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 600.0

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from curriculum import Task
-from envs.base import Env, EpisodeLost, StepResult
-from envs.openspiel_text import strip_think
-from prompts import PromptBuilder, TokenHistory
+from ppo_affine.envs.base import Env, EpisodeLost, StepResult
+from ppo_affine.envs.openspiel_text import strip_think
+from ppo_affine.prompts import PromptBuilder, TokenHistory
 from utils import GenerationConfig, derive_seed
 
 log = logging.getLogger(__name__)

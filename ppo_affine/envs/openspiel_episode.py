@@ -23,9 +23,9 @@ import pyspiel
 from open_spiel.python.algorithms import mcts
 from open_spiel.python.bots.uniform_random import UniformRandomBot
 
-from envs import openspiel_text as text
-from envs.base import StepResult, step_result
-from envs.games import GAMES, GameSpec, decode_task_id, describe_default
+from ppo_affine.envs import openspiel_text as text
+from ppo_affine.envs.base import StepResult, step_result
+from ppo_affine.envs.games import GAMES, GameSpec, decode_task_id, describe_default
 
 SEED_SPACE = 2**32
 UCT_C = 1.414

@@ -1,5 +1,5 @@
 """The Affine OpenSpiel game env, embedded: many concurrent episodes of the 22 games behind the async
-OpenEnv interface of envs/base.py, faithful to /work/shared/specs/affine-openspiel.md.
+OpenEnv interface of ppo_affine/envs/base.py, faithful to /work/shared/specs/affine-openspiel.md.
 
 The per-game table and task-id decoding live in games.py, one game's logic and protocol in
 openspiel_episode.Episode (synchronous). This module keeps the episode registry and decides where
@@ -24,10 +24,10 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
-from envs.base import StepResult, step_result
-from envs.games import decode_task_id, is_playable
-from envs.openspiel_episode import Episode
-from envs.openspiel_text import FORMATS
+from ppo_affine.envs.base import StepResult, step_result
+from ppo_affine.envs.games import decode_task_id, is_playable
+from ppo_affine.envs.openspiel_episode import Episode
+from ppo_affine.envs.openspiel_text import FORMATS
 
 __all__ = ["OpenSpielEnv", "decode_task_id", "is_playable"]
 

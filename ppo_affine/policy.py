@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ppo import logprobs_and_entropy_from_logits, logprobs_from_logits
-import prefixes
-from model_files import model_source
+from ppo_affine.ppo import logprobs_and_entropy_from_logits, logprobs_from_logits
+from ppo_affine import prefixes
+from ppo_affine.model_files import model_source
 from utils import ConfigError, LoraConfig, ModelConfig
 
 log = logging.getLogger(__name__)

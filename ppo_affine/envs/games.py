@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from envs.tasks import AVAILABLE_GAMES, GAME_ID_STRIDE
+from ppo_affine.envs.tasks import AVAILABLE_GAMES, GAME_ID_STRIDE
 
 Params = dict[str, Any]
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from distributed import ONE_PROCESS, Ranks
-from experience import TrainSequence, collate, plan_micro_batches
-from policy import Policy
-from ppo import (explained_variance_from_moments, explained_variance_moments, kl_penalty, pearson_correlation,
+from ppo_affine.distributed import ONE_PROCESS, Ranks
+from ppo_affine.experience import TrainSequence, collate, plan_micro_batches
+from ppo_affine.policy import Policy
+from ppo_affine.ppo import (explained_variance_from_moments, explained_variance_moments, kl_penalty, pearson_correlation,
                  policy_loss, value_loss, weighted_mean)
 from utils import PPOConfig
 

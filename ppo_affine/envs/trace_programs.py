@@ -1,7 +1,7 @@
 """Embedded trace tasks: a deterministic generator of small Python programs, one per task id.
 
 `generate_program(task_id)` draws everything from `random.Random(task_id)`; the difficulty is the
-task id's trace level (envs/tasks.py). A program is a few independent snippets, each picked from a
+task id's trace level (ppo_affine/envs/tasks.py). A program is a few independent snippets, each picked from a
 table of builders (loops, string and list work, dicts, functions, recursion, classes, handled
 exceptions, generators, closures, stdin parsing) and filled with random names, words and numbers.
 Harder levels allow more snippets, longer loops, the harder builders, and wrap the whole program
@@ -15,7 +15,7 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from envs.tasks import trace_level_of
+from ppo_affine.envs.tasks import trace_level_of
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ import numpy as np
 import pyspiel
 from open_spiel.python.algorithms import mcts
 
-from envs.games import GAMES
-from envs.openspiel_episode import UCT_C, AffineRolloutEvaluator
+from ppo_affine.envs.games import GAMES
+from ppo_affine.envs.openspiel_episode import UCT_C, AffineRolloutEvaluator
 
 KINDS = ("cfr", "mcts", "montecarlo", "prize")
 CFR_GAMES = ("leduc_poker",)

@@ -27,11 +27,11 @@ from urllib.parse import urlparse
 import httpx
 
 from curriculum import Task
-from envs.affinetes_env import AffinetesEnv, RemoteCallError
-from envs.tasks import game_name_of
-from generation import VLLMError, VLLMGenerator
-from model_files import model_source
-from run_log import rollout_progress
+from ppo_affine.envs.affinetes_env import AffinetesEnv, RemoteCallError
+from ppo_affine.envs.tasks import game_name_of
+from ppo_affine.generation import VLLMError, VLLMGenerator
+from ppo_affine.model_files import model_source
+from ppo_affine.run_log import rollout_progress
 from utils import Config, ConfigError, derive_seed
 
 log = logging.getLogger("evaluate")
@@ -196,7 +196,7 @@ async def evaluate_through_env(config: Config, tasks: list[Task], adapter_dir: P
             raise ConfigError(f"--env-evaluate {target}: cannot list its methods ({exc.message})") from None
         if "evaluate" not in methods:
             raise ConfigError(f"--env-evaluate {target} offers {methods} but no evaluate(): point it at an Affine "
-                              "game image or a `python -m envs.server --env openspiel` server.")
+                              "game image or a `python -m ppo_affine.envs.server --env openspiel` server.")
         labels = ["adapter", "base"] if adapter_dir and compare_base else ["adapter"] if adapter_dir else ["base"]
         for label in labels:
             if label == "adapter":

@@ -1,1 +1,0 @@
-"""Environment backends behind one OpenEnv-shaped interface (see envs/base.py)."""

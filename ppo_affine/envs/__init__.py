@@ -1,0 +1,1 @@
+"""Environment backends behind one OpenEnv-shaped interface (see ppo_affine/envs/base.py)."""
