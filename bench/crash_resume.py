@@ -40,11 +40,10 @@ import textwrap
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from ppo_affine.checkpoint import CHECKPOINT_RE, find_resumable, verify
+from ppo_affine.testing import fake_vllm as fake_vllm_server
 
-from ppo_affine.checkpoint import CHECKPOINT_RE, find_resumable, verify  # noqa: E402
-import fake_vllm as fake_vllm_server  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PHASES = ("rollout", "update", "checkpoint")
 SCENARIOS = ("kill9", "sigterm", "vllm-restart", "oom")
@@ -52,7 +51,6 @@ SCENARIOS = ("kill9", "sigterm", "vllm-restart", "oom")
 # Runs train_ppo.main and appends "<phase> <monotonic time>" to a file whenever a phase starts.
 DRIVER = textwrap.dedent("""
     import sys, time
-    sys.path[:0] = [{root!r}]
     import train_ppo
     phases = open({phases!r}, "a", buffering=1)
     def mark(name, function):
@@ -82,7 +80,7 @@ OUT_OF_MEMORY_IN_STEP_2 = textwrap.dedent("""
 
 def write_driver(path: Path, phases_file: Path, inject: str = "") -> list[str]:
     """The driver script at `path`; returns the command that runs it."""
-    path.write_text(DRIVER.format(root=str(ROOT), phases=str(phases_file), inject=inject))
+    path.write_text(DRIVER.format(phases=str(phases_file), inject=inject))
     return [sys.executable, str(path)]
 
 
@@ -347,7 +345,7 @@ def main() -> None:
     parser.add_argument("--oom-steps", type=int, default=3, help="oom: steps of the run (at least 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill and signal times")
     args = parser.parse_args()
-    from tiny import make_tiny_model_dir
+    from ppo_affine.testing.tiny import make_tiny_model_dir
 
     work = Path(tempfile.mkdtemp(prefix="crash-resume-"))
     model_dir = make_tiny_model_dir(work / "model")

@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 STAGES = json.dumps([{"name": "s", "opponent": "random", "min_episodes": 10**6,
                       "tasks": [{"env": "openspiel", "games": ["leduc_poker"], "config_ids": [0]}]}])
@@ -33,7 +32,7 @@ STAGES = json.dumps([{"name": "s", "opponent": "random", "min_episodes": 10**6,
 
 def model_settings(model: str, folder: Path) -> list[str]:
     if model == "tiny":
-        from tiny import make_tiny_model_dir
+        from ppo_affine.testing.tiny import make_tiny_model_dir
 
         model_dir = make_tiny_model_dir(folder / "tiny-model")
         return ["--set", f"model.name_or_path={model_dir}", "--set", "model.use_4bit=false",

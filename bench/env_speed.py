@@ -24,13 +24,10 @@ import platform
 import random
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ppo_affine.envs.games import GAMES  # noqa: E402
-from ppo_affine.envs.openspiel_env import OpenSpielEnv  # noqa: E402
-from ppo_affine.envs.tasks import AVAILABLE_GAMES, game_task_id  # noqa: E402
+from ppo_affine.envs.games import GAMES
+from ppo_affine.envs.openspiel_env import OpenSpielEnv
+from ppo_affine.envs.tasks import AVAILABLE_GAMES, game_task_id
 
 
 async def random_speed(game: str, episodes: int, fmt: str) -> dict:
@@ -144,10 +141,11 @@ async def main() -> None:
 
 async def url_rows(games: list[str], fmt: str, episodes: int) -> dict:
     """The same episodes in process and through `python -m ppo_affine.envs.server` + AffinetesEnv (bench/env_url_speed.py)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from env_url_speed import play, start_server
 
-    from ppo_affine.envs.affinetes_env import AffinetesEnv  # imported last: affinetes patches asyncio process-wide
+    from ppo_affine.envs.affinetes_env import (
+        AffinetesEnv,  # imported last: affinetes patches asyncio process-wide
+    )
 
     seeds = range(episodes)
     rows = {game: {"in_process_us_per_step": (await play(OpenSpielEnv(fmt), game, seeds))["us_per_step"]}

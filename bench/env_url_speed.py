@@ -25,11 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from ppo_affine.envs.openspiel_env import OpenSpielEnv
+from ppo_affine.envs.tasks import game_task_id
 
-from ppo_affine.envs.openspiel_env import OpenSpielEnv  # noqa: E402
-from ppo_affine.envs.tasks import game_task_id  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 async def play(env, game: str, seeds: range) -> dict:

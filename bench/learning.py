@@ -38,18 +38,15 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import evaluate  # noqa: E402
-from ppo_affine import report  # noqa: E402
-import sft_warmstart  # noqa: E402
-import train_ppo  # noqa: E402
-import visualize  # noqa: E402
-from ppo_affine.checkpoint import find_resumable  # noqa: E402
-from ppo_affine.envs.tasks import GAME_ID_STRIDE, game_name_of  # noqa: E402
-from ppo_affine.experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS  # noqa: E402
-from utils import load_config  # noqa: E402
+import evaluate
+import sft_warmstart
+import train_ppo
+import visualize
+from ppo_affine import report
+from ppo_affine.checkpoint import find_resumable
+from ppo_affine.envs.tasks import GAME_ID_STRIDE, game_name_of
+from ppo_affine.experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS
+from utils import load_config
 
 # Tuned on this machine so that a CPU budget visibly moves the model: 8 episodes and one epoch per
 # step give a steadier gradient per minute than more epochs, and 2e-4 was the fastest rate that kept

@@ -11,23 +11,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from curriculum import Task  # noqa: E402
-from ppo_affine.envs.factory import make_envs  # noqa: E402
-from ppo_affine.envs.tasks import game_task_id  # noqa: E402
-from ppo_affine.policy import load_policy  # noqa: E402
-from ppo_affine.generation import LocalGenerator  # noqa: E402
-from ppo_affine.prompts import PromptBuilder  # noqa: E402
-from ppo_affine.rollout import RolloutRunner  # noqa: E402
-from utils import load_config  # noqa: E402
+from curriculum import Task
+from ppo_affine.envs.factory import make_envs
+from ppo_affine.envs.tasks import game_task_id
+from ppo_affine.generation import LocalGenerator
+from ppo_affine.policy import load_policy
+from ppo_affine.prompts import PromptBuilder
+from ppo_affine.rollout import RolloutRunner
+from utils import load_config
 
 
 def plain_generate(policy, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int] | None = None) -> int:

@@ -28,10 +28,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from rollout_speed import plain_generate  # noqa: E402  (bench/ is the script's folder)
+from rollout_speed import plain_generate  # a sibling script: bench/ is this script's folder
 
 # name -> (games, opponent, context strategy, extra overrides, share prefixes)
 GROUPS = ["ppo.advantage=group", "ppo.group_size=4", "ppo.micro_batch_tokens=4096",
@@ -57,10 +54,9 @@ def plain_generate_rate(policy, prompts: list[list[int]], batch_size: int, max_n
 
 def run_setting(name: str, args: argparse.Namespace) -> dict:
     import train_ppo
+    from ppo_affine import prefixes
     from ppo_affine.experience import build_sequences
     from utils import load_config
-
-    from ppo_affine import prefixes
 
     games, opponent, strategy, extra, share = SETTINGS[name]
     if not share:  # every row through the model whole: the same step as before prefixes were shared

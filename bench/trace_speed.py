@@ -9,16 +9,12 @@ import argparse
 import asyncio
 import json
 import logging
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ppo_affine.envs.sandbox import detect_protections  # noqa: E402
-from ppo_affine.envs.tasks import trace_level_range  # noqa: E402
-from ppo_affine.envs.trace_env import TraceEnv, inject_debug_prints  # noqa: E402
-from ppo_affine.envs.trace_programs import generate_program  # noqa: E402
+from ppo_affine.envs.sandbox import detect_protections
+from ppo_affine.envs.tasks import trace_level_range
+from ppo_affine.envs.trace_env import TraceEnv, inject_debug_prints
+from ppo_affine.envs.trace_programs import generate_program
 
 
 def parse_args() -> argparse.Namespace:

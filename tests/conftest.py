@@ -1,23 +1,31 @@
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-for path in (ROOT, ROOT / "tests"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+
+
+def pytest_sessionstart(session):
+    """Tests start programs in subprocesses, which import the installed package: it must be this checkout."""
+    found = subprocess.run([sys.executable, "-c", "import ppo_affine; print(ppo_affine.__file__)"], cwd="/",
+                           capture_output=True, text=True)
+    if found.returncode != 0 or Path(found.stdout.strip()).parent != ROOT / "ppo_affine":
+        where = found.stdout.strip() or found.stderr.strip().splitlines()[-1]
+        pytest.exit(f"the tests need this checkout installed: run `pip install -e {ROOT}` (ppo_affine now: {where})",
+                    returncode=4)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from tiny import make_tiny_model_dir
+    from ppo_affine.testing.tiny import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture
 def tiny_policy(tiny_model_dir):
-    from tiny import load_tiny_policy
+    from ppo_affine.testing.tiny import load_tiny_policy
 
     return load_tiny_policy(tiny_model_dir)

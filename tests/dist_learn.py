@@ -12,12 +12,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from curriculum import Task  # noqa: E402
-from ppo_affine.distributed import ONE_PROCESS, Ranks  # noqa: E402
-from ppo_affine.rollout import Episode, Turn  # noqa: E402
+from curriculum import Task
+from ppo_affine.distributed import ONE_PROCESS, Ranks
+from ppo_affine.rollout import Episode, Turn
 
 STAGES = json.dumps([{"name": "s", "opponent": "random", "tasks": [{"env": "openspiel", "games": ["leduc_poker"]}]}])
 # name -> (config overrides, scores of the step's usable episodes, group ids)

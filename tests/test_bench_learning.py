@@ -1,11 +1,11 @@
 """bench/learning.py: profiles, per-game MCTS budgets, and the table's paired differences to base and SFT."""
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
-from tiny import ROOT
-
+ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("bench_learning", ROOT / "bench" / "learning.py")
 learning = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(learning)

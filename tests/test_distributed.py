@@ -10,12 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from test_train import _free_port, metrics, tiny_args
 
-import fake_vllm as fake_vllm_server
 import train_ppo
 from ppo_affine.checkpoint import find_resumable, load_trainer_state, verify
 from ppo_affine.distributed import Ranks, check_world_size, rng_state_of
-from test_train import _free_port, metrics, tiny_args
+from ppo_affine.testing import fake_vllm as fake_vllm_server
 from utils import ConfigError, PPOConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,7 +144,6 @@ def test_a_two_rank_run_resumes_on_one_rank_and_the_other_way_round(tiny_model_d
 
 CRASH_RANK_ONE = textwrap.dedent("""
     import os, sys
-    sys.path[:0] = [{root!r}]
     import train_ppo
     learn = train_ppo.Trainer.learn
     def learn_or_crash(self, episodes, group_ids):
@@ -159,7 +158,7 @@ CRASH_RANK_ONE = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_crashed_rank_stops_the_run_with_a_message_and_the_last_checkpoint_intact(tiny_model_dir, tmp_path):
     script = tmp_path / "crash_rank_one.py"
-    script.write_text(CRASH_RANK_ONE.format(root=str(ROOT)))
+    script.write_text(CRASH_RANK_ONE)
     result = torchrun(str(script), *tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3",
                                                "--set", "checkpointing.save_every=1"))
     assert result.returncode != 0
@@ -173,7 +172,6 @@ def test_a_crashed_rank_stops_the_run_with_a_message_and_the_last_checkpoint_int
 
 AGREEMENT = textwrap.dedent("""
     import sys
-    sys.path[:0] = [{root!r}]
     import torch
     from ppo_affine.distributed import Ranks
     ranks = Ranks.from_environment()
@@ -197,7 +195,7 @@ AGREEMENT = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_failure_on_one_rank_is_raised_on_every_rank_instead_of_a_hang(tmp_path):
     script = tmp_path / "agreement.py"
-    script.write_text(AGREEMENT.format(root=str(ROOT), out=str(tmp_path)))
+    script.write_text(AGREEMENT.format(out=str(tmp_path)))
     result = torchrun(str(script), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = set((tmp_path / "rank0.txt").read_text().splitlines() + (tmp_path / "rank1.txt").read_text().splitlines())

@@ -117,7 +117,7 @@ def digit_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoint(digit_model_dir, tmp_path_factory) -> Path:
-    from tiny import save_checkpoint_with_active_adapter
+    from ppo_affine.testing.tiny import save_checkpoint_with_active_adapter
 
     return save_checkpoint_with_active_adapter(digit_model_dir, tmp_path_factory.mktemp("run") / "checkpoint-3")
 

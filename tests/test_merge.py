@@ -13,7 +13,7 @@ PROMPT = [{"role": "user", "content": "Pick an action: 0, 1 or 2."}]  # not merg
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_model_dir, tmp_path_factory) -> Path:
-    from tiny import save_checkpoint_with_active_adapter
+    from ppo_affine.testing.tiny import save_checkpoint_with_active_adapter
 
     return save_checkpoint_with_active_adapter(tiny_model_dir, tmp_path_factory.mktemp("ckpt") / "checkpoint-7")
 
@@ -73,7 +73,7 @@ def test_a_merge_that_does_not_match_fails_and_saves_nothing(tiny_model_dir, che
 
 
 def test_an_adapter_for_another_model_is_a_clear_error(checkpoint, tmp_path, capsys):
-    from tiny import make_tiny_model_dir
+    from ppo_affine.testing.tiny import make_tiny_model_dir
     from transformers import LlamaConfig, LlamaForCausalLM
 
     other = make_tiny_model_dir(tmp_path / "other")

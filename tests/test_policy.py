@@ -217,7 +217,7 @@ def test_ppo_learns_a_synthetic_first_token_reward(tiny_policy):
 
 
 def test_reference_adapter_is_a_frozen_kl_anchor_that_checkpoints_carry(tiny_policy, tiny_model_dir, tmp_path):
-    from tiny import load_tiny_policy
+    from ppo_affine.testing.tiny import load_tiny_policy
 
     ids, attention, mask = _batch(tiny_policy)
     positions = mask[0].bool()

@@ -2,7 +2,7 @@
 import pytest
 
 from ppo_affine.prompts import PromptBuilder, TokenHistory
-from tiny import make_tokenizer
+from ppo_affine.testing.tiny import make_tokenizer
 
 SYSTEM = {"role": "system", "content": "rules"}
 

@@ -531,10 +531,19 @@ def test_fallback_still_enforces_timeout_output_cap_and_scrubbed_env(monkeypatch
     assert leftover_sandbox_processes() == []
 
 
-_FALLBACK_DRIVER = """
+# Drivers run another interpreter (isolated, maybe as another user), which loads the sandbox module
+# from the checkout named by argv[1]: it needs nothing but the standard library.
+_LOAD_SANDBOX = """
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("sandbox", os.path.join(sys.argv[1], "ppo_affine", "envs", "sandbox.py"))
+sandbox = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sandbox)
+SandboxLimits, detect_protections, run_python = sandbox.SandboxLimits, sandbox.detect_protections, sandbox.run_python
+"""
+
+
+_FALLBACK_DRIVER = _LOAD_SANDBOX + """
 import json, os, sys
-sys.path.insert(0, sys.argv[1])
-from ppo_affine.envs.sandbox import SandboxLimits, detect_protections, run_python
 limits = SandboxLimits(memory_bytes=256 << 20, max_processes=8)
 programs = {
     "forks": "import os, time\\nn = 0\\ntry:\\n    while True:\\n        if os.fork() == 0:\\n"
@@ -573,10 +582,8 @@ def test_fallback_with_uid_drop_contains_forks_escapes_and_secrets():
     assert not (REPO / "escape.txt").exists()
 
 
-_UNPRIVILEGED_DRIVER = """
+_UNPRIVILEGED_DRIVER = _LOAD_SANDBOX + """
 import json, sys
-sys.path.insert(0, sys.argv[1])
-from ppo_affine.envs.sandbox import SandboxLimits, detect_protections, run_python
 forks = ("import os, time\\nn = 0\\ntry:\\n    while True:\\n        if os.fork() == 0:\\n"
          "            time.sleep(30)\\n            os._exit(0)\\n        n += 1\\nexcept OSError:\\n    print(n)")
 escape = ("import errno\\ntry:\\n    open('/usr/x', 'w')\\nexcept OSError as exc:\\n"

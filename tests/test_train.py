@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import fake_vllm as fake_vllm_server
 import train_ppo
 from ppo_affine.checkpoint import find_resumable, verify
+from ppo_affine.testing import fake_vllm as fake_vllm_server
 
 ROOT = Path(__file__).resolve().parent.parent
 TWO_GAMES = ('[{"name": "s", "opponent": "random", "min_episodes": 1000, '
@@ -99,7 +99,6 @@ def test_resume_latest_reproduces_the_straight_run(tiny_model_dir, tmp_path):
 
 KILL_SCRIPT = textwrap.dedent("""
     import sys, time
-    sys.path[:0] = [{root!r}, {tests!r}]
     import train_ppo
     from ppo_affine import checkpoint
     from pathlib import Path
@@ -120,7 +119,7 @@ KILL_SCRIPT = textwrap.dedent("""
 def test_sigkill_during_checkpoint_write_leaves_previous_checkpoint_resumable(tiny_model_dir, tmp_path):
     marker = tmp_path / "marker"
     script = tmp_path / "kill_me.py"
-    script.write_text(KILL_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), marker=str(marker)))
+    script.write_text(KILL_SCRIPT.format(marker=str(marker)))
     args = tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3", "--set", "checkpointing.save_every=1")
     process = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE)
@@ -334,7 +333,6 @@ def test_sigterm_mid_run_saves_and_exits_cleanly(tiny_model_dir, tmp_path):
 # minibatch), without it the update ignores it (a long update that only a second signal may cut short).
 SIGNAL_IN_UPDATE_SCRIPT = textwrap.dedent("""
     import sys, time
-    sys.path[:0] = [{root!r}, {tests!r}]
     import train_ppo
     from pathlib import Path
     original = train_ppo.ppo_update
@@ -364,7 +362,7 @@ def adapter_weights(out: Path, step: int) -> dict[str, torch.Tensor]:
 def start_and_wait_for_the_update(tmp_path, args, checks: bool) -> subprocess.Popen:
     marker = tmp_path / "marker"
     script = tmp_path / "signal_in_update.py"
-    script.write_text(SIGNAL_IN_UPDATE_SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), marker=str(marker),
+    script.write_text(SIGNAL_IN_UPDATE_SCRIPT.format(marker=str(marker),
                                                      checks=checks))
     process = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)

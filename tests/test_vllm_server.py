@@ -102,7 +102,6 @@ def test_env_evaluate_scores_equal_the_in_process_scores(trained, tmp_path):
         assert env_path[key]["conversation"][:len(record["conversation"])] == record["conversation"], key
 
     # vLLM renders each chat request into exactly the token ids our own path sends for that conversation
-    sys.path.insert(0, str(ROOT))
     from ppo_affine.policy import load_tokenizer
     from ppo_affine.prompts import PromptBuilder
     from utils import load_config
@@ -119,7 +118,6 @@ def test_env_evaluate_scores_equal_the_in_process_scores(trained, tmp_path):
 
 
 def test_a_context_longer_than_the_server_allows_is_refused_at_start():
-    sys.path.insert(0, str(ROOT))
     from ppo_affine.generation import VLLMError, VLLMGenerator
     from utils import GenerationConfig
 

@@ -9,17 +9,13 @@ import json
 import sys
 import types
 import typing
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
 
-from pydantic import BaseModel  # noqa: E402
-from pydantic_core import PydanticUndefined  # noqa: E402
-
-from curriculum import CurriculumConfig, Stage, TaskSource  # noqa: E402
-from utils import BASE_CONFIG_FILES, CONFIG_DIR, EnvConfig, EnvSpec, TrainConfig  # noqa: E402
+from curriculum import CurriculumConfig, Stage, TaskSource
+from utils import BASE_CONFIG_FILES, CONFIG_DIR, EnvConfig, EnvSpec, TrainConfig
 
 INTRO = """# Configuration reference
 

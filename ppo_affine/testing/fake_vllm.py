@@ -10,7 +10,7 @@ is on, like vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING); what an env's evalua
 `--exit-after-completions N` makes the process die on receiving its Nth completion request, unanswered
 (a crashed or preempted server).
 
-Run: python tests/fake_vllm.py --model DIR --port P [--no-runtime-lora] [--ignore-adapters]
+Run: python -m ppo_affine.testing.fake_vllm --model DIR --port P [--no-runtime-lora] [--ignore-adapters]
         [--served-model-name NAME] [--max-model-len N] [--max-new-tokens N] [--exit-after-completions N]
 """
 from __future__ import annotations
@@ -188,7 +188,8 @@ def start(model_dir, port: int, *flags: str, timeout: float = 300.0) -> subproce
     import httpx
 
     log = tempfile.TemporaryFile()  # a file, not a pipe: a long-lived server must never block on a full pipe
-    process = subprocess.Popen([sys.executable, __file__, "--model", str(model_dir), "--port", str(port), *flags],
+    process = subprocess.Popen([sys.executable, "-m", "ppo_affine.testing.fake_vllm", "--model", str(model_dir),
+                                "--port", str(port), *flags],
                                stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + timeout
     while process.poll() is None and time.monotonic() < deadline:

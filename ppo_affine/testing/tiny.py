@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-CORPUS_FILES = ("ppo_affine/envs/games.py", "ppo_affine/envs/openspiel_text.py", "ppo_affine/envs/trace_env.py")
+ENVS = Path(__file__).resolve().parent.parent / "envs"
+CORPUS_FILES = ("games.py", "openspiel_text.py", "trace_env.py")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -19,7 +19,7 @@ def make_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = [(ROOT / name).read_text() for name in CORPUS_FILES]
+    corpus = [(ENVS / name).read_text() for name in CORPUS_FILES]
     core = Tokenizer(models.BPE(unk_token=None))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
