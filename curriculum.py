@@ -158,6 +158,12 @@ class CurriculumConfig(BaseModel):
             raise ValueError(f"stage names must be unique; repeated: {duplicates}")
         return stages
 
+    @property
+    def meets_search_opponent(self) -> bool:
+        """Whether some game task source plays the MCTS opponent."""
+        return any((source.opponent or stage.opponent) == "mcts" for stage in self.stages for source in stage.tasks
+                   if source.trace_difficulty is None)
+
 
 def default_curriculum() -> CurriculumConfig:
     """easy (validator games, smallest variants, random) -> medium (all variants) -> hard (vs MCTS)."""

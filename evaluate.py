@@ -240,7 +240,9 @@ async def evaluate(config: Config, tasks: list[Task], env_specs: dict[str, tuple
     """Play every task once per model; records in task order, each also appended to `episodes_path`."""
     generator, tokenizer, runs = model_runs(config, adapter_dir, compare_base)
     gen_cfg = config.train.generation
-    envs = {name: (kind, make_env(spec, seed=config.train.run.seed)) for kind, (name, spec) in env_specs.items()}
+    meets_search = any(task.opponent == "mcts" for task in tasks)
+    envs = {name: (kind, make_env(spec, seed=config.train.run.seed, meets_search=meets_search))
+            for kind, (name, spec) in env_specs.items()}
     # the validators' conversation: replies stored as their client returns them, every prompt rendered anew
     runner = RolloutRunner(envs, generator, PromptBuilder(tokenizer, gen_cfg.max_prompt_tokens,
                                                           config.train.model.chat_template_kwargs), gen_cfg,

@@ -128,7 +128,8 @@ class Trainer:
                        if cfg.ppo.adaptive_kl else FixedKLController(cfg.ppo.init_kl_coef))
         self.curriculum = Curriculum(config.curriculum, seed=cfg.run.seed, is_playable=playable_filter(config.env))
         try:
-            self.envs = make_envs(config.env, seed=cfg.run.seed)
+            self.envs = make_envs(config.env, seed=cfg.run.seed, meets_search=config.curriculum.meets_search_opponent,
+                                  ranks_on_machine=ranks.local_world_size)
         except (ConnectionError, RuntimeError) as exc:  # an env server that is down, a container that won't start
             raise StartupError(f"Could not start the environments: {exc}") from None
         self.update_state = UpdateState()

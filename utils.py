@@ -233,7 +233,17 @@ class EnvSpec(Strict):
         None, description="openspiel only: the MCTS opponent's simulations instead of each game's validator budget; "
         "a number for every game, or {game: simulations} for the games named (the others keep theirs)."
     )
-    workers: int = Field(0, ge=0, description="openspiel only: worker processes for game episodes (0 = in-process).")
+    opponent_search: Literal["fast", "exact"] = Field(
+        "fast", description="openspiel only: the MCTS opponent's implementation. 'fast': open_spiel's C++ search with "
+        "the validators' settings, proven to play the same games (bench/opponent_parity.py), on the games where that "
+        "proof holds (the others keep the exact one); 'exact': the Affine env's own Python search, move for move the "
+        "validators' opponent, tens of times slower."
+    )
+    workers: int | Literal["auto"] = Field(
+        "auto", description="openspiel only: worker processes holding game episodes, so that the opponent searches of "
+        "concurrent episodes run on several cores (0 = in-process). 'auto': the cores this machine gives each of its "
+        "ranks when the run meets an MCTS opponent, else 0."
+    )
     games: list[str] | None = Field(None, description="openspiel only: allow-list of games this env may play.")
     source: Literal["embedded", "hf"] = Field("embedded", description="trace only: task source.")
     skip_degenerate: bool = Field(False, description="trace only: drop tasks with empty/crashing ground truth.")
@@ -248,6 +258,13 @@ class EnvSpec(Strict):
     env_vars: dict[str, str] = Field(default_factory=dict, description="docker mode: container environment.")
     timeout: float = Field(120.0, gt=0, description="docker/url: seconds per env call.")
     retries: int = Field(3, ge=0, description="docker/url: retries of transient failures.")
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers_auto_or_count(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError(f"workers must be \"auto\" or a whole number >= 0 (0 = in-process), got {value!r}")
 
     @model_validator(mode="after")
     def _mode_needs_target(self) -> "EnvSpec":

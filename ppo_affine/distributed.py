@@ -71,18 +71,22 @@ class Ranks:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    local_world_size: int = 1  # ranks on this machine
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where exchanged tensors live
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> "Ranks":
-        """The launcher's WORLD_SIZE, RANK and LOCAL_RANK (one process without them); no exchange yet."""
+        """The launcher's WORLD_SIZE, RANK, LOCAL_RANK and LOCAL_WORLD_SIZE (one process without them); no
+        exchange yet."""
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
         try:
-            return cls(rank=int(environ.get("RANK", "0")), world_size=int(environ.get("WORLD_SIZE", "1")),
-                       local_rank=int(environ.get("LOCAL_RANK", "0")))
+            rank, world_size, local_rank, local_world_size = (int(environ.get(name, default))
+                                                              for name, default in zip(names, "0101"))
         except ValueError:
-            raise ConfigError(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers, got {environ.get('RANK')!r}, "
-                              f"{environ.get('WORLD_SIZE')!r}, {environ.get('LOCAL_RANK')!r}; start the "
-                              "ranks with torchrun or accelerate launch.") from None
+            given = ", ".join(f"{name}={environ.get(name)!r}" for name in names)
+            raise ConfigError(f"RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE must be integers, got {given}; "
+                              "start the ranks with torchrun or accelerate launch.") from None
+        return cls(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size)
 
     @property
     def is_main(self) -> bool:

@@ -2,6 +2,7 @@
 
 The endpoint is an httpx MockTransport: no network, every request recorded. Leduc poker task
 200000000 with the validators' seed 1580322239 seats the model as player 1 (seed % 2) and deals it J♥.
+The opponent is the exact search, move for move the real env's.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class ScriptedLLM:
 
 def play(llm: ScriptedLLM, retries: int = 10, **kwargs: Any) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
-        evaluator = GameEvaluator(OpenSpielEnv("evaluate"), llm_retries=retries, transport=httpx.MockTransport(llm))
+        evaluator = GameEvaluator(OpenSpielEnv("evaluate", opponent_search="exact"), llm_retries=retries, transport=httpx.MockTransport(llm))
         try:
             arguments = {"task_id": LEDUC, "seed": SEED, "model": "smol", "base_url": "http://llm:8000/v1",
                          "temperature": 0.0, "opponent": "random", "api_key": "key"} | kwargs

@@ -6,6 +6,7 @@ test replays that stream with numpy and pyspiel directly, as the spec says the r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import numpy as np
@@ -163,16 +164,17 @@ def test_expensive_games_run_clean_against_mcts_for_a_few_turns(game):
 def test_leduc_plays_against_mcts_with_the_spec_budget():
     env = OpenSpielEnv("evaluate")
     bot = build_bots(load_game("leduc_poker", (("players", 2),)), GAMES["leduc_poker"], "evaluate", 0, 0,
-                     "mcts", None)[1]
+                     "mcts", None, search="exact")[1]
     assert (bot.max_simulations, bot.evaluator.n_rollouts, bot.uct_c) == (3000, 200, 1.414)
     final = run(play_episode(env, game_task_id("leduc_poker"), seed=4, opponent="mcts"))[-1]
     assert final["done"] and final["info"]["score"] in {(r + 13) / 26 for r in range(-13, 14)}
 
 
 # ---------------------------------------------------------------- opponents and seats (spec 2.3, 6.3, 7)
-def _bots(game: str, fmt: str, player: int, opponent: str, sims: int | None = None):
+def _bots(game: str, fmt: str, player: int, opponent: str, sims: int | None = None, search: str = "exact"):
+    """The exact search's budgets can be read off its bot; the C++ bot does not show them."""
     params = decode_task_id(game_task_id(game))["game_params"]
-    return build_bots(load_game(game, tuple(params.items())), GAMES[game], fmt, player, 10, opponent, sims)
+    return build_bots(load_game(game, tuple(params.items())), GAMES[game], fmt, player, 10, opponent, sims, search)
 
 
 def test_evaluate_builds_one_bot_per_other_seat():
@@ -196,9 +198,9 @@ def test_per_game_mcts_simulations_apply_to_the_named_games_only():
 
     budgets = {"liars_dice": 30}
     liars = Episode("a", task_id=game_task_id("liars_dice"), seed=0, opponent="mcts", observation_format="evaluate",
-                    max_parse_attempts=3, mcts_simulations=budgets)
+                    max_parse_attempts=3, mcts_simulations=budgets, opponent_search="exact")
     leduc = Episode("b", task_id=game_task_id("leduc_poker"), seed=0, opponent="mcts", observation_format="evaluate",
-                    max_parse_attempts=3, mcts_simulations=budgets)
+                    max_parse_attempts=3, mcts_simulations=budgets, opponent_search="exact")
     assert (liars.bots[1].max_simulations, leduc.bots[1].max_simulations) == (30, 3000)
 
 
@@ -276,11 +278,60 @@ def test_evaluate_mcts_bots_use_their_seat_seeds():
     oracle_bot = mcts.MCTSBot(game, 1.414, sims, AffineRolloutEvaluator(150, np.random.RandomState(seed + 5)),
                               random_state=np.random.RandomState(seed + 6))
     oracle = game.new_initial_state()
-    env = OpenSpielEnv("evaluate", mcts_simulations=sims)
+    env = OpenSpielEnv("evaluate", mcts_simulations=sims, opponent_search="exact")
     result = run(env.reset(game_task_id("phantom_ttt"), seed=seed))
     oracle.apply_action(oracle_bot.step(oracle))
     assert result["info"]["last_opponent_action"] == oracle.history()[-1]
     run(env.stop(result["episode_id"]))
+
+
+# ---------------------------------------------------------------- the fast search (open_spiel's C++ MCTS)
+def _fast(game: str) -> None:
+    assert GAMES[game].fast_search, f"{game} is expected to play the fast search"
+
+
+@pytest.mark.parametrize("game", ["leduc_poker"])
+def test_the_validator_search_games_get_the_fast_search_by_default(game):
+    _fast(game)
+    assert all(isinstance(bot, pyspiel.MCTSBot) for bot in _bots(game, "evaluate", 0, "mcts", search="fast").values())
+    assert all(isinstance(bot, mcts.MCTSBot) for bot in _bots(game, "evaluate", 0, "mcts", search="exact").values())
+
+
+def test_a_game_whose_parity_is_not_proven_keeps_the_exact_search(monkeypatch):
+    monkeypatch.setitem(GAMES, "hex", dataclasses.replace(GAMES["hex"], fast_search=False))
+    assert isinstance(_bots("hex", "evaluate", 0, "mcts", search="fast")[1], mcts.MCTSBot)
+
+
+def test_the_fast_bots_use_their_seat_seeds_and_the_spec_settings():
+    _fast("leduc_poker")
+    game = load_game("leduc_poker", (("players", 2),))
+    seed = 7  # model at seat 1, bot at seat 0: rollouts seed+5+0, tree seed+6+0, as in the exact search
+    oracle_bot = pyspiel.MCTSBot(game, pyspiel.RandomRolloutEvaluator(200, seed + 5), 1.414, 3000, 2048, True,
+                                 seed + 6, False)
+    oracle = game.new_initial_state()
+    chance = np.random.RandomState(seed)
+    env = OpenSpielEnv("evaluate", opponent_search="fast")
+    result = run(env.reset(game_task_id("leduc_poker"), seed=seed, opponent="mcts"))
+    while oracle.is_chance_node():
+        outcomes, probs = zip(*oracle.chance_outcomes())
+        oracle.apply_action(int(chance.choice(outcomes, p=probs)))
+    oracle.apply_action(oracle_bot.step(oracle))
+    assert result["info"]["last_opponent_action"] == oracle.history()[-1]
+    run(env.stop(result["episode_id"]))
+
+
+def test_fast_episodes_replay_identically_from_their_seeds():
+    def play() -> list[list[str]]:
+        env = OpenSpielEnv("evaluate", mcts_simulations=200, opponent_search="fast")
+        return [[r["observation"] for r in run(play_episode(env, game_task_id("liars_dice"), seed, "mcts"))]
+                for seed in (0, 1)]
+
+    assert play() == play()
+
+
+def test_an_unknown_opponent_search_is_refused():
+    with pytest.raises(ValueError, match="opponent_search must be one of"):
+        OpenSpielEnv("evaluate", opponent_search="quick")
 
 
 def test_chess_model_as_player_0_plays_black_after_whites_first_move():

@@ -1,14 +1,28 @@
 """Build the configured environments: embedded in-process, or affinetes (docker / url)."""
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from ppo_affine.envs.base import Env
 from ppo_affine.envs.tasks import game_name_of
 
 
-def make_env(spec, seed: int) -> Env:
-    """One env backend from an `EnvSpec` (utils.py)."""
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which container limits narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def game_workers(spec, meets_search: bool, ranks_on_machine: int = 1) -> int:
+    """Worker processes for an embedded game env: `auto` shares the machine's cores among its ranks, but only
+    for runs with an MCTS opponent (a worker imports the trainer's libraries again: ~0.5 GB and seconds)."""
+    if spec.workers != "auto":
+        return spec.workers
+    return max(1, usable_cores() // ranks_on_machine) if meets_search else 0
+
+
+def make_env(spec, seed: int, meets_search: bool = True, ranks_on_machine: int = 1) -> Env:
+    """One env backend from an `EnvSpec` (utils.py); `meets_search`: whether an MCTS opponent will play."""
     if spec.mode in ("docker", "url"):
         from ppo_affine.envs.affinetes_env import AffinetesEnv
 
@@ -20,15 +34,17 @@ def make_env(spec, seed: int) -> Env:
         from ppo_affine.envs.openspiel_env import OpenSpielEnv
 
         return OpenSpielEnv(observation_format=spec.observation_format, seed=seed,
-                            mcts_simulations=spec.mcts_simulations, workers=spec.workers)
+                            mcts_simulations=spec.mcts_simulations, opponent_search=spec.opponent_search,
+                            workers=game_workers(spec, meets_search, ranks_on_machine))
     from ppo_affine.envs.trace_env import TraceEnv
 
     return TraceEnv(source=spec.source, skip_degenerate=spec.skip_degenerate, timeout=spec.execution_timeout,
                     seed=seed, unsafe_rlimit_only_sandbox=spec.unsafe_rlimit_only_sandbox)
 
 
-def make_envs(env_config, seed: int) -> dict[str, tuple[str, Env]]:
-    return {name: (spec.kind, make_env(spec, seed)) for name, spec in env_config.envs.items()}
+def make_envs(env_config, seed: int, meets_search: bool = True, ranks_on_machine: int = 1) -> dict[str, tuple[str, Env]]:
+    return {name: (spec.kind, make_env(spec, seed, meets_search, ranks_on_machine))
+            for name, spec in env_config.envs.items()}
 
 
 def playable_filter(env_config) -> Callable[[str, int], bool]:

@@ -23,6 +23,7 @@ class GameSpec:
     params: Callable[[int], Params]  # config_id -> parameters exactly as the Affine env builds them
     rules: str
     mcts: tuple[int, int] | None = None  # (max_simulations, n_rollouts); None = random opponent
+    fast_search: bool = False  # the C++ MCTS plays this game as the exact search does (bench/opponent_parity.py)
     describe: Callable[[Any, int], str] | None = None  # (state, player) -> state text; None = default
     renamed_params: Mapping[str, str] = field(default_factory=dict)  # Affine name -> open_spiel name
     unsupported_params: frozenset[str] = frozenset()  # names that make open_spiel refuse the game
@@ -332,6 +333,7 @@ GAMES: dict[str, GameSpec] = {
     ),
     "leduc_poker": GameSpec(
         params=lambda c: {"players": 2}, rules=RULES["leduc_poker"], mcts=(3000, 200), describe=describe_leduc,
+        fast_search=True,
     ),
     "gin_rummy": GameSpec(
         params=lambda c: {"hand_size": 7 + (c // 3) % 3, "knock_card": 10 - c % 3},

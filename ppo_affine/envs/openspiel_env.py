@@ -2,14 +2,15 @@
 OpenEnv interface of ppo_affine/envs/base.py, faithful to /work/shared/specs/affine-openspiel.md.
 
 The per-game table and task-id decoding live in games.py, one game's logic and protocol in
-openspiel_episode.Episode (synchronous). This module keeps the episode registry and decides where
-each move runs:
-- `workers=0` (default): in this process. pyspiel holds the GIL, so threads buy no parallelism,
-  only a live event loop: moves that can take seconds (MCTS searches, dealing bridge) run in a
-  thread, random-opponent moves (microseconds) run inline.
+openspiel_episode.Episode (synchronous; it also builds the opponents, `opponent_search` picking the
+exact or the fast MCTS). This module keeps the episode registry and decides where each move runs:
+- `workers=0`: in this process. pyspiel holds the GIL (its C++ search too), so threads buy no
+  parallelism, only a live event loop: moves that can take seconds (MCTS searches, dealing bridge)
+  run in a thread, random-opponent moves (microseconds) run inline.
 - `workers=N`: episodes live in N spawned worker processes, each episode on one worker for its
-  whole life, so MCTS searches use N cores. An episode's moves depend only on its own seeds, so
-  results are identical to in-process ones.
+  whole life, so the searches of concurrent episodes use N cores. An episode's moves depend only on
+  its own seeds, so results are identical to in-process ones. The trainer's config sizes N to the
+  machine (factory.game_workers).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import Any
 
 from ppo_affine.envs.base import StepResult, step_result
 from ppo_affine.envs.games import decode_task_id, is_playable
-from ppo_affine.envs.openspiel_episode import Episode
+from ppo_affine.envs.openspiel_episode import SEARCHES, Episode
 from ppo_affine.envs.openspiel_text import FORMATS
 
 __all__ = ["OpenSpielEnv", "decode_task_id", "is_playable"]
@@ -81,7 +82,8 @@ class OpenSpielEnv:
     """Many concurrent Affine game episodes; see the module docstring for where moves run."""
 
     def __init__(self, observation_format: str = "evaluate", seed: int = 0, max_parse_attempts: int = 3,
-                 mcts_simulations: int | dict[str, int] | None = None, workers: int = 0):
+                 mcts_simulations: int | dict[str, int] | None = None, workers: int = 0,
+                 opponent_search: str = "fast"):
         if observation_format not in FORMATS:
             raise ValueError(f"observation_format must be one of {FORMATS}, got {observation_format!r}")
         if max_parse_attempts < 1:
@@ -92,7 +94,10 @@ class OpenSpielEnv:
                              f"spec's budgets), got {mcts_simulations}")
         if workers < 0:
             raise ValueError(f"workers must be >= 0 (0 = in this process), got {workers}")
+        if opponent_search not in SEARCHES:
+            raise ValueError(f"opponent_search must be one of {SEARCHES}, got {opponent_search!r}")
         self.observation_format = observation_format
+        self.opponent_search = opponent_search
         self.max_parse_attempts = max_parse_attempts
         self.mcts_simulations = mcts_simulations
         self._rng = random.Random(seed)  # draws the task ids and seeds that callers leave out
@@ -126,6 +131,7 @@ class OpenSpielEnv:
         settings = {
             "task_id": task_id, "seed": seed, "opponent": opponent, "observation_format": self.observation_format,
             "max_parse_attempts": self.max_parse_attempts, "mcts_simulations": self.mcts_simulations,
+            "opponent_search": self.opponent_search,
         }
         live = self._live[episode_id] = _Live(asyncio.Lock(), worker=self._least_loaded_worker())
         async with live.lock:

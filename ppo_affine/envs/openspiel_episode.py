@@ -9,6 +9,16 @@ unusable replies to one decision. `openenv` is the reset/step protocol: seat see
 bot streams (seed+2 random, seed+3/+4 MCTS), chance from RandomState(seed+100), first-digit-run
 parser, -0.01 per unusable action and no attempt limit.
 
+The MCTS opponent comes in two implementations of one algorithm (UCT c 1.414, solver on, the
+per-game budgets, random-rollout leaf values, a search of the true state): `exact` is the Affine
+env's own Python search with its rollout evaluator, draw for draw the validators' opponent; `fast`
+is open_spiel's C++ `MCTSBot` + `RandomRolloutEvaluator` with the same settings, 40-50x faster and
+proven to play the same games to within sampling error (bench/opponent_parity.py). The two differ
+only in their random streams: the C++ rollouts sample chance outcomes by their probabilities where
+the Affine ones pick uniformly among them, which is the same draw in every game with an MCTS
+opponent (their chance outcomes are uniform where a search can reach them). `fast` applies to the
+games whose parity run held (`GameSpec.fast_search`); the others keep the exact search.
+
 Where the real env crashes this plays on correctly: a blackjack ten counts 10 (games.py), 4-player
 openenv games with the random opponent pick moves for the seat to move, goofspiel in openenv shows
 the legal cards and plays the joint move as chosen. Seeds are reduced mod 2**32 after their offsets.
@@ -29,6 +39,10 @@ from ppo_affine.envs.games import GAMES, GameSpec, decode_task_id, describe_defa
 
 SEED_SPACE = 2**32
 UCT_C = 1.414
+SEARCHES = ("fast", "exact")
+# The C++ search prunes its tree past this size; the validators' budgets stay far below it (liars_dice
+# at 3 000 simulations grows about 15 MB), so it never changes a move.
+SEARCH_TREE_MB = 2048
 INVALID_ACTION_PENALTY = -0.01  # openenv format only
 
 
@@ -89,10 +103,21 @@ def _rng(seed: int) -> np.random.RandomState:
     return np.random.RandomState(seed % SEED_SPACE)
 
 
-def _mcts_bot(game: pyspiel.Game, budget: tuple[int, int], rollout_seed: int, search_seed: int) -> mcts.MCTSBot:
+def mcts_bot(game: pyspiel.Game, budget: tuple[int, int], rollout_seed: int, search_seed: int,
+             search: str) -> pyspiel.Bot:
+    """The validators' MCTS opponent with (max_simulations, n_rollouts) = `budget`, in either implementation."""
     max_simulations, n_rollouts = budget
+    if search == "fast":
+        # The C++ generators take a signed 32-bit seed.
+        evaluator = pyspiel.RandomRolloutEvaluator(n_rollouts, rollout_seed % 2**31)
+        return pyspiel.MCTSBot(game, evaluator, UCT_C, max_simulations, SEARCH_TREE_MB, True, search_seed % 2**31,
+                               False)
     evaluator = AffineRolloutEvaluator(n_rollouts, _rng(rollout_seed))
     return mcts.MCTSBot(game, UCT_C, max_simulations, evaluator, random_state=_rng(search_seed))
+
+
+def is_search_bot(bot: pyspiel.Bot) -> bool:
+    return isinstance(bot, (mcts.MCTSBot, pyspiel.MCTSBot))
 
 
 def has_search_opponent(game: pyspiel.Game, spec: GameSpec) -> bool:
@@ -102,21 +127,25 @@ def has_search_opponent(game: pyspiel.Game, spec: GameSpec) -> bool:
 
 
 def build_bots(game: pyspiel.Game, spec: GameSpec, observation_format: str, player: int, seed: int,
-               opponent: str, mcts_simulations: int | None) -> dict[int, pyspiel.Bot]:
-    """A bot for every seat but the model's (spec sections 2 and 6.3); empty for 1-player games."""
+               opponent: str, mcts_simulations: int | None, search: str = "fast") -> dict[int, pyspiel.Bot]:
+    """A bot for every seat but the model's (spec sections 2 and 6.3); empty for 1-player games.
+    `search="fast"` takes the C++ search for the games where it is proven the same (`spec.fast_search`)."""
+    if search not in SEARCHES:
+        raise ValueError(f"opponent search must be one of {SEARCHES}, got {search!r}")
     seats = [p for p in range(game.num_players()) if p != player]
     budget = None
     if opponent == "mcts" and has_search_opponent(game, spec):
         budget = (mcts_simulations or spec.mcts[0], spec.mcts[1])
+    search = search if spec.fast_search else "exact"
     if observation_format == "evaluate":
         if budget:
-            return {p: _mcts_bot(game, budget, seed + 5 + p, seed + 6 + p) for p in seats}
+            return {p: mcts_bot(game, budget, seed + 5 + p, seed + 6 + p, search) for p in seats}
         return {p: UniformRandomBot(p, _rng(seed + 4 + p)) for p in seats}
     # openenv: one bot's random streams serve every other seat. Affine's single random bot asks
     # for player 0's legal actions whoever is to move, which crashes 4-player games; sharing
     # the stream between per-seat bots keeps its draws and plays legal moves.
     if budget:
-        bot = _mcts_bot(game, budget, seed + 3, seed + 4)
+        bot = mcts_bot(game, budget, seed + 3, seed + 4, search)
         return {p: bot for p in seats}
     stream = _rng(seed + 2)
     return {p: UniformRandomBot(p, stream) for p in seats}
@@ -137,7 +166,7 @@ class Episode:
     """One game from reset to its final score; `start`, `step` and `observe` return StepResults."""
 
     def __init__(self, episode_id: str, *, task_id: int, seed: int, opponent: str, observation_format: str,
-                 max_parse_attempts: int, mcts_simulations: int | dict[str, int] | None):
+                 max_parse_attempts: int, mcts_simulations: int | dict[str, int] | None, opponent_search: str = "fast"):
         decoded = decode_task_id(task_id)
         self.episode_id, self.task_id, self.seed, self.opponent = episode_id, task_id, seed, opponent
         self.game_name, self.format = decoded["game_name"], observation_format
@@ -149,8 +178,9 @@ class Episode:
         self.player = (seed % 2) % num_players if evaluate else seed % num_players
         if isinstance(mcts_simulations, dict):  # per-game budgets; games not named keep the spec's
             mcts_simulations = mcts_simulations.get(self.game_name)
-        self.bots = build_bots(self.game, self.spec, observation_format, self.player, seed, opponent, mcts_simulations)
-        self.has_search_bot = any(isinstance(bot, mcts.MCTSBot) for bot in self.bots.values())
+        self.bots = build_bots(self.game, self.spec, observation_format, self.player, seed, opponent, mcts_simulations,
+                               opponent_search)
+        self.has_search_bot = any(is_search_bot(bot) for bot in self.bots.values())
         self.chance_rng = _rng(seed if evaluate else seed + 100)
         # openenv puts the rules in the first observation instead of a system message.
         self.system_prompt = text.system_prompt(self.game_name, self.spec.rules) if evaluate else None

@@ -119,9 +119,11 @@ def build_env(args: argparse.Namespace) -> tuple[Env, GameEvaluator | None]:
     if args.env == "openspiel":
         from ppo_affine.envs.openspiel_env import OpenSpielEnv
 
-        env = OpenSpielEnv(observation_format=args.format, seed=args.seed, mcts_simulations=args.mcts_simulations)
+        settings = {"seed": args.seed, "mcts_simulations": args.mcts_simulations,
+                    "opponent_search": args.opponent_search, "workers": args.workers}
+        env = OpenSpielEnv(observation_format=args.format, **settings)
         # evaluate() always plays the validators' conversation, whatever --format the reset/step calls use
-        games = OpenSpielEnv(observation_format="evaluate", seed=args.seed, mcts_simulations=args.mcts_simulations)
+        games = OpenSpielEnv(observation_format="evaluate", **settings)
         return env, GameEvaluator(games, llm_retries=args.llm_retries)
     from ppo_affine.envs.trace_env import TraceEnv
 
@@ -138,6 +140,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--format", choices=("evaluate", "openenv"),
                         help="openspiel: the validators' conversation (default) or the reset/step text")
     parser.add_argument("--mcts-simulations", type=int, help="openspiel: override the MCTS opponent's simulations")
+    parser.add_argument("--opponent-search", choices=("fast", "exact"),
+                        help="openspiel: the MCTS opponent's implementation (default fast: open_spiel's C++ search "
+                        "where it is proven the same; exact: the Affine env's Python search, move for move)")
+    parser.add_argument("--workers", type=int,
+                        help="openspiel: worker processes holding episodes, so concurrent searches use several "
+                        "cores (default 0)")
     parser.add_argument("--llm-retries", type=int,
                         help=f"openspiel: evaluate() retries of a failed LLM call (default {VALIDATOR_LLM_RETRIES}, "
                         "as the real env)")
@@ -151,17 +159,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     foreign = (["--source", "--skip-degenerate", "--execution-timeout", "--unsafe-rlimit-only-sandbox"]
                if args.env == "openspiel"
-               else ["--format", "--mcts-simulations", "--llm-retries"])
+               else ["--format", "--mcts-simulations", "--opponent-search", "--workers", "--llm-retries"])
     given = [flag for flag in foreign if getattr(args, flag[2:].replace("-", "_")) not in (None, False)]
     if given:
         parser.error(f"{', '.join(given)} do not apply to --env {args.env}")
     if args.mcts_simulations is not None and args.mcts_simulations < 1:
         parser.error(f"--mcts-simulations must be >= 1, got {args.mcts_simulations}")
+    if args.workers is not None and args.workers < 0:
+        parser.error(f"--workers must be >= 0, got {args.workers}")
     if args.llm_retries is not None and args.llm_retries < 0:
         parser.error(f"--llm-retries must be >= 0, got {args.llm_retries}")
     if args.execution_timeout is not None and args.execution_timeout <= 0:
         parser.error(f"--execution-timeout must be > 0, got {args.execution_timeout}")
     args.format = args.format or "evaluate"
+    args.opponent_search = args.opponent_search or "fast"
+    args.workers = args.workers or 0
     args.llm_retries = VALIDATOR_LLM_RETRIES if args.llm_retries is None else args.llm_retries
     args.source = args.source or "embedded"
     args.execution_timeout = args.execution_timeout or 10.0
