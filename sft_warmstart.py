@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ppo_affine.run_log import console, rollout_progress, setup_logging
-from utils import ConfigError, add_config_arguments, derive_seed, load_config
+from utils import ConfigError, EnvSpec, add_config_arguments, derive_seed, load_config
 
 log = logging.getLogger("sft_warmstart")
 
@@ -48,25 +48,30 @@ class ExpertJob:
     cfr_iterations: int
     with_reason: bool
     opponent_simulations: int | None = None
+    opponent_search: str = "fast"  # the MCTS opponent's implementation (openspiel_episode.SEARCHES)
+    cache_dir: str = "~/.cache/ppo-affine"  # where the best-response expert keeps its opponent model
 
 
-# MCTS simulations / playouts per bid / unused / unused
-DEFAULT_BUDGET = {"mcts": 300, "montecarlo": 20, "cfr": 0, "prize": 0}
+# MCTS simulations / playouts per bid / unused (cfr, prize, simple_gin)
+DEFAULT_BUDGET = {"mcts": 300, "montecarlo": 20, "cfr": 0, "prize": 0, "simple_gin": 0}
 
 
 def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | None = None,
                cfr_iterations: int = 300, with_reason: bool = False,
-               opponent_simulations: int | None = None, *, goofspiel_expert: str) -> ExpertJob:
+               opponent_simulations: int | None = None, *, experts: dict[str, str] | None = None,
+               opponent_search: str = "fast", cache_dir: str = "~/.cache/ppo-affine") -> ExpertJob:
+    """`experts`: game -> expert kind for the games that do not play their default expert."""
     from ppo_affine.experts import expert_kind
 
-    kind = expert_kind(game, goofspiel_expert)
+    kind = expert_kind(game, experts)
     return ExpertJob(game, kind, task_id, seed, opponent, budget or DEFAULT_BUDGET[kind], cfr_iterations,
-                     with_reason, opponent_simulations)
+                     with_reason, opponent_simulations, opponent_search, cache_dir)
 
 
 def plan_jobs(games: list[str], episodes: int, seed: int, opponent: str, config_ids: list[int], budget: int | None,
               cfr_iterations: int, with_reason: bool, opponent_simulations: int | dict[str, int] | None = None, *,
-              goofspiel_expert: str) -> list[ExpertJob]:
+              experts: dict[str, str] | None = None, opponent_search: str = "fast",
+              cache_dir: str = "~/.cache/ppo-affine") -> list[ExpertJob]:
     """`episodes` jobs per game over the config ids; consecutive seeds alternate the model's seat.
     `opponent_simulations` is one MCTS budget for every game or {game: budget} (unnamed games: the env's)."""
     from ppo_affine.envs.tasks import game_task_id
@@ -77,7 +82,7 @@ def plan_jobs(games: list[str], episodes: int, seed: int, opponent: str, config_
     return [expert_job(game, game_task_id(game, config_ids[i % len(config_ids)]),
                        (derive_seed(seed, "sft", game, i) & ~1) | (i % 2),  # parity = the model's seat
                        opponent, budget, cfr_iterations, with_reason, simulations(game),
-                       goofspiel_expert=goofspiel_expert)
+                       experts=experts, opponent_search=opponent_search, cache_dir=cache_dir)
             for game in games for i in range(episodes)]
 
 
@@ -87,8 +92,9 @@ def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
     from ppo_affine.experts import Expert
 
     episode = Episode(uuid.uuid4().hex, task_id=job.task_id, seed=job.seed, opponent=job.opponent,
-                      observation_format="evaluate", max_parse_attempts=3, mcts_simulations=job.opponent_simulations)
-    expert = Expert(job.kind, episode.game, episode.player, job.seed, job.budget, job.cfr_iterations)
+                      observation_format="evaluate", max_parse_attempts=3, mcts_simulations=job.opponent_simulations,
+                      opponent_search=job.opponent_search)
+    expert = Expert(job.kind, episode.game, episode.player, job.seed, job.budget, job.cfr_iterations, job.cache_dir)
     result = episode.start()
     messages = [{"role": "system", "content": episode.system_prompt},
                 {"role": "user", "content": result["observation"]}]
@@ -204,7 +210,7 @@ def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from ppo_affine.experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS
+    from ppo_affine.experts import CHOICES, GOOFSPIEL_EXPERTS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--games", default=DEFAULT_GAMES, help="comma-separated games with an expert")
@@ -216,8 +222,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "else each game's validator budget)")
     parser.add_argument("--expert-budget", type=int,
                         help="MCTS simulations (default 300) or Monte Carlo playouts per bid (default 20)")
-    parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS, default=DEFAULT_GOOFSPIEL_EXPERT,
+    parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS,
                         help="bid the prize card's value (default; learnable by small models) or Monte Carlo search")
+    parser.add_argument("--expert", default="", metavar="GAME=KIND,...",
+                        help="experts other than a game's default (the first listed): "
+                        + "; ".join(f"{game}: {', '.join(kinds)}" for game, kinds in CHOICES.items()))
     parser.add_argument("--cfr-iterations", type=int, default=300, help="CFR+ iterations for leduc_poker")
     parser.add_argument("--reason", action="store_true", help="replies '<think>one-line reason</think>ID'")
     parser.add_argument("--data", type=Path, help="train on this JSONL instead of generating episodes")
@@ -230,11 +239,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def parse_experts(text: str) -> dict[str, str]:
+    """'leduc_poker=best_response,gin_rummy=mcts' -> {game: kind}; ConfigError naming --expert otherwise."""
+    experts = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        game, equals, kind = item.partition("=")
+        if not equals or not game or not kind:
+            raise ConfigError(f"--expert: expected GAME=KIND items separated by commas, got {item!r}.")
+        experts[game.strip()] = kind.strip()
+    return experts
+
+
 def check_args(args: argparse.Namespace) -> list[str]:
     """The games to play; ConfigError naming the option for anything that cannot work."""
     from ppo_affine.experts import ExpertUnavailable, expert_kind
 
     games = [g.strip() for g in args.games.split(",") if g.strip()]
+    args.experts = parse_experts(args.expert)
+    if args.goofspiel_expert:
+        args.experts["goofspiel"] = args.goofspiel_expert
+    for game in args.experts:
+        try:
+            expert_kind(game, args.experts)
+        except ExpertUnavailable as exc:
+            raise ConfigError(f"--expert: {exc}.") from None
     if args.data is None:
         if args.episodes < 1:
             raise ConfigError(f"--episodes must be at least 1, got {args.episodes}.")
@@ -242,7 +270,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
             raise ConfigError("--games is empty; name games with an expert, e.g. --games leduc_poker,goofspiel.")
         for game in games:
             try:
-                expert_kind(game, args.goofspiel_expert)
+                expert_kind(game, args.experts)
             except ExpertUnavailable as exc:
                 raise ConfigError(f"--games: {exc}.") from None
     for name in ("epochs", "batch_size", "workers", "cfr_iterations"):
@@ -269,12 +297,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.data is not None:
             records = read_records(args.data)
         else:
+            game_env = next((s for s in config.env.envs.values() if s.kind == "openspiel"), EnvSpec(kind="openspiel"))
             simulations = args.opponent_simulations
             if simulations is None:  # the opponent training will meet
-                simulations = next((s.mcts_simulations for s in config.env.envs.values() if s.kind == "openspiel"), None)
+                simulations = game_env.mcts_simulations
             jobs = plan_jobs(games, args.episodes, config.train.run.seed, args.opponent, args.config_id_list,
                              args.expert_budget, args.cfr_iterations, args.reason, simulations,
-                             goofspiel_expert=args.goofspiel_expert)
+                             experts=args.experts, opponent_search=game_env.opponent_search,
+                             cache_dir=config.train.model.cache_dir)
             started = time.perf_counter()
             records = generate(jobs, args.workers, args.output_dir / DATA_FILE)
             console.print(f"{len(records)} expert episodes in {time.perf_counter() - started:.0f} s -> "

@@ -113,7 +113,7 @@ def expert_records(games: list[str], episodes: int, opponent: str, simulations: 
 
     jobs = [sft_warmstart.expert_job(game_name_of(t.task_id), t.task_id, t.seed, opponent,
                                      opponent_simulations=budget(game_name_of(t.task_id)),
-                                     goofspiel_expert=goofspiel_expert)
+                                     experts={"goofspiel": goofspiel_expert})
             for t in tasks]
     played = sft_warmstart.generate(jobs, workers, None)
     return [{"model": "expert", "game": r["game"], "task_id": r["task_id"], "seed": r["seed"], "score": r["score"],

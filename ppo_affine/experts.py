@@ -1,11 +1,22 @@
 """Expert players for warm-start data: they choose the model's moves in the env's own games.
 
-- `cfr` (leduc_poker): the average strategy of CFR+ (open_spiel's C++ solver) over the whole
-  game, looked up by information state, so it uses only what the player sees; moves are sampled
-  from it (it is a mixed strategy).
-- `mcts` (sequential games with an MCTS opponent in the env): open_spiel's MCTS with the env's
-  random-rollout evaluator, on the true state like the env's own MCTS opponent, at a
+- `cfr` (leduc_poker, the default): the average strategy of CFR+ (open_spiel's C++ solver) over the
+  whole game, looked up by information state, so it uses only what the player sees; moves are
+  sampled from it (it is a mixed strategy).
+- `best_response` (leduc_poker): the best response to the validators' MCTS opponent itself
+  (opponent_model.py): an equilibrium strategy guards against bluffs that an opponent who sees
+  every card never needs, this one exploits how that opponent actually plays.
+- `mcts` (sequential games with an MCTS opponent in the env): the env's MCTS opponent in its fast
+  implementation (open_spiel's C++ search, random rollouts), on the true state like the opponent, at a
   configurable number of simulations.
+- `true_bids` (liars_dice): aimed at an opponent that sees every die, which answers a bid by raising
+  to the highest bid that holds (nothing true is left above it) and calls Liar on a false one. So a
+  raise wins only if it is itself the highest bid that holds: over the opponent hands under which
+  its earlier bids hold, it takes the bid most likely to be that, or Liar when the standing bid is
+  more likely to fail (`true_bid_choice`).
+- `simple_gin` (gin_rummy): open_spiel's SimpleGinRummyBot, a rule player that knocks as soon as it
+  may, takes the upcard when it completes a meld and discards its highest deadwood; microseconds a
+  move, where a search of gin_rummy costs seconds.
 - `prize` (goofspiel, the default): bid the card equal to the prize card. Against the validators'
   random opponent it scores 0.93-0.98 over the N = 8..16 variants (as high as `montecarlo`), it is
   always legal (prizes and bids are used up in step) and it is a function of one line of the
@@ -18,19 +29,28 @@
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import re
 
 import numpy as np
 import pyspiel
-from open_spiel.python.algorithms import mcts
 
+from ppo_affine import opponent_model
 from ppo_affine.envs.games import GAMES
-from ppo_affine.envs.openspiel_episode import UCT_C, AffineRolloutEvaluator
+from ppo_affine.envs.openspiel_episode import mcts_bot
 
-KINDS = ("cfr", "mcts", "montecarlo", "prize")
-CFR_GAMES = ("leduc_poker",)
-GOOFSPIEL_EXPERTS = ("prize", "montecarlo")
-DEFAULT_GOOFSPIEL_EXPERT = "prize"
+KINDS = ("cfr", "best_response", "mcts", "true_bids", "montecarlo", "prize", "simple_gin")
+# game -> the experts that play it, the default first; other games with an MCTS opponent: ("mcts",)
+CHOICES = {
+    "leduc_poker": ("cfr", "best_response"),
+    "liars_dice": ("mcts", "true_bids"),
+    "goofspiel": ("prize", "montecarlo"),
+    "gin_rummy": ("simple_gin", "mcts"),
+}
+GOOFSPIEL_EXPERTS = CHOICES["goofspiel"]
+DEFAULT_GOOFSPIEL_EXPERT = GOOFSPIEL_EXPERTS[0]
+OPPONENT_MODEL_SAMPLES = 32  # searches per state behind the best response (opponent_model.py)
 _PRIZE_CARD = re.compile(r"Current point card: (\d+)")
 
 
@@ -38,26 +58,25 @@ class ExpertUnavailable(ValueError):
     """No expert plays this game."""
 
 
-def expert_kind(game_name: str, goofspiel_expert: str = DEFAULT_GOOFSPIEL_EXPERT) -> str:
-    """Which expert plays `game_name`; ExpertUnavailable when none does."""
+def expert_choices(game_name: str) -> tuple[str, ...]:
+    """The experts that play `game_name`, the default first; () when none does."""
+    return CHOICES.get(game_name, ("mcts",) if GAMES[game_name].mcts is not None else ())
+
+
+def expert_kind(game_name: str, chosen: dict[str, str] | None = None) -> str:
+    """Which expert plays `game_name`: `chosen[game_name]` if given, else the game's default;
+    ExpertUnavailable when no expert plays it or the choice is not one of its experts."""
     if game_name not in GAMES:
         raise ExpertUnavailable(f"unknown game {game_name!r}; expected one of {list(GAMES)}")
-    if goofspiel_expert not in GOOFSPIEL_EXPERTS:
-        raise ExpertUnavailable(f"unknown goofspiel expert {goofspiel_expert!r}; expected one of {GOOFSPIEL_EXPERTS}")
-    kind = _kind(game_name, goofspiel_expert)
-    if kind is None:
-        with_experts = [g for g in GAMES if _kind(g)]
+    choices = expert_choices(game_name)
+    if not choices:
+        with_experts = [g for g in GAMES if expert_choices(g)]
         raise ExpertUnavailable(f"no expert plays {game_name} (it has no MCTS opponent to imitate); "
                                 f"games with experts: {with_experts}")
+    kind = (chosen or {}).get(game_name, choices[0])
+    if kind not in choices:
+        raise ExpertUnavailable(f"unknown {game_name} expert {kind!r}; expected one of {choices}")
     return kind
-
-
-def _kind(game_name: str, goofspiel_expert: str = DEFAULT_GOOFSPIEL_EXPERT) -> str | None:
-    if game_name in CFR_GAMES:
-        return "cfr"
-    if game_name == "goofspiel":
-        return goofspiel_expert
-    return "mcts" if GAMES[game_name].mcts is not None else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,16 +105,22 @@ def cfr_policy(game_string: str, iterations: int) -> dict[str, list[tuple[int, f
 class Expert:
     """One expert for one episode; its randomness comes from the episode's seed."""
 
-    def __init__(self, kind: str, game: pyspiel.Game, player: int, seed: int, budget: int, cfr_iterations: int):
+    def __init__(self, kind: str, game: pyspiel.Game, player: int, seed: int, budget: int, cfr_iterations: int,
+                 cache_dir: str = "~/.cache/ppo-affine"):
         self.kind, self.game, self.player = kind, game, player
         self.rng = np.random.RandomState(seed % 2**32)
         self.budget = budget
         if kind == "cfr":
             self.policy = cfr_policy(str(game), cfr_iterations)
+        elif kind == "best_response":
+            opponent_budget = GAMES[game.get_type().short_name].mcts
+            model = opponent_model.load_or_build(str(game), opponent_budget, OPPONENT_MODEL_SAMPLES, cache_dir)
+            self.responses = model["best_response"][player]
         elif kind == "mcts":
-            spec = GAMES[game.get_type().short_name]
-            evaluator = AffineRolloutEvaluator(spec.mcts[1], np.random.RandomState((seed + 1) % 2**32))
-            self.bot = mcts.MCTSBot(game, UCT_C, budget, evaluator, random_state=np.random.RandomState(seed % 2**32))
+            n_rollouts = GAMES[game.get_type().short_name].mcts[1]
+            self.bot = mcts_bot(game, (budget, n_rollouts), seed + 1, seed, "fast")
+        elif kind == "simple_gin":
+            self.bot = pyspiel.make_simple_gin_rummy_bot(game.get_parameters(), player)
 
     def choose(self, state: pyspiel.State, labels: dict[int, str]) -> tuple[int, str]:
         if self.kind == "cfr":
@@ -106,12 +131,28 @@ class Expert:
             if action == best:
                 return action, f"The equilibrium strategy mostly plays {labels[action]} here."
             return action, f"The equilibrium strategy mixes in {labels[action]} here to stay unpredictable."
+        if self.kind == "best_response":
+            action = self.responses[state.information_state_string(self.player)]
+            return action, f"Against this opponent, {labels[action]} pays best here."
         if self.kind == "mcts":
             action = int(self.bot.step(state))
             return action, f"Searching ahead, {labels[action]} leads to the best outcomes."
+        if self.kind == "true_bids":
+            return self._true_bid(state, labels)
+        if self.kind == "simple_gin":
+            action = int(self.bot.step(state))
+            return action, f"I keep my melds and shed deadwood: {labels[action]}."
         if self.kind == "prize":
             return self._prize_bid(state)
         return self._best_bid(state, labels)
+
+    def _true_bid(self, state: pyspiel.State, labels: dict[int, str]) -> tuple[int, str]:
+        dice, *history = state.information_state_string(self.player).split()
+        bids = [tuple(map(int, bid.split("-"))) for bid in history]
+        action, chance = true_bid_choice([int(d) for d in dice], bids, state.legal_actions(self.player))
+        if action == LIAR:
+            return action, f"Given my dice, the bid {history[-1]} fails with probability {chance:.2f}: Liar."
+        return action, f"Given my dice, {labels[action]} is the highest bid that holds with probability {chance:.2f}."
 
     def _prize_bid(self, state: pyspiel.State) -> tuple[int, str]:
         """The bid card equal to the prize card (action k bids card k+1); the nearest higher legal bid
@@ -151,3 +192,47 @@ class Expert:
             if total > best_value:
                 best, best_value = action, total
         return best, f"In simulated games, {labels[best]} wins the most points from here."
+
+
+LIAR = 60  # liars_dice's challenge action; bid (q, f) is action (q - 1) * 6 + f - 1
+
+
+@functools.lru_cache(maxsize=None)
+def dice_compositions(dice: int, sides: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every multiset of `dice` dice as face counts [K, sides] with its probability [K]."""
+    counts, probabilities = [], []
+    for faces in itertools.combinations_with_replacement(range(sides), dice):
+        count = np.bincount(faces, minlength=sides)
+        counts.append(count)
+        probabilities.append(math.factorial(dice) / np.prod([math.factorial(c) for c in count]) / sides**dice)
+    return np.array(counts), np.array(probabilities)
+
+
+def _matching(counts: np.ndarray, face: int) -> np.ndarray:
+    """Dice that count for `face` (1-based): that face, plus sixes (wild) for faces below 6."""
+    return counts[..., face - 1] + (counts[..., 5] if face < 6 else 0)
+
+
+def true_bid_choice(my_dice: list[int], bids: list[tuple[int, int]], legal: list[int]) -> tuple[int, float]:
+    """liars_dice against an opponent that sees every die: it raises to the highest bid that holds,
+    which leaves no true raise, so a raise wins only if it is itself the highest bid that holds, and a
+    challenge only if the standing bid fails. Over the opponent's possible hands (those under which its
+    earlier bids hold), take the action most likely to win; returns it with that probability."""
+    mine = np.bincount(np.array(my_dice) - 1, minlength=6)
+    counts, weights = dice_compositions(len(my_dice), 6)
+    totals = np.stack([_matching(mine, face) + _matching(counts, face) for face in range(1, 7)], axis=1)  # [K, 6]
+    # bids alternate seats and the last one (if any) is the opponent's: its earlier ones are every other
+    for quantity, face in bids[-3::-2]:
+        weights = weights * (totals[:, face - 1] >= quantity)
+    weights = weights / weights.sum()
+    p_challenge = 0.0
+    if bids:
+        quantity, face = bids[-1]
+        p_challenge = float(weights @ (totals[:, face - 1] < quantity))
+    # the highest bid that holds under each hand, as an action id: (q - 1) * 6 + f - 1 with q = totals[f]
+    highest = np.max(np.where(totals > 0, (totals - 1) * 6 + np.arange(6), -1), axis=1)
+    p_win = {a: float(weights[highest == a].sum()) for a in legal if a != LIAR}
+    best = max(p_win, key=lambda a: (p_win[a], -a), default=None)
+    if LIAR in legal and (best is None or p_challenge >= p_win[best]):
+        return LIAR, p_challenge
+    return best, p_win[best]

@@ -11,6 +11,7 @@ import torch
 
 import sft_warmstart
 import train_ppo
+from utils import ConfigError
 from ppo_affine.experience import build_sequences
 from ppo_affine.experts import Expert, ExpertUnavailable, expert_kind
 from ppo_affine.prompts import PromptBuilder
@@ -20,26 +21,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def jobs(game, n, **kwargs):
-    options = {"opponent": "random", "config_ids": [0], "budget": None, "cfr_iterations": 20, "with_reason": False,
-               "goofspiel_expert": "prize"}
+    options = {"opponent": "random", "config_ids": [0], "budget": None, "cfr_iterations": 20, "with_reason": False}
     return plan_jobs([game], n, seed=0, **{**options, **kwargs})
 
 
 def test_expert_games_meet_the_opponent_budget_of_their_own_game():
     planned = plan_jobs(["liars_dice", "leduc_poker"], 1, seed=0, opponent="mcts", config_ids=[0], budget=None,
-                        cfr_iterations=20, with_reason=False, opponent_simulations={"liars_dice": 30},
-                        goofspiel_expert="prize")
+                        cfr_iterations=20, with_reason=False, opponent_simulations={"liars_dice": 30})
     assert [(j.game, j.opponent_simulations) for j in planned] == [("liars_dice", 30), ("leduc_poker", None)]
     assert [j.opponent_simulations for j in jobs("liars_dice", 2, opponent_simulations=40)] == [40, 40]
 
 
 def test_each_game_gets_its_expert_and_unknown_ones_are_refused():
-    assert [expert_kind(g) for g in ("leduc_poker", "goofspiel", "liars_dice", "hex")] == \
-        ["cfr", "prize", "mcts", "mcts"]
-    assert expert_kind("goofspiel", "montecarlo") == "montecarlo"
-    assert expert_kind("leduc_poker", "montecarlo") == "cfr"  # the choice concerns goofspiel only
+    assert [expert_kind(g) for g in ("leduc_poker", "goofspiel", "liars_dice", "gin_rummy", "hex")] == \
+        ["cfr", "prize", "mcts", "simple_gin", "mcts"]
+    assert expert_kind("goofspiel", {"goofspiel": "montecarlo"}) == "montecarlo"
+    assert expert_kind("leduc_poker", {"goofspiel": "montecarlo"}) == "cfr"  # a choice concerns its game only
+    assert expert_kind("leduc_poker", {"leduc_poker": "best_response"}) == "best_response"
     with pytest.raises(ExpertUnavailable, match="unknown goofspiel expert 'mcts'"):
-        expert_kind("goofspiel", "mcts")
+        expert_kind("goofspiel", {"goofspiel": "mcts"})
     with pytest.raises(ExpertUnavailable, match="unknown game 'kuhn'"):
         expert_kind("kuhn")
     with pytest.raises(ExpertUnavailable, match="no expert plays blackjack"):
@@ -101,10 +101,29 @@ def test_reasons_go_inside_think_tags_the_env_ignores():
 def test_experts_beat_a_random_opponent():
     for expert in ("prize", "montecarlo"):
         goofspiel = [play_expert_episode(job)["score"]
-                     for job in jobs("goofspiel", 12, budget=10, goofspiel_expert=expert)]
+                     for job in jobs("goofspiel", 12, budget=10, experts={"goofspiel": expert})]
         assert sum(goofspiel) / len(goofspiel) > 0.7, expert  # random play scores 0.5
     leduc = [play_expert_episode(job)["score"] for job in jobs("leduc_poker", 40, cfr_iterations=100)]
     assert sum(leduc) / len(leduc) > 0.5  # (chips won + 13) / 26: above 0.5 means chips won on average
+
+
+def test_the_gin_rummy_expert_plays_whole_games_of_every_variant_legally():
+    # config ids 0-8: hand sizes 7-9 x knock cards 10-8; the env refuses illegal replies, so a finished
+    # game with as many replies as decisions was played legally
+    for job in jobs("gin_rummy", 9, config_ids=list(range(9))):
+        record = play_expert_episode(job)
+        replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+        feedback = [m["content"] for m in record["messages"] if "did not contain a valid action" in m["content"]]
+        assert record["expert"] == "simple_gin" and len(replies) > 3 and not feedback
+        assert 0.0 <= record["score"] <= 1.0
+
+
+def test_experts_other_than_the_default_are_named_game_by_game():
+    assert sft_warmstart.parse_experts("leduc_poker=best_response, gin_rummy=mcts") == {
+        "leduc_poker": "best_response", "gin_rummy": "mcts"}
+    assert sft_warmstart.parse_experts("") == {}
+    with pytest.raises(ConfigError, match="--expert: expected GAME=KIND items separated by commas, got 'leduc_poker'"):
+        sft_warmstart.parse_experts("leduc_poker")
 
 
 def test_generation_on_several_processes_matches_one_process(tmp_path):
