@@ -128,6 +128,9 @@ def episode_summary(episodes, rollout_seconds: float, rewards: dict[int, float])
         "env/turns_mean": _mean([len(e.turns) for e in ok]),
         "env/response_length": tokens / max(1, sum(len(e.turns) for e in episodes)),
         "perf/rollout_seconds": rollout_seconds,
+        # the game opponents' own time over the step's episodes (searches of concurrent episodes overlap
+        # on worker processes, so this can exceed the rollout's wall time)
+        "perf/opponent_seconds": sum(e.info.get("opponent_seconds", 0.0) for e in episodes),
         "perf/tokens_per_s": tokens / rollout_seconds if rollout_seconds > 0 else 0.0,
     }
     for prefix, key in (("game", lambda e: e.game_name), ("stage", lambda e: e.task.stage)):

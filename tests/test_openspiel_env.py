@@ -768,3 +768,10 @@ def test_a_dead_worker_fails_its_episodes_and_is_replaced():
         await env.close()
 
     run(main())
+
+
+def test_each_result_says_how_long_the_opponents_took_to_move():
+    env = OpenSpielEnv("evaluate", mcts_simulations=50, opponent_search="exact")
+    results = run(play_episode(env, game_task_id("leduc_poker"), seed=1, opponent="mcts"))
+    seconds = [r["info"]["opponent_seconds"] for r in results]
+    assert seconds == sorted(seconds) and seconds[-1] > 0  # cumulative; the search took measurable time

@@ -26,6 +26,7 @@ the legal cards and plays the joint move as chosen. Seeds are reduced mod 2**32 
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import numpy as np
@@ -191,6 +192,7 @@ class Episode:
         self.attempt = 1  # evaluate format: which reply to the pending decision comes next
         self.cumulative_reward = 0.0  # openenv bookkeeping, mirrors the real env's mix
         self.last_opponent_action: int | None = None
+        self.opponent_seconds = 0.0  # wall time the other seats' bots spent choosing moves
         self.forfeited = False
         self.legal: list[int] = []
         self.labels: list[str] = []
@@ -250,7 +252,7 @@ class Episode:
             # Goofspiel, the one simultaneous game, deals both players a card at every such node.
             if state.is_simultaneous_node() or state.current_player() == self.player:
                 break
-            action = int(self.bots[state.current_player()].step(state))
+            action = self._bot_move(state.current_player())
             state.apply_action(action)
             self.step_count += 1
             self.last_opponent_action = action
@@ -265,7 +267,7 @@ class Episode:
         if state.is_simultaneous_node():
             state.apply_actions([
                 action if p == self.player
-                else int(self.bots[p].step(state)) if state.legal_actions(p) else pyspiel.INVALID_ACTION
+                else self._bot_move(p) if state.legal_actions(p) else pyspiel.INVALID_ACTION
                 for p in range(self.game.num_players())
             ])
         else:
@@ -278,6 +280,12 @@ class Episode:
             self._prepare_decision()
             return own, None
         return own, self._advance()
+
+    def _bot_move(self, seat: int) -> int:
+        started = time.perf_counter()
+        action = int(self.bots[seat].step(self.state))
+        self.opponent_seconds += time.perf_counter() - started
+        return action
 
     def _prepare_decision(self) -> None:
         if self.done:
@@ -332,6 +340,7 @@ class Episode:
             "llm_player_id": self.player, "opponent_type": self.opponent, "system_prompt": self.system_prompt,
             "turn_prompt": self.turn_prompt, "parse_error": parse_error, "legal_actions": list(self.legal),
             "illegal_moves": self.illegal_moves, "turns": self.turns, "step_count": self.step_count,
+            "opponent_seconds": round(self.opponent_seconds, 6),
         }
         if self.format == "evaluate":
             info["attempt"] = self.attempt
