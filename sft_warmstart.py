@@ -52,8 +52,8 @@ class ExpertJob:
     cache_dir: str = "~/.cache/ppo-affine"  # where the best-response expert keeps its opponent model
 
 
-# MCTS simulations / playouts per bid / unused (cfr, prize, simple_gin)
-DEFAULT_BUDGET = {"mcts": 300, "montecarlo": 20, "cfr": 0, "prize": 0, "simple_gin": 0}
+# MCTS simulations / playouts per bid / unused (the other experts)
+DEFAULT_BUDGET = {"mcts": 300, "montecarlo": 20, "cfr": 0, "best_response": 0, "true_bids": 0, "prize": 0, "simple_gin": 0}
 
 
 def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | None = None,
@@ -68,13 +68,18 @@ def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | 
                      with_reason, opponent_simulations, opponent_search, cache_dir)
 
 
-def plan_jobs(games: list[str], episodes: int, seed: int, opponent: str, config_ids: list[int], budget: int | None,
+def plan_jobs(games: list[str], episodes: int | dict[str, int], seed: int, opponent: str, config_ids: list[int],
+              budget: int | None,
               cfr_iterations: int, with_reason: bool, opponent_simulations: int | dict[str, int] | None = None, *,
               experts: dict[str, str] | None = None, opponent_search: str = "fast",
               cache_dir: str = "~/.cache/ppo-affine") -> list[ExpertJob]:
-    """`episodes` jobs per game over the config ids; consecutive seeds alternate the model's seat.
-    `opponent_simulations` is one MCTS budget for every game or {game: budget} (unnamed games: the env's)."""
+    """`episodes` jobs per game (one number, or {game: number} with "*" for the others) over the config ids;
+    consecutive seeds alternate the model's seat. `opponent_simulations` is one MCTS budget for every game
+    or {game: budget} (unnamed games: the env's)."""
     from ppo_affine.envs.tasks import game_task_id
+
+    def count(game: str) -> int:
+        return episodes.get(game, episodes["*"]) if isinstance(episodes, dict) else episodes
 
     def simulations(game: str) -> int | None:
         return opponent_simulations.get(game) if isinstance(opponent_simulations, dict) else opponent_simulations
@@ -83,7 +88,7 @@ def plan_jobs(games: list[str], episodes: int, seed: int, opponent: str, config_
                        (derive_seed(seed, "sft", game, i) & ~1) | (i % 2),  # parity = the model's seat
                        opponent, budget, cfr_iterations, with_reason, simulations(game),
                        experts=experts, opponent_search=opponent_search, cache_dir=cache_dir)
-            for game in games for i in range(episodes)]
+            for game in games for i in range(count(game))]
 
 
 def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
@@ -94,7 +99,8 @@ def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
     episode = Episode(uuid.uuid4().hex, task_id=job.task_id, seed=job.seed, opponent=job.opponent,
                       observation_format="evaluate", max_parse_attempts=3, mcts_simulations=job.opponent_simulations,
                       opponent_search=job.opponent_search)
-    expert = Expert(job.kind, episode.game, episode.player, job.seed, job.budget, job.cfr_iterations, job.cache_dir)
+    expert = Expert(job.kind, episode.game, episode.player, job.seed, job.budget, job.cfr_iterations, job.cache_dir,
+                    job.opponent_simulations)
     result = episode.start()
     messages = [{"role": "system", "content": episode.system_prompt},
                 {"role": "user", "content": result["observation"]}]
@@ -214,7 +220,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--games", default=DEFAULT_GAMES, help="comma-separated games with an expert")
-    parser.add_argument("--episodes", type=int, default=100, help="expert episodes per game")
+    parser.add_argument("--episodes", default="100",
+                        help="expert episodes per game: a number, or a number then GAME=N for the games that differ "
+                        "(e.g. 64,gin_rummy=8)")
     parser.add_argument("--config-ids", default="0", help="comma-separated game variants to cycle through")
     parser.add_argument("--opponent", choices=("random", "mcts"), default="random", help="the env's opponent")
     parser.add_argument("--opponent-simulations", type=int,
@@ -237,6 +245,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-dir", type=Path, default=Path("runs/sft-warmstart"))
     add_config_arguments(parser, set_example="generation.context_strategy=full")
     return parser.parse_args(argv)
+
+
+def parse_game_counts(text: str, option: str) -> dict[str, int]:
+    """'64' or '64,gin_rummy=8' -> {"*": 64, "gin_rummy": 8}; ConfigError naming `option` otherwise."""
+    head, *rest = [part.strip() for part in str(text).split(",")]
+    try:
+        counts = {"*": int(head)}
+        for item in rest:
+            game, equals, number = item.partition("=")
+            if not equals:
+                raise ValueError
+            counts[game.strip()] = int(number)
+    except ValueError:
+        raise ConfigError(f"{option}: expected a number, then GAME=N items separated by commas, got {text!r}.") from None
+    return counts
 
 
 def parse_experts(text: str) -> dict[str, str]:
@@ -263,9 +286,10 @@ def check_args(args: argparse.Namespace) -> list[str]:
             expert_kind(game, args.experts)
         except ExpertUnavailable as exc:
             raise ConfigError(f"--expert: {exc}.") from None
+    args.episodes = parse_game_counts(args.episodes, "--episodes")
     if args.data is None:
-        if args.episodes < 1:
-            raise ConfigError(f"--episodes must be at least 1, got {args.episodes}.")
+        if min(args.episodes.values()) < 1:
+            raise ConfigError(f"--episodes must be at least 1 for every game, got {args.episodes}.")
         if not games:
             raise ConfigError("--games is empty; name games with an expert, e.g. --games leduc_poker,goofspiel.")
         for game in games:

@@ -4,7 +4,7 @@ The real pipeline trains it; the models then play greedily on held-out seeds (th
 evaluate() conversation, both seats), and the bench prints, per game and opponent: the legal-move
 rate and the mean score with 95 % intervals, and the paired score differences to base and to SFT.
 
-    python bench/learning.py --profile validator        # SFT + 40 PPO steps vs MCTS, leduc_poker + liars_dice
+    python bench/learning.py --profile validator        # the validators' four games at their opponent's strength
     python bench/learning.py                            # SFT + 4 PPO steps vs random, goofspiel + leduc_poker
     python bench/learning.py --no-warm-start            # PPO alone from the base model
     python bench/learning.py --profile validator --sft-checkpoint runs/x/sft/checkpoints/checkpoint-64 \
@@ -13,15 +13,21 @@ rate and the mean score with 95 % intervals, and the paired score differences to
 Profiles set the defaults every flag can still override:
 - `random` (default): goofspiel + leduc_poker against the env's random opponent; SFT replies carry a
   short reason before the ID ('<think>Current point card: 8</think>7'), up to 24 tokens.
-- `validator`: leduc_poker + liars_dice against the MCTS opponent validators use (leduc_poker at
-  its validator budget, liars_dice at 300 simulations instead of 3000 to fit two CPU cores), in
-  training, SFT data and evaluation alike; ID-only replies (6 tokens), 40 PPO steps, 48 held-out
-  seeds per game.
+- `validator`: the four games validators sampled (leduc_poker, liars_dice, goofspiel, gin_rummy)
+  against their opponent at its real strength (the MCTS budgets of the game table, in the fast
+  search; goofspiel's is uniform random, as simultaneous moves get in the env), in SFT data,
+  training and evaluation alike; teachers aimed at that opponent (`--experts`); ID-only replies
+  (6 tokens), 40 PPO steps, 48 held-out seeds per game. gin_rummy games are long and their opponent
+  searches for seconds a move, so gin_rummy gets fewer SFT games, a small share of the PPO episodes
+  (`--game-weights`) and fewer evaluation seeds (`--eval-episodes`), which its intervals show.
+- `ci`: the same four games and rows at toy sizes (2 games each, 1 PPO step, 20 simulations), for
+  the tests (with a tiny model: `--set model.name_or_path=DIR`).
 
-With `--warm-start` (default) `sft_warmstart.py` first imitates the experts (CFR+ for leduc_poker,
-MCTS for liars_dice, prize matching for goofspiel) against the training opponent, on the game
-variants the evaluation plays, and PPO (`train_ppo.py`: the cpu and warm_start presets + the
-overrides below, KL anchored to the SFT adapter) starts from that adapter. Evaluation is `evaluate.py`'s (greedy, full
+With `--warm-start` (default) `sft_warmstart.py` first imitates the experts (experts.py; the
+defaults, or `--experts`) against the training opponent, on the game variants the evaluation plays,
+and PPO (`train_ppo.py`: the cpu and warm_start presets + the overrides below, KL anchored to the
+SFT adapter) starts from that adapter. Against MCTS the table also has a `ceiling` row for
+leduc_poker: the best response to the opponent (experts.py `best_response`), the most any player scores. Evaluation is `evaluate.py`'s (greedy, full
 conversation, seeds derived from EVAL_SEED that training never draws); every played episode goes to
 `<output-dir>/eval-<opponent>.jsonl`, the PPO run's curves to `<output-dir>/plots/`. Intervals are
 `report.py`'s: Wilson for the legal-move rate over replies, Student t for mean scores and paired
@@ -45,7 +51,7 @@ import visualize
 from ppo_affine import report
 from ppo_affine.checkpoint import find_resumable
 from ppo_affine.envs.tasks import GAME_ID_STRIDE, game_name_of
-from ppo_affine.experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS
+from ppo_affine.experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS, expert_choices, expert_kind
 from utils import load_config
 
 # Tuned on this machine so that a CPU budget visibly moves the model: 8 episodes and one epoch per
@@ -61,17 +67,31 @@ WARM_START_PRESET = "warm_start"
 EVAL_SEED = 900_000  # training draws its seeds from the curriculum's generator; these are derived apart
 
 
-def eval_variants(games: list[str], episodes: int) -> list[int]:
-    """The game variants (config ids) the evaluation plays: training sees the same variants, other seeds."""
-    return sorted({t.task_id % GAME_ID_STRIDE for game in games
-                   for t in evaluate.game_tasks(game, episodes, EVAL_SEED, "random", "openspiel")})
+def count(per_game: dict[str, int], game: str) -> int:
+    return per_game.get(game, per_game["*"])
+
+
+def eval_tasks(games: list[str], episodes: dict[str, int], opponent: str) -> list:
+    """evaluate.py's held-out tasks: `episodes` per game (both seats, seeds derived from EVAL_SEED)."""
+    return [t for game in games for t in evaluate.game_tasks(game, count(episodes, game), EVAL_SEED, opponent,
+                                                             "openspiel")]
+
+
+def eval_variants(games: list[str], episodes: dict[str, int]) -> dict[str, list[int]]:
+    """Per game, the variants (config ids) the evaluation plays: training sees the same variants, other seeds."""
+    return {game: sorted({t.task_id % GAME_ID_STRIDE for t in eval_tasks([game], episodes, "random")})
+            for game in games}
 
 
 def train(games: list[str], steps: int, out: Path, overrides: list[str], init_adapter: Path | None,
-          opponent: str = "random", config_ids: list[int] | None = None) -> Path:
-    """The real train_ppo loop; returns the final checkpoint (a stopped run is an error, not a result)."""
-    stages = json.dumps([{"name": "bench", "opponent": opponent, "min_episodes": 10**6,
-                          "tasks": [{"env": "openspiel", "games": games, "config_ids": config_ids or [0]}]}])
+          opponent: str = "random", variants: dict[str, list[int]] | None = None,
+          weights: dict[str, float] | None = None) -> Path:
+    """The real train_ppo loop; returns the final checkpoint (a stopped run is an error, not a result).
+    `variants`: game -> config ids to train on; `weights`: game -> sampling weight (1 for the others)."""
+    # one source per game, so that a game's share of the episodes is its weight over the sum
+    sources = [{"env": "openspiel", "games": [game], "config_ids": (variants or {}).get(game, [0]),
+                "weight": (weights or {}).get(game, 1.0)} for game in games]
+    stages = json.dumps([{"name": "bench", "opponent": opponent, "min_episodes": 10**6, "tasks": sources}])
     presets = ["--preset", "cpu"] + (["--preset", WARM_START_PRESET] if init_adapter is not None else [])
     args = [*presets, "--output-dir", str(out), "--max-steps", str(steps), "--set", "run.name=ppo",
             "--set", f"curriculum.stages={stages}"]
@@ -87,11 +107,11 @@ def train(games: list[str], steps: int, out: Path, overrides: list[str], init_ad
     return checkpoint
 
 
-def play(config, games: list[str], episodes: int, opponent: str, adapter: Path | None, label: str,
+def play(config, games: list[str], episodes: dict[str, int], opponent: str, adapter: Path | None, label: str,
          with_base: bool, episodes_path: Path | None = None) -> list[dict]:
     """evaluate.py's episodes (greedy, full context, held-out seeds, both seats) for one model (+ the base);
     each record is also appended to `episodes_path`."""
-    tasks = [t for game in games for t in evaluate.game_tasks(game, episodes, EVAL_SEED, opponent, "openspiel")]
+    tasks = eval_tasks(games, episodes, opponent)
     specs = evaluate.eval_env_specs(config, {"openspiel"})
     adapter_dir = evaluate.adapter_folder(adapter) if adapter else None
     records = asyncio.run(evaluate.evaluate(config, tasks, specs, adapter_dir, with_base and adapter is not None,
@@ -104,19 +124,18 @@ def play(config, games: list[str], episodes: int, opponent: str, adapter: Path |
     return records
 
 
-def expert_records(games: list[str], episodes: int, opponent: str, simulations: int | dict[str, int], workers: int,
-                   goofspiel_expert: str) -> list[dict]:
-    """The experts themselves on the same tasks and seeds, as evaluation records."""
-    tasks = [t for game in games for t in evaluate.game_tasks(game, episodes, EVAL_SEED, opponent, "openspiel")]
+def expert_records(games: list[str], episodes: dict[str, int], opponent: str,
+                   simulations: int | dict[str, int] | None, workers: int, experts: dict[str, str],
+                   label: str = "expert") -> list[dict]:
+    """The experts themselves on the same tasks and seeds, as evaluation records labelled `label`."""
     def budget(game: str) -> int | None:
         return simulations.get(game) if isinstance(simulations, dict) else simulations
 
     jobs = [sft_warmstart.expert_job(game_name_of(t.task_id), t.task_id, t.seed, opponent,
-                                     opponent_simulations=budget(game_name_of(t.task_id)),
-                                     experts={"goofspiel": goofspiel_expert})
-            for t in tasks]
+                                     opponent_simulations=budget(game_name_of(t.task_id)), experts=experts)
+            for t in eval_tasks(games, episodes, opponent)]
     played = sft_warmstart.generate(jobs, workers, None)
-    return [{"model": "expert", "game": r["game"], "task_id": r["task_id"], "seed": r["seed"], "score": r["score"],
+    return [{"model": label, "game": r["game"], "task_id": r["task_id"], "seed": r["seed"], "score": r["score"],
              "outcome": "win" if r["score"] > 0.5 else "draw" if r["score"] == 0.5 else "loss",
              "turns": sum(m["role"] == "assistant" for m in r["messages"]), "illegal_moves": 0,
              "parse_failed_game": False, "generated_tokens": 0, "error": None} for r in played]
@@ -203,15 +222,21 @@ def _ci(value, interval, signed: bool = False) -> str:
     return text + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
 
 
+VALIDATOR_GAMES = "leduc_poker,liars_dice,goofspiel,gin_rummy"
 PROFILES = {
     "random": {"games": "goofspiel,leduc_poker", "opponents": "random", "train_opponent": "random",
-               "max_new_tokens": 24, "eval_episodes": 16, "sft_episodes": 32, "sft_reason": True,
+               "max_new_tokens": 24, "eval_episodes": "16", "sft_episodes": "32", "sft_reason": True,
                "mcts_simulations": "300"},
-    "validator": {"games": "leduc_poker,liars_dice", "opponents": "mcts", "train_opponent": "mcts", "steps": 40,
-                  "max_new_tokens": 6, "eval_episodes": 48, "sft_episodes": 64, "sft_reason": False,
-                  "mcts_simulations": "liars_dice=300"},
+    "validator": {"games": VALIDATOR_GAMES, "opponents": "mcts", "train_opponent": "mcts", "steps": 40,
+                  "max_new_tokens": 6, "eval_episodes": "48,gin_rummy=8", "sft_episodes": "64,gin_rummy=8",
+                  "sft_reason": False, "experts": "leduc_poker=best_response,liars_dice=true_bids",
+                  "game_weights": "gin_rummy=0.1"},
+    "ci": {"games": VALIDATOR_GAMES, "opponents": "mcts", "train_opponent": "mcts", "steps": 1,
+           "max_new_tokens": 4, "eval_episodes": "2", "sft_episodes": "2", "sft_reason": False,
+           "mcts_simulations": "20", "experts": "liars_dice=true_bids", "sft_epochs": 1},
 }
 MODELS = ("base", "sft", "sft+ppo", "expert")
+CEILING_EXPERTS = {"leduc_poker": "best_response"}  # the best response to the MCTS opponent: the most one can score
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -220,8 +245,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="defaults for the flags below (module docstring)")
     parser.add_argument("--games", help="comma-separated games")
     parser.add_argument("--steps", type=int, help="PPO steps (random: 4 after a warm start, 10 without; validator: 40)")
+    parser.add_argument("--game-weights",
+                        help="GAME=W,...: a game's share of the PPO episodes relative to 1 for the others")
+    parser.add_argument("--experts", help="GAME=KIND,...: teachers other than a game's default (sft_warmstart --expert)")
     parser.add_argument("--max-new-tokens", type=int, help="reply length (random: 24, room for a short reason)")
-    parser.add_argument("--eval-episodes", type=int, help="per game and opponent, both seats")
+    parser.add_argument("--eval-episodes", help="per game and opponent, both seats: N, or N then GAME=M items")
     parser.add_argument("--opponents", help="comma-separated evaluation opponents: random, mcts")
     parser.add_argument("--train-opponent", choices=["random", "mcts"],
                         help="the opponent PPO trains against and the SFT data's expert games meet")
@@ -233,12 +261,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models",
                         help="rows to evaluate (default all): " + ",".join(MODELS) + " after a warm start, base,ppo "
                         "without; e.g. sft,sft+ppo for an ablation")
-    parser.add_argument("--sft-episodes", type=int, help="expert episodes per game for SFT")
-    parser.add_argument("--sft-epochs", type=int, default=2)
+    parser.add_argument("--sft-episodes", help="expert episodes per game for SFT: N, or N then GAME=M items")
+    parser.add_argument("--sft-epochs", type=int)
     parser.add_argument("--sft-batch-size", type=int, default=4, help="conversations per SFT optimizer step")
     parser.add_argument("--sft-learning-rate", type=float, default=1e-3)
-    parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS, default=DEFAULT_GOOFSPIEL_EXPERT,
-                        help="the goofspiel expert for SFT data and the expert rows (experts.py)")
+    parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS,
+                        help=f"the goofspiel expert for SFT data and the expert rows (default {DEFAULT_GOOFSPIEL_EXPERT})")
     parser.add_argument("--sft-reason", action=argparse.BooleanOptionalAction,
                         help="SFT replies '<think>reason</think>ID' (sft_warmstart --reason); --no-sft-reason: the ID "
                         "alone")
@@ -251,6 +279,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in PROFILES[args.profile].items():
         if getattr(args, name, None) is None:
             setattr(args, name, parse_simulations(value) if name == "mcts_simulations" else value)
+    args.sft_epochs = 2 if args.sft_epochs is None else args.sft_epochs
+    try:
+        args.eval_counts = sft_warmstart.parse_game_counts(args.eval_episodes, "--eval-episodes")
+        args.sft_counts = sft_warmstart.parse_game_counts(args.sft_episodes, "--sft-episodes")
+        args.expert_choices = sft_warmstart.parse_experts(args.experts or "")
+        weights = sft_warmstart.parse_experts(args.game_weights or "")
+        args.weights = {game: float(weight) for game, weight in weights.items()}
+    except (sft_warmstart.ConfigError, ValueError) as exc:
+        parser.error(str(exc))
+    if args.goofspiel_expert:
+        args.expert_choices["goofspiel"] = args.goofspiel_expert
+    unknown = [g for g in [*args.expert_choices, *args.weights] if g not in args.games.split(",")]
+    if unknown:
+        parser.error(f"--experts/--game-weights name games not in this run: {unknown}")
     if args.steps is None:
         args.steps = 4 if args.warm_start else 10
     if args.steps < 1:
@@ -272,20 +314,23 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     games = args.games.split(",")
     opponents = args.opponents.split(",")
-    # one MCTS strength for SFT data, training and evaluation; random opponents ignore it
-    overrides = [*TRAIN_OVERRIDES,
-                 f"generation.max_new_tokens={args.max_new_tokens}",
-                 f"env.envs.openspiel.mcts_simulations={json.dumps(args.mcts_simulations)}", *args.set]
+    # one MCTS strength for SFT data, training and evaluation (default: the validators'); random opponents ignore it
+    overrides = [*TRAIN_OVERRIDES, f"generation.max_new_tokens={args.max_new_tokens}"]
+    if args.mcts_simulations is not None:
+        overrides.append(f"env.envs.openspiel.mcts_simulations={json.dumps(args.mcts_simulations)}")
+    overrides += args.set  # last: the user's overrides win
     shutil.rmtree(args.output_dir, ignore_errors=True)  # this bench's own scratch folder
     args.output_dir.mkdir(parents=True)
     timings: dict[str, float] = {}
-    variants = eval_variants(games, args.eval_episodes)
+    variants = eval_variants(games, args.eval_counts)
 
     sft_checkpoint = args.sft_checkpoint
     if args.warm_start and sft_checkpoint is None:
         started = time.perf_counter()
-        sft_args = ["--preset", "cpu", "--games", ",".join(games), "--episodes", str(args.sft_episodes),
-                    "--config-ids", ",".join(map(str, variants)), "--goofspiel-expert", args.goofspiel_expert,
+        every_variant = sorted({c for ids in variants.values() for c in ids})
+        sft_args = ["--preset", "cpu", "--games", ",".join(games), "--episodes", args.sft_episodes,
+                    "--config-ids", ",".join(map(str, every_variant)),
+                    "--expert", ",".join(f"{g}={k}" for g, k in args.expert_choices.items()),
                     "--opponent", args.train_opponent, "--epochs", str(args.sft_epochs), "--workers", str(args.workers),
                     "--batch-size", str(args.sft_batch_size), "--learning-rate", str(args.sft_learning_rate),
                     "--output-dir", str(args.output_dir / "sft"), *(["--reason"] if args.sft_reason else [])]
@@ -296,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
         sft_checkpoint = find_resumable(args.output_dir / "sft" / "checkpoints")
         timings["sft_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
-    trained = train(games, args.steps, args.output_dir, overrides, sft_checkpoint, args.train_opponent, variants)
+    trained = train(games, args.steps, args.output_dir, overrides, sft_checkpoint, args.train_opponent, variants,
+                    args.weights)
     timings["ppo_seconds"] = time.perf_counter() - started
     metrics_path = args.output_dir / "ppo" / "metrics.jsonl"
     curves = [str(path) for path in visualize.plot_run(metrics_path, args.output_dir / "plots")]
@@ -304,44 +350,58 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(presets=["cpu"], overrides=[*overrides, "generation.temperature=0"])
     trained_label = "sft+ppo" if args.warm_start else "ppo"
     models = [m for m in (MODELS if args.warm_start else ("base", "ppo")) if m in args.model_rows]
-    results, rows = {}, []
-    started = time.perf_counter()
+    results, rows, ceilings = {}, [], {}
+    timings["eval_seconds"] = timings["teacher_seconds"] = 0.0
     for opponent in opponents:
-        played = [g for g in games if opponent == "random" or has_mcts_opponent(g)]
+        # a game whose opponent is random whatever is asked (goofspiel) plays once when both opponents are evaluated
+        played = [g for g in games if opponent == "random" or "random" not in opponents or has_mcts_opponent(g)]
         if not played:
             continue
         episodes_path = args.output_dir / f"eval-{opponent}.jsonl"
         records = []
+        started = time.perf_counter()
         if trained_label in models:
-            records += play(config, played, args.eval_episodes, opponent, trained, trained_label,
+            records += play(config, played, args.eval_counts, opponent, trained, trained_label,
                             with_base="base" in models, episodes_path=episodes_path)
         elif "base" in models:
-            records += play(config, played, args.eval_episodes, opponent, None, "base", with_base=False,
+            records += play(config, played, args.eval_counts, opponent, None, "base", with_base=False,
                             episodes_path=episodes_path)
         if sft_checkpoint is not None and "sft" in models:
-            records += play(config, played, args.eval_episodes, opponent, sft_checkpoint, "sft", with_base=False,
+            records += play(config, played, args.eval_counts, opponent, sft_checkpoint, "sft", with_base=False,
                             episodes_path=episodes_path)
+        timings["eval_seconds"] += time.perf_counter() - started
+        started = time.perf_counter()
         if args.warm_start and "expert" in models:
-            records += expert_records(played, args.eval_episodes, opponent, args.mcts_simulations, args.workers,
-                                      args.goofspiel_expert)
-        results[opponent], opponent_rows = table(records, opponent, models)
+            records += expert_records(played, args.eval_counts, opponent, args.mcts_simulations, args.workers,
+                                      args.expert_choices)
+        table_models = list(models)
+        if opponent == "mcts":
+            records += ceiling_records(played, args, records)
+            table_models += sorted({r["model"] for r in records if r["model"] == "ceiling"})
+        timings["teacher_seconds"] += time.perf_counter() - started
+        results[opponent], opponent_rows = table(records, opponent, table_models)
         rows += opponent_rows
-    timings["eval_seconds"] = time.perf_counter() - started
-    ceilings = {"leduc_poker_best_mean_score_vs_random": round(leduc_best_response_vs_random(), 4)} \
-        if "leduc_poker" in games and "random" in opponents else {}
+        for game, row in results[opponent].items():
+            if "ceiling" in row and row.get(trained_label) and row["ceiling"]["mean_score"]:
+                ceilings[f"{game}_{trained_label}_over_best_response_vs_{opponent}"] = round(
+                    row[trained_label]["mean_score"] / row["ceiling"]["mean_score"], 3)
+    if "leduc_poker" in games and "random" in opponents:
+        ceilings["leduc_poker_best_mean_score_vs_random"] = round(leduc_best_response_vs_random(), 4)
     print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "profile": args.profile, "games": games,
                       "ppo_steps": args.steps, "train_opponent": args.train_opponent, "variants": variants,
+                      "game_weights": args.weights,
                       "train_episodes": args.steps * config.train.ppo.batch_size, "max_new_tokens": args.max_new_tokens,
                       "ppo_presets": ["cpu", WARM_START_PRESET] if args.warm_start else ["cpu"],
                       "ppo_overrides": overrides, "extra_overrides": args.set,
-                      "eval_episodes_per_game": args.eval_episodes, "mcts_simulations": args.mcts_simulations,
+                      "eval_episodes_per_game": args.eval_counts, "mcts_simulations": args.mcts_simulations,
+                      "experts": {g: expert_kind(g, args.expert_choices) for g in games if has_expert(g)},
                       "sft": ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
-                              {"episodes_per_game": args.sft_episodes, "epochs": args.sft_epochs,
-                               "opponent": args.train_opponent, "goofspiel_expert": args.goofspiel_expert,
-                               "reason": args.sft_reason, "batch_size": args.sft_batch_size,
-                               "learning_rate": args.sft_learning_rate})
+                              {"episodes_per_game": args.sft_counts, "epochs": args.sft_epochs,
+                               "opponent": args.train_opponent, "reason": args.sft_reason,
+                               "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate})
                       if args.warm_start else None,
-                      "checkpoint": str(trained), "seconds": {k: round(v) for k, v in timings.items()},
+                      "checkpoint": str(trained), "minutes": {k.replace("_seconds", ""): round(v / 60, 1)
+                                                              for k, v in timings.items()},
                       "total_minutes": round(sum(timings.values()) / 60, 1),
                       "signal": training_signal(metrics_path), "curves": curves,
                       "ceilings": ceilings, "results": results}, indent=1))
@@ -349,6 +409,25 @@ def main(argv: list[str] | None = None) -> None:
           "| score - SFT [95% CI] |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+
+
+def ceiling_records(games: list[str], args: argparse.Namespace, records: list[dict]) -> list[dict]:
+    """The best response's own games vs MCTS where one is known (leduc_poker): the teacher's records when
+    the teacher is that best response, else played on the same tasks."""
+    ceiling = []
+    for game, kind in CEILING_EXPERTS.items():
+        if game not in games:
+            continue
+        if has_expert(game) and expert_kind(game, args.expert_choices) == kind:
+            ceiling += [{**r, "model": "ceiling"} for r in records if r["model"] == "expert" and r["game"] == game]
+        else:
+            ceiling += expert_records([game], args.eval_counts, "mcts", args.mcts_simulations, args.workers,
+                                      {game: kind}, label="ceiling")
+    return ceiling
+
+
+def has_expert(game: str) -> bool:
+    return bool(expert_choices(game))
 
 
 if __name__ == "__main__":

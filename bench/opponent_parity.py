@@ -2,10 +2,11 @@
 95 % intervals; prints one JSON document and appends every finished game to `--log` (JSONL), so a
 long run can stop and continue where it was.
 
-Matchups, each over seeds 0..N-1 (the subject plays seat seed % 2, chance comes from RandomState(seed),
-the variants cycle with the seed):
+Matchups, each over seeds 0..N-1 (the subject plays seat seed % players, every other seat plays the
+opponent; chance comes from RandomState(seed), the variants cycle with the seed):
 - `fast_vs_exact`: the fast search (subject) against the exact one. Parity: the subject's mean score
-  has a 95 % interval that contains 0.5 (zero-sum scores of the two seats add up to 1).
+  has a 95 % interval that contains 0.5 (the scores of all seats average 0.5: zero-sum scores of two
+  seats add up to 1, places in 4-player games are 1, 2/3, 1/3, 0).
 - `random_vs_{exact,fast}` and `teacher_vs_{exact,fast}`: a fixed player (uniform random; the SFT
   teacher of experts.py) against each search, on the same seeds. Parity: the paired difference of its
   scores (vs fast - vs exact) has an interval that contains 0.
@@ -33,9 +34,15 @@ from typing import Any, Callable
 import numpy as np
 import pyspiel
 
-from ppo_affine.envs.games import GAMES
-from ppo_affine.envs.openspiel_episode import compute_score, has_search_opponent, load_game, mcts_bot
 from ppo_affine.envs.factory import usable_cores
+from ppo_affine.envs.games import GAMES, is_playable
+from ppo_affine.envs.openspiel_episode import (
+    compute_score,
+    has_search_opponent,
+    load_game,
+    mcts_bot,
+)
+from ppo_affine.envs.tasks import game_task_id
 from ppo_affine.experts import Expert, expert_kind
 from ppo_affine.report import mean_interval
 
@@ -46,7 +53,8 @@ TEACHER_BUDGET = 300  # the teacher's own search simulations (experts.py, sft_wa
 
 
 def search_games() -> list[str]:
-    return [g for g, spec in GAMES.items() if spec.mcts is not None]
+    """Games with an MCTS opponent that open_spiel can load (bridge's Affine parameters cannot be)."""
+    return [g for g, spec in GAMES.items() if spec.mcts is not None and is_playable(game_task_id(g))]
 
 
 def _budget(game_name: str, scale: float, rollout_scale: float) -> tuple[int, int]:
@@ -69,12 +77,14 @@ def _chooser(kind: str, game: pyspiel.Game, seat: int, seed: int, budget: tuple[
 def play_one(game_name: str, matchup: str, seed: int, budget: tuple[int, int]) -> dict[str, Any]:
     """One game of `matchup` on `seed`; the subject's score, how many moves each side made and the seconds."""
     subject, opponent = matchup.split("_vs_")
-    game = load_game(game_name, tuple(sorted(GAMES[game_name].params(seed).items())))
-    seat = seed % 2
-    players = {seat: _chooser(subject, game, seat, seed, budget),
-               1 - seat: _chooser(opponent, game, 1 - seat, seed, budget)}
+    playable = [c for c in range(8) if is_playable(game_task_id(game_name, c))]  # bridge: 2 of its 4 variants
+    config_id = playable[seed % len(playable)]
+    game = load_game(game_name, tuple(sorted(GAMES[game_name].params(config_id).items())))
+    seat = seed % game.num_players()
+    players = {p: _chooser(subject if p == seat else opponent, game, p, seed, budget)
+               for p in range(game.num_players())}
     chance = np.random.RandomState(seed)
-    state, moves = game.new_initial_state(), [0, 0]
+    state, moves = game.new_initial_state(), [0] * game.num_players()
     started = time.process_time()
     while not state.is_terminal():
         if state.is_chance_node():
@@ -87,7 +97,7 @@ def play_one(game_name: str, matchup: str, seed: int, budget: tuple[int, int]) -
     zero_sum = game.get_type().utility == pyspiel.GameType.Utility.ZERO_SUM
     score = compute_score(state.returns(), seat, zero_sum, game.min_utility(), game.max_utility())
     return {"game": game_name, "matchup": matchup, "seed": seed, "seat": seat, "score": score,
-            "subject_moves": moves[seat], "opponent_moves": moves[1 - seat],
+            "subject_moves": moves[seat], "opponent_moves": sum(moves) - moves[seat],
             "cpu_seconds": round(time.process_time() - started, 3), "budget": list(budget)}
 
 

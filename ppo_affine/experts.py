@@ -106,14 +106,17 @@ class Expert:
     """One expert for one episode; its randomness comes from the episode's seed."""
 
     def __init__(self, kind: str, game: pyspiel.Game, player: int, seed: int, budget: int, cfr_iterations: int,
-                 cache_dir: str = "~/.cache/ppo-affine"):
+                 cache_dir: str = "~/.cache/ppo-affine", opponent_simulations: int | None = None):
+        """`opponent_simulations`: the MCTS opponent's simulations when not the game's validator budget
+        (the best response answers the opponent it will meet)."""
         self.kind, self.game, self.player = kind, game, player
         self.rng = np.random.RandomState(seed % 2**32)
         self.budget = budget
         if kind == "cfr":
             self.policy = cfr_policy(str(game), cfr_iterations)
         elif kind == "best_response":
-            opponent_budget = GAMES[game.get_type().short_name].mcts
+            simulations, n_rollouts = GAMES[game.get_type().short_name].mcts
+            opponent_budget = (opponent_simulations or simulations, n_rollouts)
             model = opponent_model.load_or_build(str(game), opponent_budget, OPPONENT_MODEL_SAMPLES, cache_dir)
             self.responses = model["best_response"][player]
         elif kind == "mcts":

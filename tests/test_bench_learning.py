@@ -16,12 +16,22 @@ def test_simulations_are_one_number_or_per_game():
     assert learning.parse_simulations("liars_dice=300,leduc_poker=1000") == {"liars_dice": 300, "leduc_poker": 1000}
 
 
-def test_the_validator_profile_sets_the_mcts_opponent_everywhere_and_flags_still_win():
+def test_the_validator_profile_plays_the_four_games_at_full_strength_and_flags_still_win():
     args = learning.parse_args(["--profile", "validator", "--steps", "12"])
-    assert (args.games, args.opponents, args.train_opponent) == ("leduc_poker,liars_dice", "mcts", "mcts")
-    assert (args.steps, args.eval_episodes, args.max_new_tokens, args.sft_reason) == (12, 48, 6, False)
-    assert args.mcts_simulations == {"liars_dice": 300}
+    assert args.games.split(",") == ["leduc_poker", "liars_dice", "goofspiel", "gin_rummy"]
+    assert (args.opponents, args.train_opponent, args.mcts_simulations) == ("mcts", "mcts", None)  # the game table's
+    assert (args.steps, args.max_new_tokens, args.sft_reason) == (12, 6, False)
+    assert args.eval_counts == {"*": 48, "gin_rummy": 8} and args.sft_counts == {"*": 64, "gin_rummy": 8}
+    assert args.expert_choices == {"leduc_poker": "best_response", "liars_dice": "true_bids"}
+    assert args.weights == {"gin_rummy": 0.1}
     assert learning.parse_args([]).steps == 4 and learning.parse_args(["--no-warm-start"]).steps == 10
+
+
+def test_per_game_options_name_games_of_the_run():
+    with pytest.raises(SystemExit):
+        learning.parse_args(["--profile", "validator", "--games", "leduc_poker", "--game-weights", "chess=2"])
+    with pytest.raises(SystemExit):
+        learning.parse_args(["--eval-episodes", "48,gin_rummy"])
 
 
 def test_rows_not_in_this_run_are_refused():
@@ -55,3 +65,28 @@ def test_training_signal_summarises_the_per_step_correlations(tmp_path):
         {"step": 1, "signal/advantage_logprob_corr": 0.5}, {"step": 2}, {"step": 3, "signal/advantage_logprob_corr": -0.1}]))
     assert learning.training_signal(path) == {"advantage_logprob_corr_by_step": [0.5, -0.1],
                                               "advantage_logprob_corr_mean": 0.2, "steps_with_positive_corr": 1}
+
+
+@pytest.mark.slow
+def test_the_ci_profile_runs_every_phase_and_row_on_the_four_validator_games(tiny_model_dir, tmp_path, capsys,
+                                                                            monkeypatch):
+    """The whole recipe at toy sizes on the tiny model: SFT on the teachers, a PPO step, evaluation of base, SFT,
+    SFT+PPO and the teachers, and leduc_poker's best response as the ceiling row."""
+    from ppo_affine import experts
+
+    monkeypatch.setattr(experts, "OPPONENT_MODEL_SAMPLES", 1)  # the best response behind the ceiling, cheaply
+    sets = {"model.name_or_path": str(tiny_model_dir), "model.dtype": "float32", "model.cache_dir": str(tmp_path),
+            "generation.max_prompt_tokens": "16384", "generation.max_turns": "40", "ppo.micro_batch_tokens": "16384"}
+    learning.main(["--profile", "ci", "--output-dir", str(tmp_path / "bench"), "--workers", "1",
+                   *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]])
+    printed = capsys.readouterr().out
+    report = json.loads(printed[:printed.index("\n| game |")])
+    games = ["leduc_poker", "liars_dice", "goofspiel", "gin_rummy"]
+    assert report["games"] == games and set(report["results"]["mcts"]) == set(games)
+    for game in games:
+        rows = report["results"]["mcts"][game]
+        assert {"base", "sft", "sft+ppo", "expert"} <= set(rows), game
+        assert rows["sft+ppo"]["episodes"] == 2 and rows["sft+ppo"]["score_minus_sft"] is not None
+    assert "ceiling" in report["results"]["mcts"]["leduc_poker"]
+    assert report["experts"]["liars_dice"] == "true_bids"
+    assert set(report["minutes"]) == {"sft", "ppo", "eval", "teacher"}

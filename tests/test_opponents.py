@@ -88,6 +88,6 @@ def test_a_small_leduc_parity_run_plays_every_matchup_and_holds():
     records = [parity.play_one("leduc_poker", matchup, seed, budget)
                for seed in range(24) for matchup in parity.MATCHUPS]
     assert {r["matchup"] for r in records} == set(parity.MATCHUPS)
-    assert all(r["seat"] == r["seed"] % 2 and 0 <= r["score"] <= 1 for r in records)
+    assert all(r["seat"] == r["seed"] % 2 and 0 <= r["score"] <= 1 for r in records)  # two players
     assert parity.verdict(records)["parity_holds"]
 

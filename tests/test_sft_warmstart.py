@@ -126,6 +126,15 @@ def test_experts_other_than_the_default_are_named_game_by_game():
         sft_warmstart.parse_experts("leduc_poker")
 
 
+def test_episodes_may_differ_game_by_game():
+    assert sft_warmstart.parse_game_counts("64,gin_rummy=8", "--episodes") == {"*": 64, "gin_rummy": 8}
+    planned = plan_jobs(["leduc_poker", "gin_rummy"], {"*": 3, "gin_rummy": 1}, seed=0, opponent="random",
+                        config_ids=[0], budget=None, cfr_iterations=20, with_reason=False)
+    assert [j.game for j in planned] == ["leduc_poker"] * 3 + ["gin_rummy"]
+    with pytest.raises(ConfigError, match="--episodes: expected a number, then GAME=N items"):
+        sft_warmstart.parse_game_counts("64,gin_rummy", "--episodes")
+
+
 def test_generation_on_several_processes_matches_one_process(tmp_path):
     planned = jobs("liars_dice", 3, budget=5) + jobs("leduc_poker", 2)
     parallel = generate(planned, workers=2, path=tmp_path / "data.jsonl")
