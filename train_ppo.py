@@ -64,7 +64,7 @@ from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
 from ppo_affine.run_log import RunLogger, console, episode_summary, rollout_progress, setup_logging
 from ppo_affine.update import TooManySkips, TrainingSnapshot, UpdateState, build_optimizer, ppo_update, update_signal
-from utils import Config, ConfigError, add_config_arguments, check_training_config, derive_seed, load_config
+from utils import Config, ConfigError, TrainConfig, add_config_arguments, derive_seed, load_config
 
 log = logging.getLogger("train_ppo")
 
@@ -474,6 +474,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_can_train(cfg: TrainConfig, world_size: int) -> None:
+    """What a PPO run needs beyond a valid configuration: facts of this launch (ranks, CUDA) and settings that
+    only training rules out; evaluate.py plays at temperature 0, and bench/learning.py evaluates with the cpu
+    preset's 3 steps what it trained with a 4-step critic warm-up."""
+    warmup = cfg.value_head.warmup_steps
+    if warmup >= cfg.run.max_steps:
+        raise ConfigError(f"value_head.warmup_steps={warmup} covers every step of run.max_steps="
+                          f"{cfg.run.max_steps}, so the policy would never train: lower the warm-up.")
+    if cfg.generation.temperature == 0:
+        raise ConfigError("generation.temperature=0 samples nothing for PPO to learn from (greedy replies): "
+                          "train with a temperature > 0; evaluate.py plays greedily on its own.")
+    check_world_size(cfg.ppo, world_size)
+    if cfg.generation.top_p < 1 or cfg.generation.top_k:
+        log.warning("generation.top_p/top_k truncate sampling, but old log-probs are scored on the full "
+                    "distribution (temperature only), so the PPO ratio starts slightly off-policy; "
+                    "keep top_p=1 and top_k=0 for training")
+    if cfg.model.use_4bit and cfg.run.device != "cpu" and not torch.cuda.is_available():
+        raise ConfigError(
+            "This configuration trains a 4-bit model, which needs a CUDA GPU, and none is visible. "
+            "On a CPU-only machine run 'python train_ppo.py --preset cpu' (SmolLM2-135M, offline), "
+            "or set model.use_4bit=false."
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
@@ -489,18 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             setup_logging(logging.WARNING, prefix=f"[rank {ranks.rank}] ")
         config = load_config(args.config, args.env_config, args.curriculum_config, args.preset, overrides)
         cfg = config.train
-        check_training_config(cfg)
-        check_world_size(cfg.ppo, ranks.world_size)
-        if cfg.generation.top_p < 1 or cfg.generation.top_k:
-            log.warning("generation.top_p/top_k truncate sampling, but old log-probs are scored on the full "
-                        "distribution (temperature only), so the PPO ratio starts slightly off-policy; "
-                        "keep top_p=1 and top_k=0 for training")
-        if cfg.model.use_4bit and cfg.run.device != "cpu" and not torch.cuda.is_available():
-            raise ConfigError(
-                "This configuration trains a 4-bit model, which needs a CUDA GPU, and none is visible. "
-                "On a CPU-only machine run 'python train_ppo.py --preset cpu' (SmolLM2-135M, offline), "
-                "or set model.use_4bit=false."
-            )
+        check_can_train(cfg, ranks.world_size)
         torch.manual_seed(cfg.run.seed)
         if args.init_adapter is not None:
             adapter_folder(args.init_adapter)  # a wrong path fails now, not after the model has loaded
