@@ -249,8 +249,20 @@ class EnvSpec(Strict):
     def _mode_needs_target(self) -> "EnvSpec":
         if self.mode == "url" and not self.url:
             raise ValueError("mode 'url' needs 'url' (e.g. \"http://127.0.0.1:8765\")")
+        if self.mode == "url" and self.replicas != 1:
+            raise ValueError(f"replicas={self.replicas} is for mode 'docker'; in mode 'url' list one URL per server "
+                             "in 'url' instead")
         if self.mode == "docker" and not self.image:
             raise ValueError("mode 'docker' needs 'image' (e.g. \"affinefoundation/game:openspiel\")")
+        # episodes live in one server process's memory; more uvicorn workers would lose them
+        if self.mode == "docker" and self.env_vars.get("UVICORN_WORKERS", "1") != "1":
+            raise ValueError(f"env_vars UVICORN_WORKERS={self.env_vars['UVICORN_WORKERS']!r} would split episodes "
+                             "across worker processes; use replicas=N for parallelism (each container keeps its "
+                             "episodes)")
+        return self
+
+    @model_validator(mode="after")
+    def _games_are_known(self) -> "EnvSpec":
         budgets = self.mcts_simulations if isinstance(self.mcts_simulations, dict) else {"*": self.mcts_simulations}
         if any(b is not None and b < 1 for b in budgets.values()):
             raise ValueError(f"mcts_simulations must be at least 1, got {self.mcts_simulations}")

@@ -43,3 +43,14 @@ def test_a_critic_warmup_without_a_critic_names_both_fields_and_the_files():
 def test_a_group_batch_must_hold_whole_groups():
     with pytest.raises(ConfigError, match=r"'ppo': .*batch_size \(6\) must be a multiple of group_size \(4\)"):
         load_config(presets=["cpu"], overrides=["ppo.advantage=group", "ppo.batch_size=6"])
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ('{"kind": "openspiel", "mode": "url", "url": "http://127.0.0.1:8765", "replicas": 2}',
+     r"replicas=2 is for mode 'docker'.*one URL per server"),
+    ('{"kind": "openspiel", "mode": "docker", "image": "affinefoundation/game:openspiel", '
+     '"env_vars": {"UVICORN_WORKERS": "4"}}', r"UVICORN_WORKERS='4' would split episodes"),
+])
+def test_an_env_setting_its_mode_cannot_use_stops_at_load(spec, expected):
+    with pytest.raises(ConfigError, match=rf"'envs.openspiel': .*{expected}"):
+        load_config(presets=["cpu"], overrides=[f"env.envs.openspiel={spec}"])
