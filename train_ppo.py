@@ -167,7 +167,7 @@ class Trainer:
             usable, usable_groups = self.usable(episodes, group_ids)
             metrics = self.episode_metrics(episodes, rollout_seconds)
             if usable:
-                learned = self.learn(usable, usable_groups)
+                learned = self.learn_with_oom_retry(usable, usable_groups)
                 if learned is None:  # interrupted mid-update: the weights are back where the step began
                     self.forget_step(*before)
                     break
@@ -251,15 +251,14 @@ class Trainer:
                         cut_off, len(episodes), self.config.train.generation.max_turns)
         return [episodes[i] for i in keep], ([group_ids[i] for i in keep] if group_ids is not None else None)
 
-    def learn(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float] | None:
-        """score -> advantages -> update -> adapt beta, on the episodes that can be trained on. CUDA out of
-        memory undoes the pass and retries it with half the token budget; a stop signal undoes it and
-        returns None."""
+    def learn_with_oom_retry(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float] | None:
+        """`score_and_update`, undone when it cannot finish: CUDA out of memory retries it with half the token
+        budget; a stop signal returns None, the weights back where the step began."""
         snapshot = TrainingSnapshot.take(self.optimizer, self.update_state)
         retries = 0
         while True:
             try:
-                metrics = self._learn(episodes, group_ids)
+                metrics = self.score_and_update(episodes, group_ids)
                 metrics["train/micro_batch_tokens"] = self.micro_batch_tokens
                 metrics["train/oom_retries"] = retries
                 return metrics
@@ -293,19 +292,26 @@ class Trainer:
         log.warning("CUDA out of memory in step %d: ppo.micro_batch_tokens halved to %d for the rest of the run; "
                     "retrying the step", self.step + 1, self.micro_batch_tokens)
 
-    def _learn(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
+    def score_and_update(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
+        """score -> advantages -> PPO update -> adapt beta, on this rank's share of the episodes."""
         cfg = self.config.train
         started = time.perf_counter()
         # this rank's share of the batch; sums over the whole batch go through self.ranks
         mine = self.ranks.share(len(episodes), cfg.ppo.group_size if group_ids is not None else 1)
         sequences = [sequence for sequence in build_sequences(episodes) if sequence.episode in mine]
+        ppo = cfg.ppo.model_copy(update={"micro_batch_tokens": self.micro_batch_tokens})
+        shuffle = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "minibatches", self.step))
         with training_allocations():
             metrics = score_sequences(self.policy, sequences, self.micro_batch_tokens, self.temperature,
                                       with_values=cfg.ppo.advantage == "gae")
             self.check_stop()
             metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids,
                                              self.ranks.sum))
-            metrics.update(self.update(sequences, [episodes[i] for i in mine]))
+            metrics.update(ppo_update(self.policy, self.optimizer, sequences, ppo, self.kl_ctl.value,
+                                      self.temperature, shuffle, self.update_state,
+                                      value_only=self.step < cfg.value_head.warmup_steps,
+                                      task_ids=[episodes[i].task.task_id for i in mine], ranks=self.ranks,
+                                      check_stop=self.check_stop))
             every = cfg.logging.signal_check_every
             if every and (self.step + 1) % every == 0:
                 metrics.update(update_signal(self.policy, sequences, self.micro_batch_tokens, self.temperature,
@@ -316,15 +322,6 @@ class Trainer:
             metrics["vllm/logprob_gap"] = gap
         self.kl_ctl.update(metrics["reward/kl_per_token"], len(episodes))
         return metrics
-
-    def update(self, sequences, episodes: list[Episode]) -> dict[str, float]:
-        cfg = self.config.train
-        value_only = self.step < cfg.value_head.warmup_steps
-        shuffle = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "minibatches", self.step))
-        ppo = cfg.ppo.model_copy(update={"micro_batch_tokens": self.micro_batch_tokens})
-        return ppo_update(self.policy, self.optimizer, sequences, ppo, self.kl_ctl.value, self.temperature,
-                          shuffle, self.update_state, value_only=value_only,
-                          task_ids=[e.task.task_id for e in episodes], ranks=self.ranks, check_stop=self.check_stop)
 
     def advance_curriculum(self, episodes: list[Episode]) -> dict[str, Any]:
         stage_before = self.curriculum.stage.name
