@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.markup import escape
 
 from ppo_affine.checkpoint import (CheckpointWriteError, find_resumable, list_checkpoints, load_trainer_state, rng_state,
                         save_checkpoint, set_rng_state)
@@ -62,9 +61,10 @@ from ppo_affine.ppo import AdaptiveKLController, FixedKLController
 from ppo_affine.model_files import model_source
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
-from ppo_affine.run_log import RunLogger, console, episode_summary, rollout_progress, setup_logging
+from ppo_affine.run_log import (RunLogger, console, episode_summary, report_failure, rollout_progress,
+                                setup_logging)
 from ppo_affine.update import TooManySkips, TrainingSnapshot, UpdateState, build_optimizer, ppo_update, update_signal
-from utils import Config, ConfigError, TrainConfig, add_config_arguments, derive_seed, load_config
+from utils import Config, ConfigError, TrainConfig, add_config_arguments, config_from_arguments, derive_seed
 
 log = logging.getLogger("train_ppo")
 
@@ -498,17 +498,15 @@ def check_can_train(cfg: TrainConfig, world_size: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
-    overrides = list(args.set)
-    if args.output_dir:
-        overrides.append(f"run.output_dir={args.output_dir}")
+    flags = [f"run.output_dir={args.output_dir}"] if args.output_dir else []
     if args.max_steps is not None:
-        overrides.append(f"run.max_steps={args.max_steps}")
+        flags.append(f"run.max_steps={args.max_steps}")
     trainer, ranks = None, ONE_PROCESS
     try:
         ranks = Ranks.from_environment()  # torchrun / accelerate launch: one process per rank
         if not ranks.is_main:  # rank 0 reports the run; the others only their own trouble
             setup_logging(logging.WARNING, prefix=f"[rank {ranks.rank}] ")
-        config = load_config(args.config, args.env_config, args.curriculum_config, args.preset, overrides)
+        config = config_from_arguments(args, flags=flags)
         cfg = config.train
         check_can_train(cfg, ranks.world_size)
         torch.manual_seed(cfg.run.seed)
@@ -529,14 +527,11 @@ def main(argv: list[str] | None = None) -> int:
                      "; continue with --resume latest" if trainer.saved_step else " (nothing to save yet)")
             return 128 + trainer.stop.signal
     except ConfigError as exc:
-        if ranks.is_main:
-            console.print(f"[red]Configuration error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        return 2
+        return report_failure("Configuration error", exc, 2, shown=ranks.is_main)
     except (TooManySkips, VLLMError, StartupError, BatchFailed, RankFailed, CheckpointWriteError,
             OutOfMemory) as exc:
-        if ranks.is_main or isinstance(exc, RankLost):  # rank 0 hears of every other failure
-            console.print(f"[red]Stopped:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        return 1
+        # rank 0 hears of every other failure
+        return report_failure("Stopped", exc, 1, shown=ranks.is_main or isinstance(exc, RankLost))
     finally:
         if trainer is not None:  # only now: a launcher's SIGTERM during the clean-up must not cut the report short
             trainer.stop.restore()

@@ -14,6 +14,7 @@ import argparse
 import copy
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -406,6 +407,14 @@ def add_config_arguments(parser: argparse.ArgumentParser, set_example: str) -> N
                         help="preset name (config/presets/NAME.json) or a JSON file; repeatable")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help=f"override one config field, e.g. --set {set_example} (repeatable)")
+
+
+def config_from_arguments(args: argparse.Namespace, defaults: Sequence[str] = (), flags: Sequence[str] = ()
+                          ) -> Config:
+    """The configuration `add_config_arguments`' options name. Overrides apply in this order: the program's
+    `defaults`, the user's --set, then the program's own flags as overrides (so an explicit flag wins)."""
+    return load_config(args.config, args.env_config, args.curriculum_config, args.preset,
+                       [*defaults, *args.set, *flags])
 
 
 def load_config(

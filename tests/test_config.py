@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from utils import PRESET_DIR, ConfigError, load_config
+from utils import PRESET_DIR, ConfigError, config_from_arguments, load_config
 
 
 def test_a_preset_by_name_is_read_from_the_presets_folder():
@@ -54,3 +54,15 @@ def test_a_group_batch_must_hold_whole_groups():
 def test_an_env_setting_its_mode_cannot_use_stops_at_load(spec, expected):
     with pytest.raises(ConfigError, match=rf"'envs.openspiel': .*{expected}"):
         load_config(presets=["cpu"], overrides=[f"env.envs.openspiel={spec}"])
+
+
+def test_a_program_applies_its_defaults_then_the_users_set_then_its_own_flags():
+    import evaluate
+
+    def temperature(*argv):
+        args = evaluate.parse_args(["--base-only", "--preset", "cpu", *argv])
+        return config_from_arguments(args, evaluate.VALIDATOR_SETTINGS, evaluate.flag_overrides(args)).train.generation
+
+    assert temperature().temperature == 0.0  # the validators' greedy play
+    assert temperature("--set", "generation.temperature=0.5").temperature == 0.5
+    assert temperature("--set", "generation.temperature=0.5", "--temperature", "0.7").temperature == 0.7
