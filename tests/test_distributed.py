@@ -217,7 +217,7 @@ def test_unreachable_vllm_servers_stop_every_rank_at_start(tiny_model_dir, tmp_p
 
 @contextlib.contextmanager
 def fake_vllm_servers(model_dir: Path, count: int):
-    """`count` fake vLLM servers (tests/fake_vllm.py) on free ports; yields their /v1 URLs."""
+    """`count` fake vLLM servers (ppo_affine/testing/fake_vllm.py) on free ports; yields their /v1 URLs."""
     ports = [_free_port() for _ in range(count)]
     processes = []
     try:

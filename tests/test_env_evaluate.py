@@ -1,17 +1,14 @@
 """evaluate.py --env-evaluate: scores from the env's own evaluate(), without Docker and without a real vLLM.
 
 The env is our `python -m ppo_affine.envs.server --env openspiel` (or a scripted affinetes server); the LLM is
-tests/fake_vllm.py serving the tiny digit model, whose replies are one token, '1' or '2'.
+ppo_affine/testing/fake_vllm.py serving the tiny digit model, whose replies are one token, '1' or '2'.
 tests/test_vllm_server.py repeats the equality check against a real vLLM server.
 """
 from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -21,11 +18,11 @@ import pytest
 import evaluate
 from curriculum import Task
 from ppo_affine.env_evaluate import env_record
+from ppo_affine.testing import fake_vllm
 from test_affinetes_env import FakeServer, success
 from test_env_server import ServerProcess
 from test_evaluate import checkpoint, digit_model_dir, read_episodes, tiny_args  # noqa: F401  (fixtures)
 
-ROOT = Path(__file__).resolve().parent.parent
 LEDUC = Task(env="openspiel", task_id=200_000_000, seed=1_580_322_239, opponent="random", stage="eval", replay=False)
 SYSTEM = {"role": "system", "content": "You are playing leduc_poker."}
 
@@ -129,20 +126,8 @@ def digit_vllm(digit_model_dir):
     """fake_vllm serving the digit model; every reply capped at one token, like vLLM with
     --override-generation-config '{"max_new_tokens": 1}'."""
     port = _free_port()
-    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_vllm.py"), "--model", str(digit_model_dir),
-                                "--port", str(port), "--max-new-tokens", "1"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}/v1"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/models", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    else:
-        process.kill()
-        pytest.fail("fake vLLM server did not start: " + process.stderr.read().decode()[-2000:])
-    yield url
+    process = fake_vllm.start(digit_model_dir, port, "--max-new-tokens", "1")
+    yield f"http://127.0.0.1:{port}/v1"
     process.terminate()
     process.wait(timeout=10)
 
