@@ -8,7 +8,7 @@ survive, and check that it carries on. One scenario per `--scenario`, one table 
 - sigterm: the same with SIGTERM (a preemption). Each time the run must exit with 143 within seconds
   (measured from signal to exit), leaving a verified newest checkpoint (none if step 1 had not ended),
   and at the end reproduce the uninterrupted run's metrics.
-- vllm-restart: the run samples from tests/fake_vllm.py; the server is SIGKILLed mid-rollout (one
+- vllm-restart: the run samples from ppo_affine/testing/fake_vllm.py; the server is SIGKILLed mid-rollout (one
   run) and mid-update (a second run) and restarted on the same port a few seconds later. The new
   server must get the current adapter back first, and the run must reach its last step without a
   manual resume, exit 0, lose no episode and, after the restart, show a log-prob gap (trainer vs
@@ -22,7 +22,7 @@ survive, and check that it carries on. One scenario per `--scenario`, one table 
     python bench/crash_resume.py --scenario sigterm     # 10 SIGTERMs (~3 min)
     python bench/crash_resume.py --scenario all --kills 10   # every scenario, one table (~8 min)
 
-Runs are the real train_ppo.py on a tiny randomly-initialised model (tests/tiny.py), started
+Runs are the real train_ppo.py on a tiny randomly-initialised model (ppo_affine/testing/tiny.py), started
 through a small driver that records which phase is running, so interruptions can be aimed at each
 phase (and that injects the out-of-memory error).
 """
