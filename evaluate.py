@@ -47,8 +47,8 @@ from ppo_affine.policy import adapter_folder, load_adapter_model
 from ppo_affine.generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
-from ppo_affine.run_log import console, rollout_progress, setup_logging
-from utils import Config, ConfigError, EnvSpec, add_config_arguments, derive_seed, load_config
+from ppo_affine.run_log import console, report_failure, rollout_progress, setup_logging
+from utils import Config, ConfigError, EnvSpec, add_config_arguments, config_from_arguments, derive_seed
 
 log = logging.getLogger("evaluate")
 
@@ -342,10 +342,14 @@ def plan(args: argparse.Namespace, config: Config) -> tuple[list[Task], dict[str
     return tasks, env_specs
 
 
-def config_overrides(args: argparse.Namespace) -> list[str]:
-    """Validator defaults first, then the user's --set, then explicit flags (so flags win)."""
-    overrides = ["generation.temperature=0", "generation.context_strategy=full",
-                 "model.gradient_checkpointing=false", *args.set]  # checkpointing turns the KV cache off
+# How validators play, before the user's --set; gradient checkpointing would turn the KV cache off.
+VALIDATOR_SETTINGS = ("generation.temperature=0", "generation.context_strategy=full",
+                      "model.gradient_checkpointing=false")
+
+
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    """The generation flags given, as config overrides (after --set: a flag wins)."""
+    overrides = []
     if args.temperature is not None:
         overrides.append(f"generation.temperature={args.temperature}")
     if args.max_new_tokens is not None:
@@ -359,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     try:
-        config = load_config(args.config, args.env_config, args.curriculum_config, args.preset, config_overrides(args))
+        config = config_from_arguments(args, defaults=VALIDATOR_SETTINGS, flags=flag_overrides(args))
         tasks, env_specs = plan(args, config)
         adapter_dir = adapter_folder(args.checkpoint) if args.checkpoint else None
         episodes_path = None
@@ -374,11 +378,9 @@ def main(argv: list[str] | None = None) -> int:
             records = asyncio.run(evaluate(config, tasks, env_specs, adapter_dir, args.compare_base, episodes_path))
             scores_from = {"path": "in_process"}
     except ConfigError as exc:
-        console.print(f"[red]Error:[/red] {exc}", highlight=False, soft_wrap=True)
-        return 2
+        return report_failure("Error", exc, 2)
     except VLLMError as exc:
-        console.print(f"[red]Stopped:[/red] {exc}", highlight=False, soft_wrap=True)
-        return 1
+        return report_failure("Stopped", exc, 1)
     summary = report.summarize(records)
     comparison = report.paired_differences(records) if args.compare_base else None
     out = Console()

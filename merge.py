@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from ppo_affine.policy import adapter_folder, load_adapter_model
-from ppo_affine.run_log import console, setup_logging
-from utils import ConfigError, add_config_arguments, load_config
+from ppo_affine.run_log import console, report_failure, setup_logging
+from utils import ConfigError, add_config_arguments, config_from_arguments
 
 log = logging.getLogger("merge")
 
@@ -128,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     try:
-        config = load_config(args.config, args.env_config, args.curriculum_config, args.preset,
-                             [*args.set, "model.use_4bit=false", "model.gradient_checkpointing=false"])
+        config = config_from_arguments(args, flags=["model.use_4bit=false", "model.gradient_checkpointing=false"])
         dtype = args.dtype or (config.train.model.dtype if config.train.model.dtype != "auto" else "float32")
         adapter_dir = adapter_folder(args.checkpoint or args.adapter)
         if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
@@ -138,11 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         differences = merge(config, adapter_dir, args.output, dtype)
     except ConfigError as exc:
-        console.print(f"[red]Error:[/red] {exc}", highlight=False, soft_wrap=True)
-        return 2
+        return report_failure("Error", exc, 2)
     except MergeCheckFailed as exc:
-        console.print(f"[red]Merge check failed:[/red] {exc}", highlight=False, soft_wrap=True)
-        return 1
+        return report_failure("Merge check failed", exc, 1)
     console.print(f"merged {adapter_dir} into {config.train.model.name_or_path} -> {args.output} ({dtype}). "
                   f"Max logit difference to base + adapter on the check prompt: {differences['merge']:.1e} merged in "
                   f"float32, {differences['saved']:.1e} as saved in {dtype}; saved weights verified.",

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from ppo_affine.generation import vllm_serve_command
 from ppo_affine.model_files import model_source
-from ppo_affine.run_log import console, setup_logging
-from utils import ConfigError, add_config_arguments, load_config
+from ppo_affine.run_log import report_failure, setup_logging
+from utils import ConfigError, add_config_arguments, config_from_arguments
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     try:
-        config = load_config(args.config, args.env_config, args.curriculum_config, args.preset, args.set)
+        config = config_from_arguments(args)
         model = config.train.model
         folder = model_source(model)
         if args.output is not None:
@@ -44,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copytree(folder, args.output, dirs_exist_ok=True)
             folder = str(args.output.resolve())
     except ConfigError as exc:
-        console.print(f"[red]Configuration error:[/red] {exc}", highlight=False, soft_wrap=True)
-        return 2
+        return report_failure("Configuration error", exc, 2)
     gen = config.train.generation
     max_len = gen.max_prompt_tokens + gen.max_new_tokens
     common = dict(served_from=folder, served_name=model.name_or_path, lora_rank=config.train.lora.r,

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppo_affine.run_log import console, rollout_progress, setup_logging
-from utils import ConfigError, EnvSpec, add_config_arguments, derive_seed, load_config
+from ppo_affine.run_log import console, report_failure, rollout_progress, setup_logging
+from utils import ConfigError, EnvSpec, add_config_arguments, config_from_arguments, derive_seed
 
 log = logging.getLogger("sft_warmstart")
 
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     try:
-        config = load_config(args.config, args.env_config, args.curriculum_config, args.preset, args.set)
+        config = config_from_arguments(args)
         games = check_args(args)
         args.output_dir.mkdir(parents=True, exist_ok=True)
         if args.data is not None:
@@ -335,8 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{args.output_dir / DATA_FILE}", highlight=False)
         checkpoint = warm_start(config, records, args)
     except ConfigError as exc:
-        console.print(f"[red]Configuration error:[/red] {exc}", highlight=False, soft_wrap=True)
-        return 2
+        return report_failure("Configuration error", exc, 2)
     # PPO goes on against the opponent the experts met: trained against random, a policy loses to MCTS
     versus = " --curriculum-config config/curriculum_vs_mcts.json" if args.opponent == "mcts" else ""
     console.print(f"saved {checkpoint}\ncontinue with PPO: python train_ppo.py "

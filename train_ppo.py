@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.markup import escape
 
 from ppo_affine.checkpoint import (CheckpointWriteError, find_resumable, list_checkpoints, load_trainer_state, rng_state,
                         save_checkpoint, set_rng_state)
@@ -62,9 +61,10 @@ from ppo_affine.ppo import AdaptiveKLController, FixedKLController
 from ppo_affine.model_files import model_source
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
-from ppo_affine.run_log import RunLogger, console, episode_summary, rollout_progress, setup_logging
+from ppo_affine.run_log import (RunLogger, console, episode_summary, report_failure, rollout_progress,
+                                setup_logging)
 from ppo_affine.update import TooManySkips, TrainingSnapshot, UpdateState, build_optimizer, ppo_update, update_signal
-from utils import Config, ConfigError, add_config_arguments, check_training_config, derive_seed, load_config
+from utils import Config, ConfigError, TrainConfig, add_config_arguments, config_from_arguments, derive_seed
 
 log = logging.getLogger("train_ppo")
 
@@ -168,7 +168,7 @@ class Trainer:
             usable, usable_groups = self.usable(episodes, group_ids)
             metrics = self.episode_metrics(episodes, rollout_seconds)
             if usable:
-                learned = self.learn(usable, usable_groups)
+                learned = self.learn_with_oom_retry(usable, usable_groups)
                 if learned is None:  # interrupted mid-update: the weights are back where the step began
                     self.forget_step(*before)
                     break
@@ -252,15 +252,14 @@ class Trainer:
                         cut_off, len(episodes), self.config.train.generation.max_turns)
         return [episodes[i] for i in keep], ([group_ids[i] for i in keep] if group_ids is not None else None)
 
-    def learn(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float] | None:
-        """score -> advantages -> update -> adapt beta, on the episodes that can be trained on. CUDA out of
-        memory undoes the pass and retries it with half the token budget; a stop signal undoes it and
-        returns None."""
+    def learn_with_oom_retry(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float] | None:
+        """`score_and_update`, undone when it cannot finish: CUDA out of memory retries it with half the token
+        budget; a stop signal returns None, the weights back where the step began."""
         snapshot = TrainingSnapshot.take(self.optimizer, self.update_state)
         retries = 0
         while True:
             try:
-                metrics = self._learn(episodes, group_ids)
+                metrics = self.score_and_update(episodes, group_ids)
                 metrics["train/micro_batch_tokens"] = self.micro_batch_tokens
                 metrics["train/oom_retries"] = retries
                 return metrics
@@ -294,19 +293,26 @@ class Trainer:
         log.warning("CUDA out of memory in step %d: ppo.micro_batch_tokens halved to %d for the rest of the run; "
                     "retrying the step", self.step + 1, self.micro_batch_tokens)
 
-    def _learn(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
+    def score_and_update(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
+        """score -> advantages -> PPO update -> adapt beta, on this rank's share of the episodes."""
         cfg = self.config.train
         started = time.perf_counter()
         # this rank's share of the batch; sums over the whole batch go through self.ranks
         mine = self.ranks.share(len(episodes), cfg.ppo.group_size if group_ids is not None else 1)
         sequences = [sequence for sequence in build_sequences(episodes) if sequence.episode in mine]
+        ppo = cfg.ppo.model_copy(update={"micro_batch_tokens": self.micro_batch_tokens})
+        shuffle = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "minibatches", self.step))
         with training_allocations():
             metrics = score_sequences(self.policy, sequences, self.micro_batch_tokens, self.temperature,
                                       with_values=cfg.ppo.advantage == "gae")
             self.check_stop()
             metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids,
                                              self.ranks.sum))
-            metrics.update(self.update(sequences, [episodes[i] for i in mine]))
+            metrics.update(ppo_update(self.policy, self.optimizer, sequences, ppo, self.kl_ctl.value,
+                                      self.temperature, shuffle, self.update_state,
+                                      value_only=self.step < cfg.value_head.warmup_steps,
+                                      task_ids=[episodes[i].task.task_id for i in mine], ranks=self.ranks,
+                                      check_stop=self.check_stop))
             every = cfg.logging.signal_check_every
             if every and (self.step + 1) % every == 0:
                 metrics.update(update_signal(self.policy, sequences, self.micro_batch_tokens, self.temperature,
@@ -317,15 +323,6 @@ class Trainer:
             metrics["vllm/logprob_gap"] = gap
         self.kl_ctl.update(metrics["reward/kl_per_token"], len(episodes))
         return metrics
-
-    def update(self, sequences, episodes: list[Episode]) -> dict[str, float]:
-        cfg = self.config.train
-        value_only = self.step < cfg.value_head.warmup_steps
-        shuffle = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "minibatches", self.step))
-        ppo = cfg.ppo.model_copy(update={"micro_batch_tokens": self.micro_batch_tokens})
-        return ppo_update(self.policy, self.optimizer, sequences, ppo, self.kl_ctl.value, self.temperature,
-                          shuffle, self.update_state, value_only=value_only,
-                          task_ids=[e.task.task_id for e in episodes], ranks=self.ranks, check_stop=self.check_stop)
 
     def advance_curriculum(self, episodes: list[Episode]) -> dict[str, Any]:
         stage_before = self.curriculum.stage.name
@@ -475,33 +472,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_can_train(cfg: TrainConfig, world_size: int) -> None:
+    """What a PPO run needs beyond a valid configuration: facts of this launch (ranks, CUDA) and settings that
+    only training rules out; evaluate.py plays at temperature 0, and bench/learning.py evaluates with the cpu
+    preset's 3 steps what it trained with a 4-step critic warm-up."""
+    warmup = cfg.value_head.warmup_steps
+    if warmup >= cfg.run.max_steps:
+        raise ConfigError(f"value_head.warmup_steps={warmup} covers every step of run.max_steps="
+                          f"{cfg.run.max_steps}, so the policy would never train: lower the warm-up.")
+    if cfg.generation.temperature == 0:
+        raise ConfigError("generation.temperature=0 samples nothing for PPO to learn from (greedy replies): "
+                          "train with a temperature > 0; evaluate.py plays greedily on its own.")
+    check_world_size(cfg.ppo, world_size)
+    if cfg.generation.top_p < 1 or cfg.generation.top_k:
+        log.warning("generation.top_p/top_k truncate sampling, but old log-probs are scored on the full "
+                    "distribution (temperature only), so the PPO ratio starts slightly off-policy; "
+                    "keep top_p=1 and top_k=0 for training")
+    if cfg.model.use_4bit and cfg.run.device != "cpu" and not torch.cuda.is_available():
+        raise ConfigError(
+            "This configuration trains a 4-bit model, which needs a CUDA GPU, and none is visible. "
+            "On a CPU-only machine run 'python train_ppo.py --preset cpu' (SmolLM2-135M, offline), "
+            "or set model.use_4bit=false."
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
-    overrides = list(args.set)
-    if args.output_dir:
-        overrides.append(f"run.output_dir={args.output_dir}")
+    flags = [f"run.output_dir={args.output_dir}"] if args.output_dir else []
     if args.max_steps is not None:
-        overrides.append(f"run.max_steps={args.max_steps}")
+        flags.append(f"run.max_steps={args.max_steps}")
     trainer, ranks = None, ONE_PROCESS
     try:
         ranks = Ranks.from_environment()  # torchrun / accelerate launch: one process per rank
         if not ranks.is_main:  # rank 0 reports the run; the others only their own trouble
             setup_logging(logging.WARNING, prefix=f"[rank {ranks.rank}] ")
-        config = load_config(args.config, args.env_config, args.curriculum_config, args.preset, overrides)
+        config = config_from_arguments(args, flags=flags)
         cfg = config.train
-        check_training_config(cfg)
-        check_world_size(cfg.ppo, ranks.world_size)
-        if cfg.generation.top_p < 1 or cfg.generation.top_k:
-            log.warning("generation.top_p/top_k truncate sampling, but old log-probs are scored on the full "
-                        "distribution (temperature only), so the PPO ratio starts slightly off-policy; "
-                        "keep top_p=1 and top_k=0 for training")
-        if cfg.model.use_4bit and cfg.run.device != "cpu" and not torch.cuda.is_available():
-            raise ConfigError(
-                "This configuration trains a 4-bit model, which needs a CUDA GPU, and none is visible. "
-                "On a CPU-only machine run 'python train_ppo.py --preset cpu' (SmolLM2-135M, offline), "
-                "or set model.use_4bit=false."
-            )
+        check_can_train(cfg, ranks.world_size)
         torch.manual_seed(cfg.run.seed)
         if args.init_adapter is not None:
             adapter_folder(args.init_adapter)  # a wrong path fails now, not after the model has loaded
@@ -520,14 +528,11 @@ def main(argv: list[str] | None = None) -> int:
                      "; continue with --resume latest" if trainer.saved_step else " (nothing to save yet)")
             return 128 + trainer.stop.signal
     except ConfigError as exc:
-        if ranks.is_main:
-            console.print(f"[red]Configuration error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        return 2
+        return report_failure("Configuration error", exc, 2, shown=ranks.is_main)
     except (TooManySkips, VLLMError, StartupError, BatchFailed, RankFailed, CheckpointWriteError,
             OutOfMemory) as exc:
-        if ranks.is_main or isinstance(exc, RankLost):  # rank 0 hears of every other failure
-            console.print(f"[red]Stopped:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        return 1
+        # rank 0 hears of every other failure
+        return report_failure("Stopped", exc, 1, shown=ranks.is_main or isinstance(exc, RankLost))
     finally:
         if trainer is not None:  # only now: a launcher's SIGTERM during the clean-up must not cut the report short
             trainer.stop.restore()

@@ -3,9 +3,10 @@
 Three files make one run's configuration (all in `config/` by default):
 `train_config.json` (model, lora, ppo, generation, logging, checkpointing),
 `env_config.json` (environments and the vLLM URL) and `curriculum_config.json`.
-A preset (`--preset NAME` -> `config/NAME_config.json`) is a partial `{train, env, curriculum}`
+A preset (`--preset NAME` -> `config/presets/NAME.json`) is a partial `{train, env, curriculum}`
 document merged on top; `--set a.b=value` overrides single fields last.
-Every problem is reported as a `ConfigError` that names the file and the field.
+Every check that spans fields is a validator on the model that holds them; every problem is
+reported as a `ConfigError` that names the file and the field.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import argparse
 import copy
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from curriculum import CurriculumConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "config"
+PRESET_DIR = CONFIG_DIR / "presets"
 BASE_CONFIG_FILES = {
     "train": "train_config.json",
     "env": "env_config.json",
@@ -207,19 +210,13 @@ class TrainConfig(Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
-
-def check_training_config(train: TrainConfig) -> None:
-    """Options that are valid one by one but cannot train together; a one-line ConfigError names them."""
-    warmup = train.value_head.warmup_steps
-    if warmup and train.ppo.advantage == "group":
-        raise ConfigError(f"value_head.warmup_steps={warmup} trains a critic, but ppo.advantage='group' has none: "
-                          "set value_head.warmup_steps=0 or ppo.advantage=gae.")
-    if warmup >= train.run.max_steps:
-        raise ConfigError(f"value_head.warmup_steps={warmup} covers every step of run.max_steps="
-                          f"{train.run.max_steps}, so the policy would never train: lower the warm-up.")
-    if train.generation.temperature == 0:
-        raise ConfigError("generation.temperature=0 samples nothing for PPO to learn from (greedy replies): "
-                          "train with a temperature > 0; evaluate.py plays greedily on its own.")
+    @model_validator(mode="after")
+    def _critic_warmup_needs_a_critic(self) -> "TrainConfig":
+        warmup = self.value_head.warmup_steps
+        if warmup and self.ppo.advantage == "group":
+            raise ValueError(f"value_head.warmup_steps={warmup} trains a critic, but ppo.advantage='group' has none: "
+                             "set value_head.warmup_steps=0 or ppo.advantage=gae")
+        return self
 
 
 # ---------------------------------------------------------------- env_config.json
@@ -270,8 +267,20 @@ class EnvSpec(Strict):
     def _mode_needs_target(self) -> "EnvSpec":
         if self.mode == "url" and not self.url:
             raise ValueError("mode 'url' needs 'url' (e.g. \"http://127.0.0.1:8765\")")
+        if self.mode == "url" and self.replicas != 1:
+            raise ValueError(f"replicas={self.replicas} is for mode 'docker'; in mode 'url' list one URL per server "
+                             "in 'url' instead")
         if self.mode == "docker" and not self.image:
             raise ValueError("mode 'docker' needs 'image' (e.g. \"affinefoundation/game:openspiel\")")
+        # episodes live in one server process's memory; more uvicorn workers would lose them
+        if self.mode == "docker" and self.env_vars.get("UVICORN_WORKERS", "1") != "1":
+            raise ValueError(f"env_vars UVICORN_WORKERS={self.env_vars['UVICORN_WORKERS']!r} would split episodes "
+                             "across worker processes; use replicas=N for parallelism (each container keeps its "
+                             "episodes)")
+        return self
+
+    @model_validator(mode="after")
+    def _games_are_known(self) -> "EnvSpec":
         budgets = self.mcts_simulations if isinstance(self.mcts_simulations, dict) else {"*": self.mcts_simulations}
         if any(b is not None and b < 1 for b in budgets.values()):
             raise ValueError(f"mcts_simulations must be at least 1, got {self.mcts_simulations}")
@@ -364,13 +373,14 @@ def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any
 def _explain(error: ValidationError, source: str) -> str:
     problems = []
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        field = ".".join(str(part) for part in item["loc"])
         given = item.get("input")
         shown = "" if isinstance(given, dict) else f" (given: {json.dumps(given, default=str)[:80]})"
         message = item["msg"]
         if item["type"] == "extra_forbidden":
             message = "unknown key (check the spelling against docs/configuration.md)"
-        problems.append(f"'{field}': {message}{shown}")
+        # a check over a whole section names its fields in its message
+        problems.append(f"'{field}': {message}{shown}" if field else f"{message}{shown}")
     return f"Invalid configuration in {source}: " + "; ".join(problems) + "."
 
 
@@ -401,13 +411,8 @@ def _apply_override(documents: dict[str, dict[str, Any]], path: list[str], value
 
 
 def preset_path(name: str) -> Path:
-    """A preset is `config/<name>_config.json`, or a path to a JSON file."""
-    candidate = Path(name)
-    if candidate.suffix == ".json":
-        return candidate
-    if name in BASE_CONFIG_FILES:
-        raise ConfigError(f"--preset {name!r} names a base config file; presets are e.g. 'cpu' or 'trace'.")
-    return CONFIG_DIR / f"{name}_config.json"
+    """A preset is `config/presets/<name>.json`, or a path to a JSON file."""
+    return Path(name) if name.endswith(".json") else PRESET_DIR / f"{name}.json"
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, set_example: str) -> None:
@@ -415,9 +420,18 @@ def add_config_arguments(parser: argparse.ArgumentParser, set_example: str) -> N
     parser.add_argument("--config", help="train config JSON (default config/train_config.json)")
     parser.add_argument("--env-config", help="env config JSON (default config/env_config.json)")
     parser.add_argument("--curriculum-config", help="curriculum config JSON (default config/curriculum_config.json)")
-    parser.add_argument("--preset", action="append", default=[], help="preset name (config/NAME_config.json); repeatable")
+    parser.add_argument("--preset", action="append", default=[],
+                        help="preset name (config/presets/NAME.json) or a JSON file; repeatable")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help=f"override one config field, e.g. --set {set_example} (repeatable)")
+
+
+def config_from_arguments(args: argparse.Namespace, defaults: Sequence[str] = (), flags: Sequence[str] = ()
+                          ) -> Config:
+    """The configuration `add_config_arguments`' options name. Overrides apply in this order: the program's
+    `defaults`, the user's --set, then the program's own flags as overrides (so an explicit flag wins)."""
+    return load_config(args.config, args.env_config, args.curriculum_config, args.preset,
+                       [*defaults, *args.set, *flags])
 
 
 def load_config(
@@ -439,8 +453,7 @@ def load_config(
     for name in presets or []:
         path = preset_path(name)
         if not path.is_file():
-            available = sorted(p.name[: -len("_config.json")] for p in CONFIG_DIR.glob("*_config.json"))
-            available = [a for a in available if a not in BASE_CONFIG_FILES]
+            available = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
             raise ConfigError(f"Preset {name!r} not found ({path} does not exist). Available presets: {available}.")
         preset = _read_json(path, "preset")
         unknown = set(preset) - set(documents)

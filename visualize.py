@@ -21,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ppo_affine.run_log import console  # noqa: E402
+from ppo_affine.run_log import console, report_failure  # noqa: E402
 
 STAGE_KEY = "curriculum/stage"
 
@@ -178,14 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     metrics_path = args.run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
-        console.print(f"[red]Error:[/red] {metrics_path} does not exist. Pass --run-dir the run folder a training "
-                      "run writes metrics.jsonl into (<run.output_dir>/<run.name>).", highlight=False, soft_wrap=True)
-        return 2
+        return report_failure("Error", f"{metrics_path} does not exist. Pass --run-dir the run folder a training "
+                              "run writes metrics.jsonl into (<run.output_dir>/<run.name>).", 2)
     try:
         written = plot_run(metrics_path, args.output or args.run_dir / "plots")
     except ValueError as exc:
-        console.print(f"[red]Error:[/red] {exc}", highlight=False, soft_wrap=True)
-        return 2
+        return report_failure("Error", exc, 2)
     console.print(f"wrote {len(written)} plots to {args.output or args.run_dir / 'plots'}", highlight=False)
     return 0
 

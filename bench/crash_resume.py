@@ -59,7 +59,7 @@ DRIVER = textwrap.dedent("""
             return function(*args, **kwargs)
         return wrapped
     train_ppo.Trainer.rollout = mark("rollout", train_ppo.Trainer.rollout)
-    train_ppo.Trainer.learn = mark("update", train_ppo.Trainer.learn)
+    train_ppo.Trainer.learn_with_oom_retry = mark("update", train_ppo.Trainer.learn_with_oom_retry)
     train_ppo.save_checkpoint = mark("checkpoint", train_ppo.save_checkpoint)
     {inject}
     sys.exit(train_ppo.main(sys.argv[1:]))

@@ -61,7 +61,7 @@ TRAIN_OVERRIDES = ["ppo.batch_size=8", "ppo.ppo_epochs=1", "ppo.learning_rate=2e
                    "ppo.kl_target=0.2", "generation.context_strategy=full", "generation.max_concurrent_episodes=8",
                    "generation.max_prompt_tokens=4096", "logging.log_samples_every=1", "logging.signal_check_every=1",
                    "ppo.micro_batch_tokens=4096"]
-# PPO from an SFT adapter runs with the warm_start preset (config/warm_start_config.json: temperature 0.7,
+# PPO from an SFT adapter runs with the warm_start preset (config/presets/warm_start.json: temperature 0.7,
 # a loose KL anchor to the SFT adapter); the bench's own curriculum stage replaces the preset's.
 WARM_START_PRESET = "warm_start"
 EVAL_SEED = 900_000  # training draws its seeds from the curriculum's generator; these are derived apart

@@ -79,7 +79,7 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
         episodes = await trainer.rollout(tasks)
         rollout_seconds = time.perf_counter() - started
         usable, usable_groups = trainer.usable(episodes, group_ids)
-        metrics = trainer.learn(usable, usable_groups)
+        metrics = trainer.learn_with_oom_retry(usable, usable_groups)
         step_seconds = time.perf_counter() - started
         await trainer.close()
         return episodes, usable, metrics, rollout_seconds, step_seconds

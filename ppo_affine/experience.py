@@ -205,100 +205,121 @@ def _episode_turns(sequences: list[TrainSequence]) -> dict[int, list[_TurnRef]]:
     return turns
 
 
-def assign_advantages(sequences: list[TrainSequence], episodes: list[Episode], cfg: PPOConfig, kl_coef: float,
-                      group_ids: list[int] | None,
-                      global_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, float]:
-    """Rewards (score, step rewards, -beta*KL), advantages, returns and loss weights, written into the sequences.
+@dataclass
+class EpisodeTensors:
+    """This rank's trained turns laid out by episode, one row each: [E, T] tensors hold one column per reply
+    token in order across the episode's turns, [E, N] tensors one column per turn."""
+    episode_ids: list[int]  # the batch index of each row's episode
+    kl: torch.Tensor  # [E, T] KL penalty to the reference per token (ppo.kl_estimator)
+    token_mask: torch.Tensor  # [E, T]
+    token_values: torch.Tensor  # [E, T]
+    token_rewards: torch.Tensor  # [E, T] env rewards at each turn's last token, before the KL
+    turn_of_token: torch.Tensor  # [E, T] the turn column of each token
+    turn_mask: torch.Tensor  # [E, N]
+    turn_values: torch.Tensor  # [E, N] the value at the turn's first reply token
+    turn_env_rewards: torch.Tensor  # [E, N] each turn's env rewards (the final score at the last), before the KL
+    episode_returns: torch.Tensor  # [E]
+    turn_starts: list[tuple[int, int, int]]  # (row, column of the turn's first token, turn column)
 
-    In data-parallel training `sequences` are this rank's share of the batch's (`episodes` is the whole
-    batch, indexed by `TrainSequence.episode`) and `global_sum` sums a tensor over the ranks: advantages
-    are whitened, games counted and statistics averaged over the whole batch. A group stays on one rank."""
-    by_episode = _episode_turns(sequences)
+    @classmethod
+    def zeros(cls, episode_ids: list[int], width: int, max_turns: int) -> EpisodeTensors:
+        rows = len(episode_ids)
+        return cls(episode_ids=episode_ids, kl=torch.zeros(rows, width), token_mask=torch.zeros(rows, width),
+                   token_values=torch.zeros(rows, width), token_rewards=torch.zeros(rows, width),
+                   turn_of_token=torch.zeros(rows, width, dtype=torch.long), turn_mask=torch.zeros(rows, max_turns),
+                   turn_values=torch.zeros(rows, max_turns), turn_env_rewards=torch.zeros(rows, max_turns),
+                   episode_returns=torch.zeros(rows), turn_starts=[])
+
+
+def _lay_out(by_episode: dict[int, list[_TurnRef]], episodes: list[Episode], cfg: PPOConfig) -> EpisodeTensors:
+    """Rewards, KL and values of every trained turn, copied from the sequences into per-episode rows."""
     episode_ids = sorted(by_episode)
-    n = len(episode_ids)
-    # [E, T] with one column per reply token in order across the episode's turns (a rank may have none)
+    # a rank may have no episode: one empty column keeps the shapes valid
     width = max((sum(ref.span.stop - ref.span.start for ref in by_episode[e]) for e in episode_ids), default=1)
-    kl = torch.zeros(n, width)
-    token_mask = torch.zeros(n, width)
-    token_values = torch.zeros(n, width)
-    token_rewards = torch.zeros(n, width)  # env rewards at each turn's last token, before the KL
-    turn_of_token = torch.zeros(n, width, dtype=torch.long)
-    # [E, N] with one column per turn
-    max_turns = max((len(by_episode[e]) for e in episode_ids), default=1)
-    turn_mask = torch.zeros(n, max_turns)
-    turn_values = torch.zeros(n, max_turns)
-    turn_env_rewards = torch.zeros(n, max_turns)
-    episode_returns = torch.zeros(n)
-    turn_starts: list[tuple[int, int, int]] = []  # (episode row, column of the turn's first token, turn column)
+    out = EpisodeTensors.zeros(episode_ids, width, max((len(by_episode[e]) for e in episode_ids), default=1))
     for r, e in enumerate(episode_ids):
         rewards = turn_rewards(episodes[e], cfg)
         position = 0
         for k, ref in enumerate(by_episode[e]):
-            turn_starts.append((r, position, k))
+            out.turn_starts.append((r, position, k))
             length = ref.span.stop - ref.span.start
             columns = slice(position, position + length)
-            kl[r, columns] = kl_penalty(ref.sequence.old_logprobs[ref.span], ref.sequence.ref_logprobs[ref.span],
-                                        cfg.kl_estimator)
-            token_values[r, columns] = ref.sequence.old_values[ref.span]
-            token_mask[r, columns] = 1
-            turn_of_token[r, columns] = k
+            out.kl[r, columns] = kl_penalty(ref.sequence.old_logprobs[ref.span], ref.sequence.ref_logprobs[ref.span],
+                                            cfg.kl_estimator)
+            out.token_values[r, columns] = ref.sequence.old_values[ref.span]
+            out.token_mask[r, columns] = 1
+            out.turn_of_token[r, columns] = k
             reward = rewards[ref.turn] + (final_reward(episodes[e], cfg) if k == len(by_episode[e]) - 1 else 0.0)
-            token_rewards[r, position + length - 1] = reward
-            turn_env_rewards[r, k] = reward
-            turn_values[r, k] = ref.sequence.old_values[ref.span][0]
-            turn_mask[r, k] = 1
+            out.token_rewards[r, position + length - 1] = reward
+            out.turn_env_rewards[r, k] = reward
+            out.turn_values[r, k] = ref.sequence.old_values[ref.span][0]
+            out.turn_mask[r, k] = 1
             position += length
-        episode_returns[r] = turn_env_rewards[r].sum()
+        out.episode_returns[r] = out.turn_env_rewards[r].sum()
+    return out
 
-    value_mask = token_mask.clone()  # where a value is trained, [E, T]
-    if cfg.advantage == "group":
-        assert group_ids is not None
-        groups = torch.tensor([group_ids[e] for e in episode_ids])
-        advantages = group_advantages(episode_returns, groups)[:, None].expand(n, width) * token_mask
-        returns = torch.zeros(n, width)
-        value_mask.zero_()
-    elif cfg.credit == "token":
-        advantages, returns = compute_gae(token_rewards - kl_coef * kl * token_mask, token_values, token_mask,
-                                          cfg.gamma, cfg.lam)
-    else:
-        turn_kl = torch.zeros(n, max_turns).scatter_add_(1, turn_of_token, kl * token_mask)
-        turn_advantages, turn_returns = compute_gae(turn_env_rewards - kl_coef * turn_kl * turn_mask, turn_values,
-                                                    turn_mask, cfg.gamma, cfg.lam)
-        advantages = turn_advantages.gather(1, turn_of_token) * token_mask
-        # a turn's value and return sit at its first token
-        rows, columns, turn_columns = torch.tensor(turn_starts, dtype=torch.long).reshape(-1, 3).T
-        value_mask = torch.zeros(n, width)
-        value_mask[rows, columns] = 1
-        returns = torch.zeros(n, width)
-        returns[rows, columns] = turn_returns[rows, turn_columns]
-    if cfg.whiten_advantages and cfg.advantage == "gae":
-        advantages = masked_whiten(advantages, token_mask, global_sum=global_sum)
 
-    games = [episodes[e].game_name for e in episode_ids]
-    # the whole batch's episodes of each game (those with reply tokens: every one of them has sequences)
-    games_in_batch = Counter(episode.game_name for episode in episodes if episode.generated_tokens)
-    token_weights = _loss_weights(token_mask, games, cfg.loss_weighting, games_in_batch)
-    value_weights = _loss_weights(value_mask, games, cfg.loss_weighting, games_in_batch)
+# Credit assignment: each returns [E, T] advantages, returns and the mask of where a value is trained.
+def _group_credit(layout: EpisodeTensors, group_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The episode's return normalised within its group, on every token; no critic."""
+    groups = torch.tensor([group_ids[e] for e in layout.episode_ids])
+    n, width = layout.token_mask.shape
+    advantages = group_advantages(layout.episode_returns, groups)[:, None].expand(n, width) * layout.token_mask
+    return advantages, torch.zeros(n, width), torch.zeros(n, width)
+
+
+def _token_credit(layout: EpisodeTensors, cfg: PPOConfig, kl_coef: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GAE over the reply tokens in order, a value at every one."""
+    rewards = layout.token_rewards - kl_coef * layout.kl * layout.token_mask
+    advantages, returns = compute_gae(rewards, layout.token_values, layout.token_mask, cfg.gamma, cfg.lam)
+    return advantages, returns, layout.token_mask.clone()
+
+
+def _turn_credit(layout: EpisodeTensors, cfg: PPOConfig, kl_coef: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GAE over turns (a turn's KL summed over its tokens), the turn's advantage on each of its tokens; a turn's
+    value and return sit at its first token."""
+    n, width = layout.token_mask.shape
+    turn_kl = torch.zeros_like(layout.turn_mask).scatter_add_(1, layout.turn_of_token, layout.kl * layout.token_mask)
+    turn_advantages, turn_returns = compute_gae(layout.turn_env_rewards - kl_coef * turn_kl * layout.turn_mask,
+                                                layout.turn_values, layout.turn_mask, cfg.gamma, cfg.lam)
+    advantages = turn_advantages.gather(1, layout.turn_of_token) * layout.token_mask
+    rows, columns, turn_columns = torch.tensor(layout.turn_starts, dtype=torch.long).reshape(-1, 3).T
+    value_mask = torch.zeros(n, width)
+    value_mask[rows, columns] = 1
+    returns = torch.zeros(n, width)
+    returns[rows, columns] = turn_returns[rows, turn_columns]
+    return advantages, returns, value_mask
+
+
+def _write_back(by_episode: dict[int, list[_TurnRef]], episode_ids: list[int],
+                per_token: dict[str, torch.Tensor]) -> None:
+    """Each [E, T] tensor of `per_token` into the sequence field of its name, turn by turn."""
     for r, e in enumerate(episode_ids):
         position = 0
         for ref in by_episode[e]:
             length = ref.span.stop - ref.span.start
-            columns = slice(position, position + length)
-            for name, source in (("advantages", advantages), ("returns", returns), ("token_weights", token_weights),
-                                 ("value_weights", value_weights)):
+            for name, source in per_token.items():
                 if getattr(ref.sequence, name) is None:
                     setattr(ref.sequence, name, torch.zeros(ref.sequence.response_len))
-                getattr(ref.sequence, name)[ref.span] = source[r, columns]
+                getattr(ref.sequence, name)[ref.span] = source[r, position : position + length]
             position += length
 
-    # every statistic is a sum over the batch divided by a count, both summed over the ranks
-    valued = (value_mask if cfg.advantage == "gae" else token_mask).bool()
+
+def _batch_statistics(layout: EpisodeTensors, advantages: torch.Tensor, valued: torch.Tensor,
+                      sequences: list[TrainSequence], global_sum: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> dict[str, float]:
+    """KL, return, advantage, value and entropy means over the whole batch: each statistic is a sum divided by
+    a count, both summed over the ranks. `valued` marks the values to average."""
+    token_mask, valued = layout.token_mask, valued.bool()
     entropy = torch.cat([s.entropy for s in sequences if s.entropy is not None] or [torch.zeros(0)])
     kl_total, tokens, episode_count, returns_total, advantage_total, value_total, valued_count, entropy_total, \
         entropy_count = global_sum(torch.stack([
-            (kl * token_mask).double().sum(), token_mask.double().sum(), torch.tensor(float(n), dtype=torch.float64),
-            episode_returns.double().sum(), torch.where(token_mask.bool(), advantages, 0).double().sum(),
-            torch.where(valued, token_values, 0).double().sum(), valued.double().sum(), entropy.double().sum(),
+            (layout.kl * token_mask).double().sum(), token_mask.double().sum(),
+            torch.tensor(float(len(layout.episode_ids)), dtype=torch.float64), layout.episode_returns.double().sum(),
+            torch.where(token_mask.bool(), advantages, 0).double().sum(),
+            torch.where(valued, layout.token_values, 0).double().sum(), valued.double().sum(), entropy.double().sum(),
             torch.tensor(float(entropy.numel()), dtype=torch.float64),
         ])).tolist()
     stats = {
@@ -311,6 +332,40 @@ def assign_advantages(sequences: list[TrainSequence], episodes: list[Episode], c
     if entropy_count:
         stats["policy/entropy"] = entropy_total / entropy_count
     return stats
+
+
+def assign_advantages(sequences: list[TrainSequence], episodes: list[Episode], cfg: PPOConfig, kl_coef: float,
+                      group_ids: list[int] | None,
+                      global_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, float]:
+    """Rewards (score, step rewards, -beta*KL), advantages, returns and loss weights, written into the sequences.
+
+    In data-parallel training `sequences` are this rank's share of the batch's (`episodes` is the whole
+    batch, indexed by `TrainSequence.episode`) and `global_sum` sums a tensor over the ranks: advantages
+    are whitened, games counted and statistics averaged over the whole batch. A group stays on one rank."""
+    by_episode = _episode_turns(sequences)
+    layout = _lay_out(by_episode, episodes, cfg)
+    if cfg.advantage == "group":
+        assert group_ids is not None
+        advantages, returns, value_mask = _group_credit(layout, group_ids)
+    elif cfg.credit == "token":
+        advantages, returns, value_mask = _token_credit(layout, cfg, kl_coef)
+    else:
+        advantages, returns, value_mask = _turn_credit(layout, cfg, kl_coef)
+    if cfg.whiten_advantages and cfg.advantage == "gae":
+        advantages = masked_whiten(advantages, layout.token_mask, global_sum=global_sum)
+
+    games = [episodes[e].game_name for e in layout.episode_ids]
+    # the whole batch's episodes of each game (those with reply tokens: every one of them has sequences)
+    games_in_batch = Counter(episode.game_name for episode in episodes if episode.generated_tokens)
+    _write_back(by_episode, layout.episode_ids, {
+        "advantages": advantages,
+        "returns": returns,
+        "token_weights": _loss_weights(layout.token_mask, games, cfg.loss_weighting, games_in_batch),
+        "value_weights": _loss_weights(value_mask, games, cfg.loss_weighting, games_in_batch),
+    })
+    # group mode trains no value; its values (0 from scoring) are averaged over every token
+    valued = value_mask if cfg.advantage == "gae" else layout.token_mask
+    return _batch_statistics(layout, advantages, valued, sequences, global_sum)
 
 
 def _loss_weights(mask: torch.Tensor, games: list[str], weighting: str,

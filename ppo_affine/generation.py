@@ -84,14 +84,6 @@ class EpisodeCache:
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [heads, len(ids), dim]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 class LocalGenerator:
     """Batched `generate` with the training model, one call per wave, KV caches kept per episode."""
 
@@ -167,7 +159,7 @@ class LocalGenerator:
         reuse = []
         for key, prompt in requests:
             cache = self._caches.get(key) if self.reuse_cache else None
-            reuse.append(min(_common_prefix(cache.ids, prompt), len(prompt) - 1) if cache else 0)
+            reuse.append(min(prefixes.common_prefix(cache.ids, prompt), len(prompt) - 1) if cache else 0)
         if self.reuse_cache:
             self._prefill_shared_prefixes(requests, reuse)
         cached_width = max(reuse)

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from utils import LoggingConfig
@@ -29,6 +30,14 @@ def setup_logging(level: int = logging.INFO, prefix: str = "") -> None:
     for noisy in ("httpx", "urllib3", "filelock", "transformers", "datasets", "affinetes"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     silence_known_library_warnings()
+
+
+def report_failure(heading: str, problem: BaseException | str, exit_code: int, shown: bool = True) -> int:
+    """A program's failure as one red `heading:` line (the message escaped: a `[...]` in it is text, not
+    markup); returns the exit code. `shown=False` (another rank than the one that reports) prints nothing."""
+    if shown:
+        console.print(f"[red]{heading}:[/red] {escape(str(problem))}", highlight=False, soft_wrap=True)
+    return exit_code
 
 
 def silence_known_library_warnings() -> None:

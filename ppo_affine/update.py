@@ -1,4 +1,9 @@
-"""The PPO update: epochs over shuffled minibatches of sequences, micro-batches packed by a token budget."""
+"""The PPO update: epochs over shuffled minibatches of sequences, micro-batches packed by a token budget.
+
+`ppo_update` (epochs and minibatches, the KL stop) -> `accumulate_gradients` (one minibatch's
+micro-batches: forward, `micro_batch_loss`, backward) -> `step_optimizer` (gradients summed over the
+ranks, clipped, then the step, or a skip when they are not finite).
+"""
 from __future__ import annotations
 
 import copy
@@ -103,7 +108,6 @@ def ppo_update(
     minibatches are drawn over the whole batch, each rank trains its members of each, and weights,
     statistics and gradients are summed over the ranks, so every rank takes the same steps.
     `check_stop` runs before every minibatch (on every rank alike) and raises to abandon the update."""
-    pad_id = policy.tokenizer.pad_token_id
     stats: dict[str, list[float]] = {}
     early_stop = False
     first, total = ranks.offset(len(sequences))
@@ -116,8 +120,8 @@ def ppo_update(
                 continue
             check_stop()
             mine = [sequences[i - first] for i in minibatch if first <= i < first + len(sequences)]
-            step_stats = _optimizer_step(policy, optimizer, mine, cfg, kl_coef, temperature, pad_id, value_only,
-                                         state, task_ids, ranks)
+            gradients = accumulate_gradients(policy, mine, cfg, kl_coef, temperature, value_only, ranks)
+            step_stats = step_optimizer(optimizer, gradients, cfg, state, task_ids or [], ranks)
             early_stop = step_stats.pop("update/kl_stopped", 0.0) > 0
             for key, value in step_stats.items():
                 stats.setdefault(key, []).append(value)
@@ -132,77 +136,122 @@ def ppo_update(
     return summary
 
 
-def _optimizer_step(policy, optimizer, minibatch: list[TrainSequence], cfg: PPOConfig, kl_coef, temperature, pad_id,
-                    value_only, state: UpdateState, task_ids, ranks: Ranks) -> dict[str, float]:
+@dataclass
+class MinibatchWeights:
+    """A minibatch's reply tokens and total loss weights over every rank: each rank divides its loss terms
+    by these, so that they add up over micro-batches and ranks to the whole minibatch's loss."""
+    tokens: float
+    policy: float
+    value: float  # 0 without a critic
+
+    @classmethod
+    def of(cls, minibatch: list[TrainSequence], use_critic: bool, ranks: Ranks) -> MinibatchWeights:
+        tokens, policy, value = ranks.sum(torch.tensor([
+            float(sum(s.response_len for s in minibatch)),
+            float(sum(s.token_weights.sum() for s in minibatch)),
+            float(sum(s.value_weights.sum() for s in minibatch)) if use_critic else 0.0,
+        ], dtype=torch.float64)).tolist()
+        return cls(tokens, policy, value)
+
+
+@dataclass
+class MicroBatchLoss:
+    loss: torch.Tensor  # this micro-batch's part of the minibatch's loss
+    terms: dict[str, float]  # loss terms, already divided by the minibatch's weight: they add up
+    means: dict[str, float]  # other statistics, means over this micro-batch's tokens
+    values: torch.Tensor | None = None  # [V] predicted values at the value positions, detached
+    returns: torch.Tensor | None = None  # [V] their targets
+
+
+@dataclass
+class AccumulatedGradients:
+    """A minibatch's gradients, in the parameters' `.grad`, and what the pass measured."""
+    finite: bool  # every micro-batch's loss was finite, on every rank
+    stats: dict[str, float]  # the minibatch's statistics over every rank
+
+
+def micro_batch_loss(policy: Policy, batch: dict[str, torch.Tensor], cfg: PPOConfig, kl_coef: float,
+                     temperature: float, value_only: bool, weights: MinibatchWeights) -> MicroBatchLoss:
+    """The clipped policy loss, entropy bonus and (group mode) KL loss, and the clipped value loss, of one
+    collated micro-batch."""
+    use_critic, train_policy = cfg.advantage == "gae", not value_only
+    scored = policy.score(batch["input_ids"], None, batch["response_mask"], with_values=use_critic,
+                          with_logprobs=train_policy, with_entropy=train_policy and cfg.entropy_coef > 0,
+                          detach_trunk=value_only, temperature=temperature)
+    loss = torch.zeros((), device=policy.device)
+    terms: dict[str, float] = {}
+    means: dict[str, float] = {}
+    if train_policy:
+        pg_loss, pg_stats = policy_loss(scored.logprobs, batch["old_logprobs"], batch["advantages"],
+                                        batch["token_weights"], cfg.cliprange, total_weight=weights.policy)
+        loss = loss + pg_loss
+        terms["policy/loss"] = pg_loss.item()
+        means.update({f"policy/{k}": float(v) for k, v in pg_stats.items()})
+        if scored.entropy is not None:
+            entropy = weighted_mean(scored.entropy, batch["token_weights"], weights.policy)
+            loss = loss - cfg.entropy_coef * entropy
+            terms["policy/entropy_bonus"] = entropy.item()
+        if not use_critic and kl_coef > 0:  # group mode keeps the reference close through the loss
+            kl_loss = weighted_mean(kl_penalty(scored.logprobs, batch["ref_logprobs"], "k3"), batch["token_weights"],
+                                    weights.policy)
+            loss = loss + kl_coef * kl_loss
+            terms["policy/kl_loss"] = kl_loss.item()
+    if not (use_critic and weights.value > 0):
+        return MicroBatchLoss(loss, terms, means)
+    vf_loss, vf_stats = value_loss(scored.values, batch["old_values"], batch["returns"], batch["value_weights"],
+                                   cfg.cliprange_value, total_weight=weights.value)
+    terms["value/loss"] = vf_loss.item()
+    means.update({f"value/{k}": float(v) for k, v in vf_stats.items()})
+    value_mask = batch["value_weights"] != 0
+    return MicroBatchLoss(loss + cfg.vf_coef * vf_loss, terms, means, scored.values.detach()[value_mask],
+                          batch["returns"][value_mask])
+
+
+def accumulate_gradients(policy: Policy, minibatch: list[TrainSequence], cfg: PPOConfig, kl_coef: float,
+                         temperature: float, value_only: bool, ranks: Ranks) -> AccumulatedGradients:
+    """Forward and backward through this rank's part of a minibatch, micro-batches packed by the token budget,
+    the gradients adding up in `.grad`. A non-finite loss ends the pass; statistics are over every rank."""
     use_critic = cfg.advantage == "gae"
-    train_policy = not value_only
-    # the whole minibatch's totals (every rank's part): each rank's loss is its share of the whole's
-    tokens, policy_weight, value_weight = ranks.sum(torch.tensor([
-        float(sum(s.response_len for s in minibatch)),
-        float(sum(s.token_weights.sum() for s in minibatch)),
-        float(sum(s.value_weights.sum() for s in minibatch)) if use_critic else 0.0,
-    ], dtype=torch.float64)).tolist()
-    optimizer.zero_grad(set_to_none=True)
+    weights = MinibatchWeights.of(minibatch, use_critic, ranks)
+    policy.zero_grad(set_to_none=True)  # this minibatch's gradients alone
     sums: dict[str, float] = {}
     predicted: list[torch.Tensor] = []  # values and their returns over the whole minibatch: a micro-batch
     targets: list[torch.Tensor] = []  # may hold only a few value positions, too few for a variance
     finite = True
     for group in plan_micro_batches([s.input_ids for s in minibatch], cfg.micro_batch_tokens,
                                     policy.shares_prefixes_with_gradients()):
-        batch = collate([minibatch[i] for i in group], pad_id, policy.device)
-        mask = batch["response_mask"]
-        share = float(mask.sum()) / tokens  # this micro-batch's share of the minibatch's token stats
-        scored = policy.score(batch["input_ids"], None, mask, with_values=use_critic, with_logprobs=train_policy,
-                              with_entropy=train_policy and cfg.entropy_coef > 0, detach_trunk=value_only,
-                              temperature=temperature)
-        loss = torch.zeros((), device=policy.device)
-        # Loss terms are already divided by the minibatch's total weight: they add up over micro-batches.
-        # Other stats are means over this micro-batch's tokens: they add up weighted by its token share.
-        losses: dict[str, float] = {}
-        means: dict[str, float] = {}
-        if train_policy:
-            pg_loss, pg_stats = policy_loss(scored.logprobs, batch["old_logprobs"], batch["advantages"],
-                                            batch["token_weights"], cfg.cliprange, total_weight=policy_weight)
-            loss = loss + pg_loss
-            losses["policy/loss"] = pg_loss.item()
-            means.update({f"policy/{k}": float(v) for k, v in pg_stats.items()})
-            if scored.entropy is not None:
-                entropy = weighted_mean(scored.entropy, batch["token_weights"], policy_weight)
-                loss = loss - cfg.entropy_coef * entropy
-                losses["policy/entropy_bonus"] = entropy.item()
-            if not use_critic and kl_coef > 0:  # group mode keeps the reference close through the loss
-                kl_loss = weighted_mean(kl_penalty(scored.logprobs, batch["ref_logprobs"], "k3"),
-                                        batch["token_weights"], policy_weight)
-                loss = loss + kl_coef * kl_loss
-                losses["policy/kl_loss"] = kl_loss.item()
-        if use_critic and value_weight > 0:
-            value_mask = batch["value_weights"] != 0
-            vf_loss, vf_stats = value_loss(scored.values, batch["old_values"], batch["returns"],
-                                           batch["value_weights"], cfg.cliprange_value, total_weight=value_weight)
-            loss = loss + cfg.vf_coef * vf_loss
-            losses["value/loss"] = vf_loss.item()
-            means.update({f"value/{k}": float(v) for k, v in vf_stats.items()})
-            predicted.append(scored.values.detach()[value_mask])
-            targets.append(batch["returns"][value_mask])
-        if not torch.isfinite(loss):
+        batch = collate([minibatch[i] for i in group], policy.tokenizer.pad_token_id, policy.device)
+        share = float(batch["response_mask"].sum()) / weights.tokens  # of the minibatch's token statistics
+        part = micro_batch_loss(policy, batch, cfg, kl_coef, temperature, value_only, weights)
+        if part.values is not None:
+            predicted.append(part.values)
+            targets.append(part.returns)
+        if not torch.isfinite(part.loss):
             finite = False
             break
-        if loss.requires_grad:
-            loss.backward()
-        for key, value in losses.items():
+        if part.loss.requires_grad:
+            part.loss.backward()
+        for key, value in part.terms.items():
             sums[key] = sums.get(key, 0.0) + value
-        for key, value in means.items():
+        for key, value in part.means.items():
             sums[key] = sums.get(key, 0.0) + value * share
-
     finite = not ranks.any(not finite)
-    sums = ranks.sum_stats(sums)
+    stats = ranks.sum_stats(sums)
     if use_critic:  # over every value position of the minibatch, every rank's part included
         values = torch.cat(predicted) if predicted else torch.zeros(0)
         returns = torch.cat(targets) if targets else torch.zeros(0)
         explained = explained_variance_from_moments(ranks.sum(explained_variance_moments(values, returns)))
         if explained is not None:
-            sums["value/explained_variance"] = explained
-    grad_norm = float("nan")
+            stats["value/explained_variance"] = explained
+    return AccumulatedGradients(finite, stats)
+
+
+def step_optimizer(optimizer: torch.optim.Optimizer, gradients: AccumulatedGradients, cfg: PPOConfig,
+                   state: UpdateState, task_ids: list[int], ranks: Ranks) -> dict[str, float]:
+    """Sum the gradients over the ranks, clip them and step. A non-finite loss or gradient skips the step
+    (`TooManySkips` after `max_consecutive_skips` in a row); an approx KL past `kl_stop` holds the policy
+    where it is and says so with `update/kl_stopped`."""
+    grad_norm, finite = float("nan"), gradients.finite
     if finite:
         ranks.sum_gradients(p for group in optimizer.param_groups for p in group["params"])
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -210,28 +259,29 @@ def _optimizer_step(policy, optimizer, minibatch: list[TrainSequence], cfg: PPOC
         finite = math.isfinite(grad_norm)
     if not finite:
         optimizer.zero_grad(set_to_none=True)
-        state.skipped_updates += 1
-        state.consecutive_skips += 1
-        log.warning("non-finite loss or gradient: update skipped (%d in a row; tasks %s)",
-                    state.consecutive_skips, (task_ids or [])[:16])
-        if state.consecutive_skips >= cfg.max_consecutive_skips:
-            raise TooManySkips(
-                f"{state.consecutive_skips} consecutive updates had a non-finite loss or gradient; stopping. "
-                "The last good checkpoint is intact: lower ppo.learning_rate or check the rewards, then --resume."
-            )
+        _count_a_skip(state, cfg, task_ids)
         return {"update/skipped": 1.0}
-    if cfg.kl_stop is not None and sums.get("policy/approx_kl_k3", 0.0) > cfg.kl_stop:
+    if cfg.kl_stop is not None and gradients.stats.get("policy/approx_kl_k3", 0.0) > cfg.kl_stop:
         # the policy already moved too far from the one that sampled this data: keep it where it is
         optimizer.zero_grad(set_to_none=True)
-        sums.update({"update/kl_stopped": 1.0, "update/skipped": 0.0})
-        return sums
+        return gradients.stats | {"update/kl_stopped": 1.0, "update/skipped": 0.0}
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     state.consecutive_skips = 0
     state.optimizer_steps += 1
-    sums["update/grad_norm"] = grad_norm
-    sums["update/skipped"] = 0.0
-    return sums
+    return gradients.stats | {"update/grad_norm": grad_norm, "update/skipped": 0.0}
+
+
+def _count_a_skip(state: UpdateState, cfg: PPOConfig, task_ids: list[int]) -> None:
+    state.skipped_updates += 1
+    state.consecutive_skips += 1
+    log.warning("non-finite loss or gradient: update skipped (%d in a row; tasks %s)", state.consecutive_skips,
+                task_ids[:16])
+    if state.consecutive_skips >= cfg.max_consecutive_skips:
+        raise TooManySkips(
+            f"{state.consecutive_skips} consecutive updates had a non-finite loss or gradient; stopping. "
+            "The last good checkpoint is intact: lower ppo.learning_rate or check the rewards, then --resume."
+        )
 
 
 @torch.no_grad()

@@ -63,7 +63,7 @@ def learn_once(model_dir: Path, run_dir: Path, case: str, ranks: Ranks = ONE_PRO
     config = load_config(overrides=overrides)
     torch.manual_seed(0)
     trainer = train_ppo.Trainer(config, run_dir, resume=None, ranks=ranks)
-    metrics = trainer.learn(hand_built_episodes(trainer.policy.tokenizer, scores), group_ids)
+    metrics = trainer.learn_with_oom_retry(hand_built_episodes(trainer.policy.tokenizer, scores), group_ids)
     weights = {name: parameter.detach().clone() for name, parameter in trainer.policy.named_parameters()
                if parameter.requires_grad}
     return {"weights": weights, "metrics": metrics, "kl_coef": trainer.kl_ctl.value}

@@ -145,12 +145,12 @@ def test_a_two_rank_run_resumes_on_one_rank_and_the_other_way_round(tiny_model_d
 CRASH_RANK_ONE = textwrap.dedent("""
     import os, sys
     import train_ppo
-    learn = train_ppo.Trainer.learn
+    learn = train_ppo.Trainer.learn_with_oom_retry
     def learn_or_crash(self, episodes, group_ids):
         if self.step == 1 and self.ranks.rank == 1:
             raise MemoryError("rank 1 ran out of memory (simulated)")
         return learn(self, episodes, group_ids)
-    train_ppo.Trainer.learn = learn_or_crash
+    train_ppo.Trainer.learn_with_oom_retry = learn_or_crash
     sys.exit(train_ppo.main(sys.argv[1:]))
 """)
 

@@ -23,7 +23,6 @@ from test_affinetes_env import FakeServer, success
 from test_env_server import ServerProcess
 from test_evaluate import checkpoint, digit_model_dir, read_episodes, tiny_args  # noqa: F401  (fixtures)
 
-ROOT = Path(__file__).resolve().parent.parent
 LEDUC = Task(env="openspiel", task_id=200_000_000, seed=1_580_322_239, opponent="random", stage="eval", replay=False)
 SYSTEM = {"role": "system", "content": "You are playing leduc_poker."}
 
@@ -128,8 +127,7 @@ def digit_vllm(digit_model_dir):
     --override-generation-config '{"max_new_tokens": 1}'."""
     port = _free_port()
     process = fake_vllm.start(digit_model_dir, port, "--max-new-tokens", "1")
-    url = f"http://127.0.0.1:{port}/v1"
-    yield url
+    yield f"http://127.0.0.1:{port}/v1"
     process.terminate()
     process.wait(timeout=10)
 

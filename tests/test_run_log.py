@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ppo_affine.run_log import silence_known_library_warnings
+from ppo_affine.run_log import report_failure, silence_known_library_warnings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,6 +25,23 @@ def test_known_library_noise_is_dropped_and_nothing_else(caplog):
         warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
         warnings.warn("something else is deprecated", FutureWarning)
     assert [str(w.message) for w in caught] == ["something else is deprecated"]
+
+
+def test_a_failure_is_one_line_with_its_brackets_as_text_and_gives_the_exit_code(capsys):
+    assert report_failure("Configuration error", ValueError("unknown games ['liars'] in [bold]x[/bold]"), 2) == 2
+    assert capsys.readouterr().err == "Configuration error: unknown games ['liars'] in [bold]x[/bold]\n"
+    assert report_failure("Stopped", "on another rank", 1, shown=False) == 1
+    assert capsys.readouterr().err == ""
+
+
+def test_every_program_reports_its_failures_through_the_one_helper(tmp_path, capsys):
+    import visualize
+
+    assert visualize.main(["--run-dir", str(tmp_path / "[red]run")]) == 2
+    assert f"Error: {tmp_path / '[red]run' / 'metrics.jsonl'} does not exist" in " ".join(capsys.readouterr().err.split())
+    programs = ["train_ppo.py", "evaluate.py", "sft_warmstart.py", "merge.py", "prepare_model.py", "visualize.py"]
+    assert [p for p in programs if "report_failure(" not in (ROOT / p).read_text()] == []
+    assert [p for p in programs if "console.print(f\"[red]" in (ROOT / p).read_text()] == []
 
 
 @pytest.mark.slow

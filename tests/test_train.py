@@ -181,6 +181,7 @@ def test_resume_against_the_same_vllm_server_and_adapters_unloaded_at_exit(tiny_
     assert served_adapters(fake_vllm) == [] and [r["step"] for r in metrics(tmp_path / "t")] == [1, 2]
 
 
+@pytest.mark.slow  # starts a fake vLLM server (about 20 s)
 def test_a_leftover_adapter_name_gets_a_fresh_one(tiny_policy, fake_vllm, tmp_path):
     from ppo_affine.generation import VLLMGenerator
     from utils import GenerationConfig
@@ -209,6 +210,7 @@ def fake_vllm_model(url: str) -> str:
     return httpx.get(f"{url}/models").json()["data"][0]["id"]
 
 
+@pytest.mark.slow  # starts a fake vLLM server (about 20 s)
 @pytest.mark.parametrize("fake_vllm", [["--max-model-len", "256"]], indirect=True)
 def test_a_vllm_context_shorter_than_the_config_stops_at_start_with_the_flag(tiny_model_dir, tmp_path, fake_vllm):
     result = _run_cli(*tiny_args(tiny_model_dir, tmp_path, "--set", "generation.backend=vllm",
@@ -217,6 +219,7 @@ def test_a_vllm_context_shorter_than_the_config_stops_at_start_with_the_flag(tin
     assert "--max-model-len 256" in result.stderr and "--max-model-len 8195" in result.stderr
 
 
+@pytest.mark.slow  # starts a fake vLLM server (about 20 s)
 @pytest.mark.parametrize("fake_vllm", [["--served-model-name", "some/other-model"]], indirect=True)
 def test_a_vllm_serving_another_model_name_is_refused_with_the_flag(tiny_model_dir, tmp_path, fake_vllm):
     result = _run_cli(*tiny_args(tiny_model_dir, tmp_path, "--set", "generation.backend=vllm",

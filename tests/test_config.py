@@ -1,0 +1,68 @@
+"""utils.load_config: base files, presets from config/presets/, --set, and the checks that span fields."""
+import json
+
+import pytest
+
+from utils import PRESET_DIR, ConfigError, config_from_arguments, load_config
+
+
+def test_a_preset_by_name_is_read_from_the_presets_folder():
+    config = load_config(presets=["cpu"])
+    assert config.train.run.name == json.loads((PRESET_DIR / "cpu.json").read_text())["train"]["run"]["name"]
+    assert config.train.model.use_4bit is False
+
+
+def test_a_preset_by_path_is_merged_on_top_of_the_earlier_ones(tmp_path):
+    preset = tmp_path / "mine.json"
+    preset.write_text(json.dumps({"train": {"ppo": {"batch_size": 6}}}))
+    config = load_config(presets=["cpu", str(preset)])
+    assert config.train.ppo.batch_size == 6 and config.train.run.name == "cpu-demo"
+
+
+@pytest.mark.parametrize("name", ["nope", "train"])
+def test_an_unknown_preset_lists_the_available_ones(name):
+    with pytest.raises(ConfigError, match=rf"Preset '{name}' not found .*presets/{name}.json.*\['cpu', 'trace', "
+                                          r"'warm_start'\]"):
+        load_config(presets=[name])
+
+
+def test_set_overrides_win_over_presets():
+    config = load_config(presets=["cpu"], overrides=["ppo.batch_size=2", "env.vllm_url=http://x:1/v1"])
+    assert config.train.ppo.batch_size == 2 and config.env.vllm_urls == ["http://x:1/v1"]
+
+
+def test_a_critic_warmup_without_a_critic_names_both_fields_and_the_files():
+    with pytest.raises(ConfigError) as raised:
+        load_config(presets=["cpu"], overrides=["value_head.warmup_steps=2", "ppo.advantage=group"])
+    message = str(raised.value)
+    assert "presets/cpu.json and --set overrides" in message
+    assert "value_head.warmup_steps=2" in message and "ppo.advantage='group'" in message
+    assert "(top level)" not in message
+
+
+def test_a_group_batch_must_hold_whole_groups():
+    with pytest.raises(ConfigError, match=r"'ppo': .*batch_size \(6\) must be a multiple of group_size \(4\)"):
+        load_config(presets=["cpu"], overrides=["ppo.advantage=group", "ppo.batch_size=6"])
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ('{"kind": "openspiel", "mode": "url", "url": "http://127.0.0.1:8765", "replicas": 2}',
+     r"replicas=2 is for mode 'docker'.*one URL per server"),
+    ('{"kind": "openspiel", "mode": "docker", "image": "affinefoundation/game:openspiel", '
+     '"env_vars": {"UVICORN_WORKERS": "4"}}', r"UVICORN_WORKERS='4' would split episodes"),
+])
+def test_an_env_setting_its_mode_cannot_use_stops_at_load(spec, expected):
+    with pytest.raises(ConfigError, match=rf"'envs.openspiel': .*{expected}"):
+        load_config(presets=["cpu"], overrides=[f"env.envs.openspiel={spec}"])
+
+
+def test_a_program_applies_its_defaults_then_the_users_set_then_its_own_flags():
+    import evaluate
+
+    def temperature(*argv):
+        args = evaluate.parse_args(["--base-only", "--preset", "cpu", *argv])
+        return config_from_arguments(args, evaluate.VALIDATOR_SETTINGS, evaluate.flag_overrides(args)).train.generation
+
+    assert temperature().temperature == 0.0  # the validators' greedy play
+    assert temperature("--set", "generation.temperature=0.5").temperature == 0.5
+    assert temperature("--set", "generation.temperature=0.5", "--temperature", "0.7").temperature == 0.7

@@ -1,0 +1,40 @@
+"""ppo_affine/testing/fake_vllm.py, in process: the stand-in for vLLM answers the calls the trainer makes the
+way vLLM documents them (the slow tests run it as a server process)."""
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from transformers import AutoModelForCausalLM
+
+from ppo_affine.testing import fake_vllm
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    return TestClient(fake_vllm.build_app(str(tiny_model_dir), served_name="tiny", max_model_len=256))
+
+
+def test_models_name_the_served_model_and_its_context(server, tiny_model_dir):
+    assert server.get("/v1/models").json()["data"] == [
+        {"id": "tiny", "object": "model", "root": str(tiny_model_dir), "max_model_len": 256}]
+
+
+def test_a_greedy_completion_returns_the_models_own_tokens_as_ids_with_their_logprobs(server, tiny_model_dir):
+    prompt = [5, 6, 7, 8]
+    reply = server.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                                                 "temperature": 0, "logprobs": 0,
+                                                 "return_tokens_as_token_ids": True}).json()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    logprobs = reply["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{int(logp.argmax())}"]
+    assert logprobs["token_logprobs"] == pytest.approx([float(logp.max())], abs=1e-5)
+
+
+def test_an_unknown_model_name_is_a_404(server):
+    assert server.post("/v1/completions", json={"model": "other", "prompt": [5]}).status_code == 404
+
+
+def test_without_runtime_lora_updating_the_adapter_endpoints_do_not_exist(tiny_model_dir):
+    server = TestClient(fake_vllm.build_app(str(tiny_model_dir), runtime_lora=False))
+    assert server.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"}).status_code == 404
