@@ -12,7 +12,13 @@ Columns: tokens_processed = tokens through the model in one scoring pass over th
 packed length; per_turn_tokens = what one sample per turn (each prompt repeating the history) would
 process instead. `validator/group` is the validator profile's step (leduc_poker + liars_dice against
 MCTS, groups of 4 episodes of one task and seed); `.../whole-rows` is the same step with every row
-run whole, so the pair measures prefix sharing side by side.
+run whole, so the pair measures prefix sharing side by side. `validator/exact-search` and
+`validator/fast-search` play leduc_poker + liars_dice against the MCTS opponent at the validators'
+budgets, with the exact Python search in the trainer's process and with the fast C++ search on worker
+processes; `opponent_seconds` is the opponents' own move time summed over the step's episodes and
+`opponent_share_of_step` that over the step's wall time:
+
+    python bench/step_speed.py --settings validator/exact-search,validator/fast-search
 """
 from __future__ import annotations
 
@@ -39,6 +45,12 @@ SETTINGS = {
     "leduc_poker/full": (["leduc_poker"], "random", "full", [], True),
     "validator/group": (["leduc_poker", "liars_dice"], "mcts", "full", GROUPS, True),
     "validator/group/whole-rows": (["leduc_poker", "liars_dice"], "mcts", "full", GROUPS, False),
+    # the MCTS opponent at the validators' budgets: the exact Python search in this process, then the fast one
+    # on worker processes; perf/opponent_seconds is the searches' own time over the step's episodes
+    "validator/exact-search": (["leduc_poker", "liars_dice"], "mcts", "full",
+                               ["env.envs.openspiel.opponent_search=exact", "env.envs.openspiel.workers=0"], True),
+    "validator/fast-search": (["leduc_poker", "liars_dice"], "mcts", "full",
+                              ["env.envs.openspiel.opponent_search=fast", "env.envs.openspiel.workers=auto"], True),
 }
 
 
@@ -107,6 +119,8 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
         if hasattr(trainer.generator, "prefilled_tokens") else None,
         "rollout_seconds": round(rollout_seconds, 2), "step_seconds": round(step_seconds, 2),
         "update_seconds": round(metrics["perf/update_seconds"], 2), "peak_memory_bytes": int(peak),
+        "opponent_seconds": round(metrics["perf/opponent_seconds"], 2),
+        "opponent_share_of_step": round(metrics["perf/opponent_seconds"] / step_seconds, 3),
     }
 
 
@@ -136,7 +150,7 @@ def main() -> None:
         return
     columns = ["setting", "tokens_processed", "unique_tokens", "per_turn_tokens", "processed_over_unique",
                "rollout_tokens_per_s", "generate_ceiling_tokens_per_s", "rollout_over_ceiling", "step_seconds",
-               "peak_memory_bytes"]
+               "opponent_seconds", "opponent_share_of_step", "peak_memory_bytes"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for result in results:
