@@ -57,9 +57,9 @@ from ppo_affine.experience import (assign_advantages, build_sequences, final_rew
                         turn_rewards)
 from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
 from ppo_affine.generation import LocalGenerator, VLLMError, VLLMServers, eos_token_ids
-from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, load_policy, pick_device
+from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, check_4bit_support, load_policy, pick_device
 from ppo_affine.ppo import AdaptiveKLController, FixedKLController
-from ppo_affine.model_files import model_source
+from ppo_affine.model_files import served_folder
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
 from ppo_affine.run_log import RunLogger, console, episode_summary, rollout_progress, setup_logging
@@ -366,7 +366,7 @@ class Trainer:
         return VLLMServers(self.config.env.vllm_urls, cfg.model.name_or_path, self.policy.tokenizer,
                            cfg.generation, cfg.lora.r,
                            eos_token_ids(self.policy.tokenizer, self.policy.model.generation_config), api_key=api_key,
-                           served_from=model_source(cfg.model))
+                           served_from=served_folder(cfg.model))
 
     async def push_adapter(self) -> None:
         """Rank 0 saves the LoRA weights alone and hot-loads them into every vLLM server under a new name;
@@ -495,12 +495,8 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("generation.top_p/top_k truncate sampling, but old log-probs are scored on the full "
                         "distribution (temperature only), so the PPO ratio starts slightly off-policy; "
                         "keep top_p=1 and top_k=0 for training")
-        if cfg.model.use_4bit and cfg.run.device != "cpu" and not torch.cuda.is_available():
-            raise ConfigError(
-                "This configuration trains a 4-bit model, which needs a CUDA GPU, and none is visible. "
-                "On a CPU-only machine run 'python train_ppo.py --preset cpu' (SmolLM2-135M, offline), "
-                "or set model.use_4bit=false."
-            )
+        if cfg.model.use_4bit:  # before anything is loaded or started
+            check_4bit_support(pick_device(cfg.run.device))
         torch.manual_seed(cfg.run.seed)
         if args.init_adapter is not None:
             adapter_folder(args.init_adapter)  # a wrong path fails now, not after the model has loaded
