@@ -42,7 +42,7 @@ from ppo_affine.envs.factory import make_env
 from ppo_affine.envs.games import is_playable
 from ppo_affine.envs.tasks import (AVAILABLE_GAMES, TRACE_LEVELS, game_name_of, game_task_id, trace_level_range,
                         validator_seed)
-from ppo_affine.model_files import model_source
+from ppo_affine.model_files import served_folder
 from ppo_affine.policy import adapter_folder, load_adapter_model
 from ppo_affine.generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
 from ppo_affine.prompts import PromptBuilder
@@ -218,7 +218,7 @@ def model_runs(config: Config, adapter_dir: Path | None, compare_base: bool
         api_key = os.environ.get(config.env.vllm_api_key_env) if config.env.vllm_api_key_env else None
         generator = VLLMGenerator(config.env.vllm_urls[0], cfg.model.name_or_path, tokenizer, gen_cfg, rank,
                                   eos_token_ids(tokenizer, load_generation_config(cfg.model)), api_key,
-                                  served_from=model_source(cfg.model))
+                                  served_from=served_folder(cfg.model))
 
         @contextlib.asynccontextmanager
         async def as_adapter():

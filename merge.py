@@ -1,13 +1,15 @@
 """Merge a trained LoRA adapter into its base model and save a standard Hugging Face model folder.
 
-The base is loaded from the config's model section in float32 (never 4-bit, even when training
-used NF4: merging into quantised weights would round the update away) and the merge is done
-there; only the result is cast to `--dtype` (default: model.dtype). Two checks must pass before
-anything is reported as merged: on a fixed chat prompt the merged float32 logits match base +
-adapter (max |difference| <= 1e-4 x the largest logit), and the saved folder, loaded back with
-`from_pretrained`, holds bit-identical weights. How far rounding to a 16-bit dtype moves the
-logits is measured and printed, not judged: it is a property of the dtype, not of the merge. The
-folder is written beside the target and renamed into place only after both checks.
+The base is loaded from the config's model section in float32 and the merge is done there; only
+the result is cast to `--dtype` (default: model.dtype). With model.use_4bit the base is quantised
+to NF4 as the trainer quantised it and dequantised to float32: those are the weights the adapter
+learned against (merging into the quantised weights would round the update away), so pass the
+training run's config. Two checks must pass before anything is reported as merged: on a fixed
+chat prompt the merged float32 logits match base + adapter (max |difference| <= 1e-4 x the
+largest logit), and the saved folder, loaded back with `from_pretrained`, holds bit-identical
+weights. How far rounding to a 16-bit dtype moves the logits is measured and printed, not judged:
+it is a property of the dtype, not of the merge. The folder is written beside the target and
+renamed into place only after both checks.
 
 Run:  python merge.py --checkpoint runs/r/checkpoints/checkpoint-500 --output merged/r-500 --dtype bfloat16
       python merge.py --preset cpu --adapter path/to/adapter --output merged/smol
@@ -76,7 +78,7 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str) -> dict[str, floa
     load it back and check its weights; rename into place. Returns max logit differences to base + adapter."""
     from transformers import AutoModelForCausalLM
 
-    from ppo_affine.policy import load_base_model, load_tokenizer, pick_device
+    from ppo_affine.policy import load_dequantised_base, load_tokenizer, pick_device
     from ppo_affine.prompts import PromptBuilder
 
     # float32 for the merge itself: W + BA rounded to 16 bits would blur whether the merge is right
@@ -84,7 +86,7 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str) -> dict[str, floa
     device = pick_device(config.train.run.device)
     tokenizer = load_tokenizer(model_cfg)
     input_ids = torch.tensor([PromptBuilder(tokenizer, 10**6, model_cfg.chat_template_kwargs).encode(CHECK_MESSAGES)])
-    model = load_adapter_model(load_base_model(model_cfg, device), adapter_dir, model_cfg.name_or_path)
+    model = load_adapter_model(load_dequantised_base(model_cfg, device), adapter_dir, model_cfg.name_or_path)
     reference = prompt_logits(model, input_ids)
     merged = model.merge_and_unload()
     differences = {"merge": check_logits(reference, prompt_logits(merged, input_ids), MERGE_TOLERANCE,
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     try:
-        config = config_from_arguments(args, flags=["model.use_4bit=false", "model.gradient_checkpointing=false"])
+        config = config_from_arguments(args, flags=["model.gradient_checkpointing=false"])
         dtype = args.dtype or (config.train.model.dtype if config.train.model.dtype != "auto" else "float32")
         adapter_dir = adapter_folder(args.checkpoint or args.adapter)
         if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):

@@ -3,7 +3,9 @@ that serves them under the name the trainer asks for.
 
 A GGUF base model (the cpu preset's SmolLM2) is converted once into float32 safetensors in
 `model.cache_dir` (model_files.py), the same folder the trainer, evaluate.py and merge.py load; a
-Hub id or a local folder is served as it is. `--output DIR` copies the folder somewhere else.
+Hub id or a local folder is served as it is. With `model.use_4bit` the trainer computes with the
+NF4-dequantised weights, so those are written once to `model.cache_dir` and served instead: vLLM
+then samples from the policy the trainer scores. `--output DIR` copies the folder somewhere else.
 
 Run:  python prepare_model.py --preset cpu
       python prepare_model.py --preset cpu --output models/smollm2-135m
@@ -16,7 +18,8 @@ import sys
 from pathlib import Path
 
 from ppo_affine.generation import vllm_serve_command
-from ppo_affine.model_files import model_source
+from ppo_affine.model_files import write_served_folder
+from ppo_affine.policy import pick_device
 from ppo_affine.run_log import report_failure, setup_logging
 from utils import ConfigError, add_config_arguments, config_from_arguments
 
@@ -35,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_arguments(args)
         model = config.train.model
-        folder = model_source(model)
+        folder = write_served_folder(model, pick_device(config.train.run.device))
         if args.output is not None:
             if args.output.exists() and any(args.output.iterdir()):
                 raise ConfigError(f"--output {args.output} exists and is not empty; choose a new folder.")

@@ -56,9 +56,9 @@ from ppo_affine.experience import (assign_advantages, build_sequences, final_rew
                         turn_rewards)
 from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
 from ppo_affine.generation import LocalGenerator, VLLMError, VLLMServers, eos_token_ids
-from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, load_policy, pick_device
+from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, check_4bit_support, load_policy, pick_device
 from ppo_affine.ppo import AdaptiveKLController, FixedKLController
-from ppo_affine.model_files import model_source
+from ppo_affine.model_files import served_folder
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
 from ppo_affine.run_log import (RunLogger, console, episode_summary, report_failure, rollout_progress,
@@ -364,7 +364,7 @@ class Trainer:
         return VLLMServers(self.config.env.vllm_urls, cfg.model.name_or_path, self.policy.tokenizer,
                            cfg.generation, cfg.lora.r,
                            eos_token_ids(self.policy.tokenizer, self.policy.model.generation_config), api_key=api_key,
-                           served_from=model_source(cfg.model))
+                           served_from=served_folder(cfg.model))
 
     async def push_adapter(self) -> None:
         """Rank 0 saves the LoRA weights alone and hot-loads them into every vLLM server under a new name;
@@ -473,7 +473,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_can_train(cfg: TrainConfig, world_size: int) -> None:
-    """What a PPO run needs beyond a valid configuration: facts of this launch (ranks, CUDA) and settings that
+    """What a PPO run needs beyond a valid configuration: facts of this launch (ranks, 4-bit support) and settings that
     only training rules out; evaluate.py plays at temperature 0, and bench/learning.py evaluates with the cpu
     preset's 3 steps what it trained with a 4-step critic warm-up."""
     warmup = cfg.value_head.warmup_steps
@@ -488,12 +488,8 @@ def check_can_train(cfg: TrainConfig, world_size: int) -> None:
         log.warning("generation.top_p/top_k truncate sampling, but old log-probs are scored on the full "
                     "distribution (temperature only), so the PPO ratio starts slightly off-policy; "
                     "keep top_p=1 and top_k=0 for training")
-    if cfg.model.use_4bit and cfg.run.device != "cpu" and not torch.cuda.is_available():
-        raise ConfigError(
-            "This configuration trains a 4-bit model, which needs a CUDA GPU, and none is visible. "
-            "On a CPU-only machine run 'python train_ppo.py --preset cpu' (SmolLM2-135M, offline), "
-            "or set model.use_4bit=false."
-        )
+    if cfg.model.use_4bit:  # before anything is loaded or started
+        check_4bit_support(pick_device(cfg.run.device))
 
 
 def main(argv: list[str] | None = None) -> int:

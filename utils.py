@@ -66,12 +66,14 @@ class ModelConfig(Strict):
         "name_or_path then only names the model (e.g. to vLLM)."
     )
     cache_dir: str = Field(
-        "~/.cache/ppo-affine", description="Where a GGUF model is converted once to a Hugging Face folder."
+        "~/.cache/ppo-affine", description="Where a GGUF model is converted once to a Hugging Face folder "
+        "(and, with use_4bit, prepare_model.py writes the dequantised weights vLLM serves)."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights dtype; auto = bfloat16 on CUDA, float32 on CPU."
     )
-    use_4bit: bool = Field(True, description="NF4 4-bit base weights via bitsandbytes (CUDA only).")
+    use_4bit: bool = Field(True, description="NF4 4-bit base weights via bitsandbytes (CUDA or CPU), matmuls in "
+                           "model.dtype.")
     gradient_checkpointing: bool = Field(True, description="Trade compute for activation memory.")
     trust_remote_code: bool = Field(False, description="Passed to from_pretrained.")
     chat_template_kwargs: dict[str, Any] = Field(

@@ -30,7 +30,7 @@ from curriculum import Task
 from ppo_affine.envs.affinetes_env import AffinetesEnv, RemoteCallError
 from ppo_affine.envs.tasks import game_name_of
 from ppo_affine.generation import VLLMError, VLLMGenerator
-from ppo_affine.model_files import model_source
+from ppo_affine.model_files import served_folder
 from ppo_affine.run_log import rollout_progress
 from utils import Config, ConfigError, derive_seed
 
@@ -181,7 +181,7 @@ async def evaluate_through_env(config: Config, tasks: list[Task], adapter_dir: P
     rank = json.loads((adapter_dir / "adapter_config.json").read_text())["r"] if adapter_dir else cfg.lora.r
     # the trainer's vLLM client, for the server checks and the adapter (un)loading only
     generator = VLLMGenerator(config.env.vllm_url, cfg.model.name_or_path, None, cfg.generation, rank, set(),
-                              api_key, served_from=model_source(cfg.model))
+                              api_key, served_from=served_folder(cfg.model))
     env: AffinetesEnv | None = None
     records: list[dict[str, Any]] = []
     served_names: dict[str, str] = {}

@@ -6,6 +6,10 @@ load reads that folder: start-up no longer parses the GGUF for the tokenizer, th
 weights; the trainer, `evaluate.py` and `merge.py` use the exact same weights; vLLM serves that
 folder (`python prepare_model.py` prints the command); and `model.use_4bit` quantises from it.
 
+With `model.use_4bit` the trainer computes with the NF4-dequantised weights, not the stored ones, so
+vLLM must serve those for its samples to come from the trained policy: `write_served_folder` saves
+them once (the same quantisation code as the trainer's, then dequantised) into `model.cache_dir`.
+
 Run:  python prepare_model.py --preset cpu
 """
 from __future__ import annotations
@@ -61,22 +65,65 @@ def converted_folder(gguf: Path, cache_root: Path, trust_remote_code: bool = Fal
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = cache_root / f"{gguf.stem}-{key}"
-    if (target / SOURCE_FILE).is_file():
-        return target
-    cache_root.mkdir(parents=True, exist_ok=True)
-    staging = cache_root / f".{target.name}.tmp-{os.getpid()}"
+    if not (target / SOURCE_FILE).is_file():
+        log.info("converting %s once to a Hugging Face folder in %s", gguf.name, target)
+        _write_once(target, lambda staging: _convert(gguf, staging, trust_remote_code))
+    return target
+
+
+def served_folder(model: ModelConfig) -> str:
+    """What vLLM should serve: the model's own weights, or for model.use_4bit the folder of the dequantised NF4
+    weights the trainer computes with (made by write_served_folder; keyed by the source's files and the dtype)."""
+    source = model_source(model)
+    if not model.use_4bit:
+        return source
+    identity = [source, model.dtype, "nf4-double-quant"]
+    if Path(source).is_dir():
+        identity += [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(Path(source).iterdir())
+                     if f.suffix in (".safetensors", ".bin")]
+    key = hashlib.sha256(":".join(identity).encode()).hexdigest()[:12]
+    return str(Path(model.cache_dir).expanduser() / f"{Path(source).name}-nf4-dequantised-{key}")
+
+
+def write_served_folder(model: ModelConfig, device) -> str:
+    """served_folder(model), written now if it is not there yet: for model.use_4bit the base quantised as the
+    trainer quantises it on `device`, dequantised to model.dtype (float32 for 'auto'), with its tokenizer."""
+    target = Path(served_folder(model))
+    if model.use_4bit and not (target / SOURCE_FILE).is_file():
+        log.info("writing the dequantised NF4 weights of %s once to %s", model.name_or_path, target)
+        _write_once(target, lambda staging: _dequantise(model, device, staging))
+    return str(target)
+
+
+def _write_once(target: Path, write) -> None:
+    """`write(staging)` into a temporary folder beside `target`, then renamed into place (a crash leaves no half)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    log.info("converting %s once to a Hugging Face folder in %s", gguf.name, target)
     try:
-        _convert(gguf, staging, trust_remote_code)
+        write(staging)
         try:
             os.replace(staging, target)
-        except OSError:  # another process finished the same conversion first
+        except OSError:  # another process finished the same folder first
             if not (target / SOURCE_FILE).is_file():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+
+def _dequantise(model: ModelConfig, device, folder: Path) -> None:
+    import torch
+
+    from ppo_affine.policy import load_dequantised_base, load_tokenizer
+
+    # float32 where the trainer would pick it ('auto' on a CPU), so no machine's choice is rounded away
+    dtype = "float32" if model.dtype == "auto" else model.dtype
+    settings = model.model_copy(update={"dtype": dtype, "gradient_checkpointing": False})
+    load_dequantised_base(settings, torch.device(device)).save_pretrained(folder)
+    load_tokenizer(settings).save_pretrained(folder)
+    source = {"source": model_source(model), "quantisation": "nf4, double-quantised scales, dequantised",
+              "dtype": dtype}
+    (folder / SOURCE_FILE).write_text(json.dumps(source, indent=1) + "\n")
 
 
 def _convert(gguf: Path, folder: Path, trust_remote_code: bool) -> None:

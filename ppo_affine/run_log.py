@@ -44,10 +44,7 @@ def silence_known_library_warnings() -> None:
     """Warnings that libraries print about themselves, which users read as faults of the run."""
     # peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-    # peft imports bitsandbytes whenever it is installed; on CPUs with AVX512-BF16 bitsandbytes then
-    # asks for an optional kernel package, for 4-bit CPU matmuls this trainer never runs
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
-        lambda record: "gemm_4bit_forward" not in record.getMessage())
+    # bitsandbytes' notice about an optional CPU kernel package is dropped in ppo_affine/__init__.py, at import
 
 
 def _plain(value: Any) -> Any:

@@ -75,7 +75,8 @@ def test_the_ci_profile_runs_every_phase_and_row_on_the_four_validator_games(tin
     from ppo_affine import experts
 
     monkeypatch.setattr(experts, "OPPONENT_MODEL_SAMPLES", 1)  # the best response behind the ceiling, cheaply
-    sets = {"model.name_or_path": str(tiny_model_dir), "model.dtype": "float32", "model.cache_dir": str(tmp_path),
+    sets = {"model.name_or_path": str(tiny_model_dir), "model.gguf_package": "null", "model.dtype": "float32",
+            "model.cache_dir": str(tmp_path),
             "generation.max_prompt_tokens": "16384", "generation.max_turns": "40", "ppo.micro_batch_tokens": "16384"}
     learning.main(["--profile", "ci", "--output-dir", str(tmp_path / "bench"), "--workers", "1",
                    *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]])

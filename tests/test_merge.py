@@ -19,7 +19,8 @@ def checkpoint(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 def tiny_sets(model_dir: Path) -> list[str]:
-    sets = {"model.name_or_path": str(model_dir), "model.dtype": "float32", "run.device": "cpu"}
+    sets = {"model.name_or_path": str(model_dir), "model.dtype": "float32", "model.use_4bit": "false",
+            "run.device": "cpu"}
     return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
 
 

@@ -90,15 +90,17 @@ def test_4bit_quantises_a_gguf_model_from_its_converted_folder(tmp_path, monkeyp
 
     def fake_from_pretrained(path, **kwargs):
         calls.append((path, kwargs))
-        return types.SimpleNamespace(config=types.SimpleNamespace())
+        model = torch.nn.Module()
+        model.config = types.SimpleNamespace()
+        return model
 
     monkeypatch.setattr(model_files, "_convert", fake_convert)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
     monkeypatch.setattr(peft, "prepare_model_for_kbit_training", lambda model, **kwargs: model)
     (tmp_path / "m.gguf").write_bytes(b"gguf")
     model_cfg = ModelConfig(name_or_path=str(tmp_path), gguf_file="m.gguf", use_4bit=True,
-                            cache_dir=str(tmp_path / "cache"))
-    load_base_model(model_cfg, torch.device("cuda"))
+                            gradient_checkpointing=False, cache_dir=str(tmp_path / "cache"))
+    load_base_model(model_cfg, torch.device("cpu"))
     [(path, kwargs)] = calls
     assert path == str(converted_folder(tmp_path / "m.gguf", tmp_path / "cache")) and "gguf_file" not in kwargs
     assert kwargs["quantization_config"].load_in_4bit and kwargs["quantization_config"].bnb_4bit_quant_type == "nf4"

@@ -275,9 +275,12 @@ def test_parent_environment_secret_is_unreachable(monkeypatch):
             except OSError as exc:
                 print(errno.errorcode[exc.errno])
     """)
+    # LD_LIBRARY_PATH only where a shared libpython moved to /opt/python with its interpreter (pyenv builds)
+    moved_libpython = ["LD_LIBRARY_PATH"] if sandbox.sandbox_interpreter().env else []
     assert result.stdout.splitlines() == [
         "None",
-        "['HOME', 'LANG', 'PATH', 'PWD', 'PYTHONDONTWRITEBYTECODE', 'PYTHONHASHSEED', 'PYTHONIOENCODING', 'TMPDIR']",
+        str(sorted(["HOME", "LANG", "PATH", "PWD", "PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED", "PYTHONIOENCODING",
+                    "TMPDIR", *moved_libpython])),
         "ENOENT",  # the trainer's pid does not exist in the sandbox's pid namespace
         "EACCES" if IS_ROOT else "0",  # pid 1 is bwrap's own reaper (root's, or ours with an empty env)
     ]
@@ -385,13 +388,11 @@ def test_parent_keeps_its_file_descriptors_and_still_runs_programs():
 
 
 @needs_bwrap
-def test_reads_of_the_users_home_and_the_project_find_nothing():
+def test_reads_of_the_users_home_the_project_and_the_trainers_environment_find_nothing():
     home = Path.home()
-    interpreter_roots = sandbox._interpreter_roots()
-    # the interpreter's own folder is bound read-only (it may live in the home); nothing else of the home is
-    private = [str(p) for p in sorted(home.iterdir())[:20]
-               if not any(root == str(p) or root.startswith(str(p) + "/") for root in interpreter_roots)]
+    private = [str(home), *(str(p) for p in sorted(home.iterdir())[:20]), sys.prefix, sys.base_prefix]
     private += [str(REPO / "train_ppo.py"), str(REPO / "config"), "/etc/shadow", "/etc/passwd", "/proc/1/environ"]
+    private = [path for path in private if not path.startswith("/usr/")]  # a system Python's stdlib stays readable
     result = run(f"""
         import os
         for path in {private!r}:
@@ -482,32 +483,78 @@ def test_a_bubblewrap_that_fails_is_quoted_not_called_missing(monkeypatch, tmp_p
     assert "not installed" not in message
 
 
+# What a program inside finds: the top folders, which of the host's paths exist and which paths it can reach
+# outside the host's system folders name one of them, what sys knows, and which imports work.
+_LOOK_AROUND = """
+import json, os, sys
+host_paths = sys.argv[1:]
+system = {'usr', 'bin', 'sbin', 'lib', 'lib32', 'lib64', 'libx32', 'proc', 'dev', 'sys'}
+reachable = []
+for top in sorted(set(os.listdir('/')) - system):
+    for folder, folders, files in os.walk('/' + top):
+        reachable += [os.path.join(folder, name) for name in folders + files]
+imports = {}
+for module in ('json', 'hashlib', 'decimal', 'ssl', 'sqlite3', 'ctypes', 'numpy', 'torch', 'ppo_affine'):
+    try:
+        __import__(module)
+        imports[module] = True
+    except ImportError:
+        imports[module] = False
+site_folders = [p for p in sys.path if p.endswith('-packages')]
+named = [p for p in reachable + sys.path + [sys.prefix, sys.executable, os.path.expanduser('~')]
+         if any(p == host or p.startswith(host + '/') for host in host_paths)]
+print(json.dumps({"top": sorted(os.listdir('/')), "executable": sys.executable, "imports": imports,
+                  "existing": [p for p in host_paths if os.path.exists(p)], "named": named,
+                  "site_contents": sum(len(os.listdir(p)) for p in site_folders if os.path.isdir(p))}))
+"""
+
 _VENV_DRIVER = """
 import json, sys
 from ppo_affine.envs.sandbox import detect_protections, run_python
-result = run_python("import sys; print(sys.executable)", timeout=10.0)
+program = "import sys; sys.argv[1:] = " + repr(sys.argv[2:]) + "\\n" + sys.argv[1]
+result = run_python(program, timeout=20.0)
 print(json.dumps({"bwrap": detect_protections().bwrap_path is not None, "stdout": result.stdout,
-                  "prefix": sys.prefix}))
+                  "stderr": result.stderr, "prefix": sys.prefix}))
 """
 
 
-@needs_bwrap
-@pytest.mark.parametrize("parent", ["/tmp", "/dev/shm"])
-def test_an_interpreter_in_a_venv_under_a_private_tmpfs_still_runs_programs(parent, tmp_path):
-    """The sandbox mounts its own /tmp and /dev/shm; a venv living there must stay visible inside."""
+def _private_folder(where: str) -> Path:
+    """A new folder under /tmp, /dev/shm, the user's home or the project: where a trainer's venv may live."""
+    parents = {"/tmp": Path("/tmp"), "/dev/shm": Path("/dev/shm"), "home": Path.home() / ".cache", "project": REPO}
+    parent = parents[where]
     if not os.access(parent, os.W_OK):
         pytest.skip(f"{parent} is not writable here")
-    scratch = Path(tempfile.mkdtemp(prefix="sandbox-venv-", dir=parent))
-    venv = scratch / "venv"  # made 0755 by venv, inside a 0700 folder as in a user's private temp dir
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=".sandbox-venv-", dir=parent))  # 0700, like a user's private folder
+
+
+@needs_bwrap
+@pytest.mark.parametrize("where", ["/tmp", "/dev/shm", "home", "project"])
+def test_a_trainer_in_a_venv_anywhere_runs_programs_on_the_base_interpreter_alone(where):
+    """The program gets the standard library of the interpreter the venv was made from: no venv, no
+    site-packages, and no path of the home, the project or the venv exists inside."""
+    scratch = _private_folder(where)
+    venv = scratch / "venv"
     try:
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
                        check=True, timeout=120)
-        completed = subprocess.run([str(venv / "bin" / "python"), "-c", _VENV_DRIVER], cwd=REPO, check=False,
-                                   capture_output=True, text=True, timeout=60)
+        host_paths = [str(venv), str(Path.home()), str(REPO), os.path.realpath(sys.base_prefix)]
+        host_paths = [path for path in host_paths if not path.startswith("/usr/")]  # a system Python's is /usr
+        completed = subprocess.run([str(venv / "bin" / "python"), "-c", _VENV_DRIVER, _LOOK_AROUND, *host_paths],
+                                   cwd=REPO, check=False, capture_output=True, text=True, timeout=120)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     assert completed.returncode == 0, completed.stderr
-    assert json.loads(completed.stdout) == {"bwrap": True, "stdout": f"{venv}/bin/python\n", "prefix": str(venv)}
+    outside = json.loads(completed.stdout)
+    assert (outside["bwrap"], outside["prefix"], outside["stderr"]) == (True, str(venv), "")
+    inside = json.loads(outside["stdout"])
+    assert set(inside["top"]) <= {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "proc", "dev", "tmp",
+                                  "sandbox", "opt"}
+    assert inside["executable"] == sandbox.sandbox_interpreter().executable
+    assert inside["executable"].startswith(("/usr/", sandbox.SANDBOX_PYTHON + "/"))
+    assert inside["imports"] == {"json": True, "hashlib": True, "decimal": True, "ssl": True, "sqlite3": True,
+                                 "ctypes": True, "numpy": False, "torch": False, "ppo_affine": False}
+    assert (inside["existing"], inside["named"], inside["site_contents"]) == ([], [], 0)
 
 
 # ---------------------------------------------------------------- the unsafe rlimit-only mode

@@ -295,12 +295,12 @@ def test_a_fresh_start_refuses_a_run_folder_with_checkpoints(tmp_path):
     assert (tmp_path / "cpu-demo" / "checkpoints" / "checkpoint-3").is_dir()
 
 
-def test_default_config_without_cuda_points_to_the_cpu_preset():
-    if torch.cuda.is_available():
-        pytest.skip("needs a machine without CUDA")
+def test_default_config_without_its_model_points_to_the_cpu_preset(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a machine that cannot reach the Hub and never downloaded Qwen3
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
     result = _run_cli()
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "--preset cpu" in result.stderr
+    assert "model.name_or_path='Qwen/Qwen3-4B'" in result.stderr and "--preset cpu" in result.stderr
 
 
 @pytest.mark.slow

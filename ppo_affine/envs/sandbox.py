@@ -2,8 +2,11 @@
 
 Layers, strongest first (which ones are active is probed once and logged):
 1. bubblewrap: new pid/net/ipc/uts namespaces, a tmpfs root holding read-only binds of /usr and
-   the interpreter's prefix only, size-capped tmpfs /tmp, /dev/shm and working dir, no network
-   device but loopback, killed with its parent.
+   of the base interpreter's standard library only, size-capped tmpfs /tmp, /dev/shm and working
+   dir, no network device but loopback, killed with its parent. Programs run on the interpreter a
+   virtual environment was made from, never on the trainer's venv: a base interpreter outside /usr
+   (pyenv, conda, uv) appears at /opt/python, and every site-packages folder is an empty read-only
+   tmpfs, so no folder of the user's home or of the trainer's environment exists inside.
 2. An unprivileged uid, fresh for every run (root only): RLIMIT_NPROC ignores root, and a uid of
    its own makes the process count and the final kill-everything sweep exact per run.
 3. rlimits on CPU seconds, address space, file size, process count; no core files.
@@ -18,6 +21,8 @@ network is reachable.
 from __future__ import annotations
 
 import asyncio
+import functools
+import glob
 import itertools
 import logging
 import math
@@ -27,6 +32,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -45,6 +51,8 @@ _SWEEP = "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept Proce
 
 # Inside the bubblewrap sandbox the program lives here (a tmpfs, gone when the sandbox ends).
 SANDBOX_WORKDIR = "/sandbox"
+# ... and a base interpreter installed outside /usr appears here, its own path (often in a home) hidden.
+SANDBOX_PYTHON = "/opt/python"
 KILL_GRACE_S = 5.0  # after a kill, how long the pipes may take to close before we stop waiting
 PROGRAM_NAME = "main.py"
 
@@ -132,8 +140,9 @@ class Protections:
                   "wall timeout", "output cap"]
         missing = []
         if self.bwrap_path:
-            active.insert(0, "bubblewrap (pid/net/ipc/uts namespaces, read-only /usr and interpreter, "
-                             "private size-capped /tmp, /dev/shm and working dir)")
+            active.insert(0, "bubblewrap (pid/net/ipc/uts namespaces, read-only /usr and the base interpreter's "
+                             "standard library without site-packages, private size-capped /tmp, /dev/shm and "
+                             "working dir)")
         else:
             missing += ["bubblewrap: NO network isolation, host file system visible "
                         "(writable wherever the run's uid may write, e.g. /tmp)"]
@@ -182,7 +191,7 @@ def _probe(use_bwrap: bool) -> Protections:
     if is_root:
         if not _runs_as_other_uid():
             logger.warning("%s cannot be executed by an unprivileged uid (e.g. it lives under /root), so without "
-                           "bubblewrap sandboxed programs run as root", sys.executable)
+                           "bubblewrap sandboxed programs run as root", base_executable())
         elif _failure(Protections(bwrap_path=None, drop_uid=True, process_limit=True)) is None:
             return Protections(bwrap_path=None, drop_uid=True, process_limit=True)
     return Protections(bwrap_path=None, drop_uid=False, process_limit=False)
@@ -202,7 +211,7 @@ def _runs_as_other_uid() -> bool:
     """Whether this interpreter starts under a fresh unprivileged uid (the fallback and its sweep need it)."""
     try:
         uid = _next_run_uid()
-        return subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], user=uid, group=uid, extra_groups=[],
+        return subprocess.run([base_executable(), "-I", "-S", "-c", "pass"], user=uid, group=uid, extra_groups=[],
                               env={}, capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
@@ -274,7 +283,10 @@ def _run(protections: Protections, code: str, stdin: str, timeout: float, limits
                 program_file.write(code.encode("utf-8", errors="surrogatepass"))
             os.lseek(program_fd, 0, os.SEEK_SET)
             cwd = None
-            argv = _bwrap_argv(protections, limits, program_fd, _environment(SANDBOX_WORKDIR))
+            interpreter = sandbox_interpreter()
+            argv = _bwrap_argv(protections, limits, program_fd, _environment(SANDBOX_WORKDIR) | interpreter.env,
+                               interpreter)
+            python = interpreter.executable
             program_path = f"{SANDBOX_WORKDIR}/{PROGRAM_NAME}"
             pass_fds: tuple[int, ...] = (program_fd,)
             env = {}
@@ -287,7 +299,8 @@ def _run(protections: Protections, code: str, stdin: str, timeout: float, limits
             if uid >= 0:
                 os.chown(workdir, uid, uid)
             cwd, argv, pass_fds, env = workdir, [], (), _environment(workdir)
-        argv += [sys.executable, "-I", "-S", "-c", _LAUNCHER, *launcher_args, *_python_argv(program_path)]
+            python = base_executable()
+        argv += [python, "-I", "-S", "-c", _LAUNCHER, *launcher_args, *_python_argv(python, program_path)]
         try:
             process = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -319,10 +332,10 @@ def _run(protections: Protections, code: str, stdin: str, timeout: float, limits
     return RunResult(stdout_text, stderr_text, returncode, timed_out, reason, time.monotonic() - start)
 
 
-def _python_argv(program_path: str) -> list[str]:
+def _python_argv(python: str, program_path: str) -> list[str]:
     # Not -I: it would also ignore PYTHONHASHSEED. The environment is built from scratch, so -E buys
     # nothing, while a fixed hash seed makes a program's output (set order) the same on every run.
-    return [sys.executable, "-s", "-P", program_path]
+    return [python, "-s", "-P", program_path]
 
 
 def _environment(home: str) -> dict[str, str]:
@@ -337,7 +350,8 @@ def _environment(home: str) -> dict[str, str]:
     }
 
 
-def _bwrap_argv(protections: Protections, limits: SandboxLimits, program_fd: int, env: dict[str, str]) -> list[str]:
+def _bwrap_argv(protections: Protections, limits: SandboxLimits, program_fd: int, env: dict[str, str],
+                interpreter: SandboxInterpreter) -> list[str]:
     argv = [
         protections.bwrap_path or "bwrap",
         "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
@@ -362,43 +376,65 @@ def _bwrap_argv(protections: Protections, limits: SandboxLimits, program_fd: int
         "--perms", "0777", "--size", str(limits.scratch_bytes), "--tmpfs", SANDBOX_WORKDIR,
         "--perms", "0444", "--ro-bind-data", str(program_fd), f"{SANDBOX_WORKDIR}/{PROGRAM_NAME}",
     ]
-    # After the private tmpfs mounts: an interpreter under /tmp or /dev/shm (a venv there) would
-    # otherwise be hidden by them.
-    argv += _interpreter_binds(mounted={"/dev", "/dev/shm", "/tmp", SANDBOX_WORKDIR})
+    argv += list(interpreter.binds)
     argv += ["--chdir", SANDBOX_WORKDIR, "--clearenv"]
     for key, value in env.items():
         argv += ["--setenv", key, value]
     return argv + ["--"]
 
 
-def _interpreter_binds(mounted: set[str]) -> list[str]:
-    """Read-only binds of the interpreter's folders, creating their parent folders as needed."""
-    argv: list[str] = []
-    created = set(mounted)
-    for root in _interpreter_roots():
-        parts = root.strip("/").split("/")
-        for depth in range(1, len(parts)):
-            parent = "/" + "/".join(parts[:depth])
-            if parent not in created:
-                # bwrap would copy the host's modes (e.g. /root is 0700), hiding the interpreter from the uid.
-                argv += ["--perms", "0755", "--dir", parent]
-                created.add(parent)
-        argv += ["--ro-bind", root, root]
-    return argv
+def base_executable() -> str:
+    """The interpreter this one's virtual environment was made from (or this one): the same Python and standard
+    library, none of the venv's packages."""
+    name = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for candidate in (os.path.join(sys.base_prefix, "bin", name), getattr(sys, "_base_executable", None)):
+        if candidate and os.access(candidate, os.X_OK):
+            return os.path.realpath(candidate)
+    return os.path.realpath(sys.executable)
 
 
-def _interpreter_roots() -> list[str]:
-    """Folders the interpreter needs beyond /usr: its prefix (and a venv's), outermost first."""
-    candidates = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
-    candidates.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
-    candidates.add(os.path.dirname(os.path.abspath(sys.executable)))
-    roots: list[str] = []
-    for path in sorted(candidates, key=len):
-        if path in ("/", "") or path == "/usr" or path.startswith("/usr/"):
-            continue
-        if not any(path == r or path.startswith(r + "/") for r in roots):
-            roots.append(path)
-    return roots
+@dataclass(frozen=True)
+class SandboxInterpreter:
+    """The base interpreter as programs see it inside bubblewrap."""
+
+    executable: str  # its path inside the sandbox
+    binds: tuple[str, ...]  # bwrap arguments: its standard library read-only, every site-packages folder emptied
+    env: dict[str, str]  # LD_LIBRARY_PATH when a shared libpython moved to /opt/python with it
+
+
+@functools.cache
+def sandbox_interpreter() -> SandboxInterpreter:
+    """Under /usr the base interpreter is already there; elsewhere its executable and lib folders are bound at
+    /opt/python (Python finds its standard library next to the executable). Site-packages folders, of this
+    Python and of any other under /usr, become empty read-only tmpfs mounts; so does a venv under /usr."""
+    executable = base_executable()
+    prefix = os.path.dirname(os.path.dirname(executable))
+    binds: list[str] = []
+    env: dict[str, str] = {}
+    empty = sorted(glob.glob("/usr/lib/python3*/*-packages") + glob.glob("/usr/local/lib/python3*/*-packages"))
+    if sys.prefix != sys.base_prefix and _is_under(os.path.realpath(sys.prefix), "/usr"):
+        empty.append(os.path.realpath(sys.prefix))
+    if _is_under(prefix, "/usr"):
+        inside = executable
+    else:
+        inside = SANDBOX_PYTHON + executable[len(prefix):]
+        for folder in ("/opt", SANDBOX_PYTHON, os.path.dirname(inside)):
+            binds += ["--perms", "0755", "--dir", folder]
+        binds += ["--ro-bind", executable, inside]
+        for lib in sorted({"lib", sys.platlibdir}):
+            if os.path.isdir(os.path.join(prefix, lib)):
+                binds += ["--ro-bind", os.path.join(prefix, lib), f"{SANDBOX_PYTHON}/{lib}"]
+                empty += [SANDBOX_PYTHON + path[len(prefix):]
+                          for path in sorted(glob.glob(os.path.join(prefix, lib, "python3*", "*-packages")))]
+        if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+            env["LD_LIBRARY_PATH"] = f"{SANDBOX_PYTHON}/lib"  # the executable's RUNPATH names the host's prefix
+    for folder in empty:
+        binds += ["--tmpfs", folder, "--remount-ro", folder]
+    return SandboxInterpreter(executable=inside, binds=tuple(binds), env=env)
+
+
+def _is_under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + "/")
 
 
 def _next_run_uid() -> int:
@@ -491,7 +527,7 @@ def _kill(process: subprocess.Popen, uid: int, protections: Protections) -> None
     if uid >= 0 and not protections.bwrap_path:
         # kill(-1) as that uid reaches exactly the run's processes, including ones that left the group.
         sweep = subprocess.run(
-            [sys.executable, "-I", "-S", "-c", _SWEEP], user=uid, group=uid, extra_groups=[], env={},
+            [base_executable(), "-I", "-S", "-c", _SWEEP], user=uid, group=uid, extra_groups=[], env={},
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30, check=False,
         )
         if sweep.returncode != 0:
