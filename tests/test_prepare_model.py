@@ -1,9 +1,10 @@
-"""prepare_model.py: the base weights' folder and the vLLM commands that serve them as the trainer expects."""
+"""prepare_model.py: the base weights' folder and the vLLM commands that serve them as the trainer expects
+(full precision here: a 4-bit base is served dequantised, tests/test_quantized.py)."""
 import prepare_model
 
 
 def test_a_local_model_is_served_from_its_folder_with_the_configured_context_and_rank(tiny_model_dir, capsys):
-    assert prepare_model.main(["--set", f"model.name_or_path={tiny_model_dir}", "--set", "lora.r=8",
+    assert prepare_model.main(["--set", f"model.name_or_path={tiny_model_dir}", "--set", "model.use_4bit=false", "--set", "lora.r=8",
                                "--port", "8123"]) == 0
     printed = capsys.readouterr().out
     assert f"base weights: {tiny_model_dir}\n" in printed
@@ -16,14 +17,14 @@ def test_a_local_model_is_served_from_its_folder_with_the_configured_context_and
 
 def test_output_into_a_folder_that_holds_files_is_refused(tiny_model_dir, tmp_path, capsys):
     (tmp_path / "kept.txt").write_text("earlier work")
-    assert prepare_model.main(["--set", f"model.name_or_path={tiny_model_dir}", "--output", str(tmp_path)]) == 2
+    assert prepare_model.main(["--set", f"model.name_or_path={tiny_model_dir}", "--set", "model.use_4bit=false", "--output", str(tmp_path)]) == 2
     assert "exists and is not empty" in " ".join(capsys.readouterr().err.split())
     assert (tmp_path / "kept.txt").read_text() == "earlier work"
 
 
 def test_output_copies_the_folder_and_serves_the_copy(tiny_model_dir, tmp_path, capsys):
     copy = tmp_path / "served"
-    assert prepare_model.main(["--set", f"model.name_or_path={tiny_model_dir}", "--output", str(copy)]) == 0
+    assert prepare_model.main(["--set", f"model.name_or_path={tiny_model_dir}", "--set", "model.use_4bit=false", "--output", str(copy)]) == 0
     assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in tiny_model_dir.iterdir())
     printed = capsys.readouterr().out
     assert f"base weights: {copy.resolve()}\n" in printed and f"--served-model-name {tiny_model_dir}" in printed
