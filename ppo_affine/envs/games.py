@@ -338,6 +338,8 @@ GAMES: dict[str, GameSpec] = {
     "gin_rummy": GameSpec(
         params=lambda c: {"hand_size": 7 + (c // 3) % 3, "knock_card": 10 - c % 3},
         rules=RULES["gin_rummy"], mcts=(500, 10),
+        # no fast search: open_spiel 2.0.2's C++ rollouts reach gin_rummy states with no legal action and
+        # crash the process (tests/test_opponents.py); the exact search is only 1.6x slower here anyway
     ),
     "othello": GameSpec(params=lambda c: {}, rules=RULES["othello"], mcts=(1000, 20)),
     "backgammon": GameSpec(params=lambda c: {}, rules=RULES["backgammon"], mcts=(600, 15)),
