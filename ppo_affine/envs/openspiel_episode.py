@@ -12,12 +12,14 @@ parser, -0.01 per unusable action and no attempt limit.
 The MCTS opponent comes in two implementations of one algorithm (UCT c 1.414, solver on, the
 per-game budgets, random-rollout leaf values, a search of the true state): `exact` is the Affine
 env's own Python search with its rollout evaluator, draw for draw the validators' opponent; `fast`
-is open_spiel's C++ `MCTSBot` + `RandomRolloutEvaluator` with the same settings, 40-50x faster and
-proven to play the same games to within sampling error (bench/opponent_parity.py). The two differ
-only in their random streams: the C++ rollouts sample chance outcomes by their probabilities where
-the Affine ones pick uniformly among them, which is the same draw in every game with an MCTS
-opponent (their chance outcomes are uniform where a search can reach them). `fast` applies to the
-games whose parity run held (`GameSpec.fast_search`); the others keep the exact search.
+is open_spiel's C++ `MCTSBot` + `RandomRolloutEvaluator` with the same settings, tens of times faster
+(bench/opponent_speed.py) and shown to play the same games to within sampling error
+(bench/opponent_parity.py). The two differ only in their random streams: the C++ rollouts sample
+chance outcomes by their probabilities where the Affine ones pick uniformly among them, which is the
+same draw in every game with an MCTS opponent (their chance outcomes are uniform where a search can
+reach them). `fast` applies to the games whose parity run held (`GameSpec.fast_search`); the others
+keep the exact search. The C++ search releases the GIL, so concurrent episodes' searches run in
+parallel even on threads; the exact one needs worker processes for that (openspiel_env.py).
 
 Where the real env crashes this plays on correctly: a blackjack ten counts 10 (games.py), 4-player
 openenv games with the random opponent pick moves for the seat to move, goofspiel in openenv shows
