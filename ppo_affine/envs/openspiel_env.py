@@ -4,13 +4,14 @@ OpenEnv interface of ppo_affine/envs/base.py, faithful to /work/shared/specs/aff
 The per-game table and task-id decoding live in games.py, one game's logic and protocol in
 openspiel_episode.Episode (synchronous; it also builds the opponents, `opponent_search` picking the
 exact or the fast MCTS). This module keeps the episode registry and decides where each move runs:
-- `workers=0`: in this process. pyspiel holds the GIL (its C++ search too), so threads buy no
-  parallelism, only a live event loop: moves that can take seconds (MCTS searches, dealing bridge)
-  run in a thread, random-opponent moves (microseconds) run inline.
+- `workers=0`: in this process. Moves that can take seconds (MCTS searches, dealing bridge) run in
+  a thread, random-opponent moves (microseconds) run inline. The fast (C++) search releases the GIL,
+  so concurrent episodes' fast searches run in parallel on those threads; the exact (Python) search
+  holds it, so its searches take turns.
 - `workers=N`: episodes live in N spawned worker processes, each episode on one worker for its
   whole life, so the searches of concurrent episodes use N cores. An episode's moves depend only on
   its own seeds, so results are identical to in-process ones. The trainer's config sizes N to the
-  machine (factory.game_workers).
+  machine (factory.game_workers), which the exact search needs to use more than one core.
 """
 from __future__ import annotations
 
