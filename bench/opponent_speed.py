@@ -1,6 +1,7 @@
 """Seconds per move of the validators' MCTS opponent: `exact` (the Affine env's Python search) and
 `fast` (open_spiel's C++ search), side by side on the same positions at the validators' budgets;
-then `fast` searches of concurrent episodes through the env, in this process vs on worker processes.
+then `fast` searches of concurrent episodes through the env: one episode alone, many on threads in this
+process, many on worker processes.
 Prints one JSON document (progress on stderr).
 
     python bench/opponent_speed.py                                # leduc_poker, liars_dice, gin_rummy
@@ -10,8 +11,8 @@ Prints one JSON document (progress on stderr).
 Positions are reached by uniformly random play from seeded deals (a few moves in, someone other than
 chance to move), so both searches face exactly the same states; `--scale` multiplies the simulations
 of both alike. `parallel`: `--episodes` games against the fast opponent play `--turns` model turns
-each, all at once through OpenSpielEnv, with the searches in this process (workers=0) and on
-`--workers` worker processes; `speedup` is the ratio of the two wall times.
+each, all at once through OpenSpielEnv, with the searches on threads of this process (workers=0) and on
+`--workers` worker processes; `speedup_*` is one episode's wall seconds per opponent move over theirs.
 """
 from __future__ import annotations
 
@@ -130,11 +131,16 @@ def main() -> None:
             alone = asyncio.run(concurrent_turns(game_name, 1, args.turns, simulations, 0))
             in_process = asyncio.run(concurrent_turns(game_name, args.episodes, args.turns, simulations, 0))
             on_workers = asyncio.run(concurrent_turns(game_name, args.episodes, args.turns, simulations, args.workers))
+            per_move = {name: run["seconds"] / max(run["bot_moves"], 1)
+                        for name, run in (("one", alone), ("threads", in_process), ("workers", on_workers))}
             entry["parallel"] = {
                 "episodes": args.episodes, "turns_each": args.turns, "workers": args.workers,
                 "one_episode": alone, "in_process": in_process, "on_workers": on_workers,
-                "speedup": round(in_process["seconds"] / on_workers["seconds"], 2),
-                "s_per_bot_move_on_workers": round(on_workers["seconds"] / max(on_workers["bot_moves"], 1), 4),
+                # wall seconds per opponent move: one episode alone, then many at once; the ratio to one episode
+                # is the parallel speedup (the C++ search releases the GIL, so threads run it in parallel too)
+                "s_per_bot_move": {name: round(value, 4) for name, value in per_move.items()},
+                "speedup_threads": round(per_move["one"] / per_move["threads"], 2),
+                "speedup_workers": round(per_move["one"] / per_move["workers"], 2),
             }
             print(f"{game_name} parallel: {entry['parallel']}", file=sys.stderr, flush=True)
         report["games"][game_name] = entry
