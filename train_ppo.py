@@ -25,7 +25,10 @@ Algorithm (one step = sample -> rollout -> score -> advantages -> update -> curr
 - beta follows the adaptive KL controller (target KL per generated token, horizon in episodes).
 Departures from the textbook: LoRA dropout is off during PPO (the ratio must start at exactly 1);
 sampled tokens are scored at the sampling temperature; for `value_head.warmup_steps` steps only
-the value head trains, on a detached trunk (the policy does not move).
+the value head trains, on a detached trunk (the policy does not move); with
+`ppo.sampler_correction` each token's surrogate is weighted by min(pi_old / pi_vLLM, C) (truncated
+importance sampling), since vLLM's kernels give the sampled tokens other probabilities than the
+trainer's.
 
 Run:  python train_ppo.py --preset cpu                  (offline CPU demo with SmolLM2-135M)
       python train_ppo.py                               (Qwen3-4B, 4-bit, vLLM at localhost:8000)
@@ -52,8 +55,8 @@ from ppo_affine.checkpoint import (CheckpointWriteError, find_resumable, list_ch
 from curriculum import Curriculum, Task
 from ppo_affine.distributed import ONE_PROCESS, RankFailed, RankLost, Ranks, SilentLogger, check_world_size, rng_state_of
 from ppo_affine.envs.factory import make_envs, playable_filter
-from ppo_affine.experience import (assign_advantages, build_sequences, final_reward, sampler_gap, score_sequences,
-                        turn_rewards)
+from ppo_affine.experience import (assign_advantages, build_sequences, correct_for_the_sampler, final_reward,
+                                   sampler_gap, score_sequences, turn_rewards)
 from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
 from ppo_affine.generation import LocalGenerator, VLLMError, VLLMServers, eos_token_ids
 from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, load_policy, pick_device
@@ -306,6 +309,8 @@ class Trainer:
             metrics = score_sequences(self.policy, sequences, self.micro_batch_tokens, self.temperature,
                                       with_values=cfg.ppo.advantage == "gae")
             self.check_stop()
+            if cfg.ppo.sampler_correction:
+                metrics.update(correct_for_the_sampler(sequences, cfg.ppo.sampler_correction_cap, self.ranks.sum))
             metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids,
                                              self.ranks.sum))
             metrics.update(ppo_update(self.policy, self.optimizer, sequences, ppo, self.kl_ctl.value,
@@ -488,6 +493,9 @@ def check_can_train(cfg: TrainConfig, world_size: int) -> None:
         log.warning("generation.top_p/top_k truncate sampling, but old log-probs are scored on the full "
                     "distribution (temperature only), so the PPO ratio starts slightly off-policy; "
                     "keep top_p=1 and top_k=0 for training")
+    if cfg.ppo.sampler_correction and cfg.generation.backend == "local":
+        log.warning("ppo.sampler_correction has nothing to correct with generation.backend=local: the trainer "
+                    "samples the tokens itself (every weight is 1)")
     if cfg.model.use_4bit and cfg.run.device != "cpu" and not torch.cuda.is_available():
         raise ConfigError(
             "This configuration trains a 4-bit model, which needs a CUDA GPU, and none is visible. "

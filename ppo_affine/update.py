@@ -183,7 +183,9 @@ def micro_batch_loss(policy: Policy, batch: dict[str, torch.Tensor], cfg: PPOCon
     means: dict[str, float] = {}
     if train_policy:
         pg_loss, pg_stats = policy_loss(scored.logprobs, batch["old_logprobs"], batch["advantages"],
-                                        batch["token_weights"], cfg.cliprange, total_weight=weights.policy)
+                                        batch["token_weights"], cfg.cliprange, total_weight=weights.policy,
+                                        importance_weights=batch["importance_weights"] if cfg.sampler_correction
+                                        else None)
         loss = loss + pg_loss
         terms["policy/loss"] = pg_loss.item()
         means.update({f"policy/{k}": float(v) for k, v in pg_stats.items()})
