@@ -53,7 +53,8 @@ import torch
 from ppo_affine.checkpoint import (CheckpointWriteError, find_resumable, list_checkpoints, load_trainer_state, rng_state,
                         save_checkpoint, set_rng_state)
 from curriculum import Curriculum, Task
-from ppo_affine.distributed import ONE_PROCESS, RankFailed, RankLost, Ranks, SilentLogger, check_world_size, rng_state_of
+from ppo_affine.distributed import (ONE_PROCESS, OutOfMemoryOnRanks, RankFailed, RankLost, Ranks, SilentLogger,
+                                    check_world_size, rng_state_of)
 from ppo_affine.envs.factory import make_envs, playable_filter
 from ppo_affine.experience import (assign_advantages, build_sequences, correct_for_the_sampler, final_reward,
                                    sampler_gap, score_sequences, turn_rewards)
@@ -257,7 +258,7 @@ class Trainer:
 
     def learn_with_oom_retry(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float] | None:
         """`score_and_update`, undone when it cannot finish: CUDA out of memory retries it with half the token
-        budget; a stop signal returns None, the weights back where the step began."""
+        budget (every rank together); a stop signal returns None, the weights back where the step began."""
         snapshot = TrainingSnapshot.take(self.optimizer, self.update_state)
         retries = 0
         while True:
@@ -270,17 +271,20 @@ class Trainer:
                 snapshot.restore(self.optimizer, self.update_state)
                 log.info("step %d interrupted during the update; its changes are undone", self.step + 1)
                 return None
-            except torch.cuda.OutOfMemoryError:
-                if self.ranks.world_size > 1:  # the other ranks sit in a collective: they cannot retry with us
+            except torch.cuda.OutOfMemoryError as exc:
+                # every rank raises OutOfMemoryOnRanks together; another out-of-memory error leaves the other
+                # ranks waiting in an exchange, where they notice this one stopping
+                if self.ranks.world_size > 1 and not isinstance(exc, OutOfMemoryOnRanks):
                     raise
+                ran_out = getattr(exc, "ranks", [self.ranks.rank])
                 snapshot.restore(self.optimizer, self.update_state)
             # outside the except block: the traceback's references to the failed pass's tensors are gone
             retries += 1
-            self.halve_micro_batch_tokens(episodes)
+            self.halve_micro_batch_tokens(episodes, ran_out)
 
-    def halve_micro_batch_tokens(self, episodes: list[Episode]) -> None:
-        """After CUDA ran out of memory: halve the token budget for the rest of the run, unless the
-        longest sequence already has a micro-batch of its own."""
+    def halve_micro_batch_tokens(self, episodes: list[Episode], ran_out: list[int]) -> None:
+        """After CUDA ran out of memory on the ranks `ran_out`: halve the token budget on every rank for the
+        rest of the run, unless the longest sequence already has a micro-batch of its own."""
         gen = self.config.train.generation
         longest = max(len(sequence.input_ids) for sequence in build_sequences(episodes))
         if self.micro_batch_tokens <= longest:
@@ -293,8 +297,10 @@ class Trainer:
         self.micro_batch_tokens = max(self.micro_batch_tokens // 2, 1)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        log.warning("CUDA out of memory in step %d: ppo.micro_batch_tokens halved to %d for the rest of the run; "
-                    "retrying the step", self.step + 1, self.micro_batch_tokens)
+        where = f" on rank {', '.join(map(str, ran_out))}" if self.ranks.world_size > 1 else ""
+        if self.ranks.is_main:  # every rank halves; one line says so
+            log.warning("CUDA out of memory in step %d%s: ppo.micro_batch_tokens halved to %d for the rest of the "
+                        "run; retrying the step", self.step + 1, where, self.micro_batch_tokens)
 
     def score_and_update(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
         """score -> advantages -> PPO update -> adapt beta, on this rank's share of the episodes."""
@@ -306,8 +312,9 @@ class Trainer:
         ppo = cfg.ppo.model_copy(update={"micro_batch_tokens": self.micro_batch_tokens})
         shuffle = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "minibatches", self.step))
         with training_allocations():
-            metrics = score_sequences(self.policy, sequences, self.micro_batch_tokens, self.temperature,
-                                      with_values=cfg.ppo.advantage == "gae")
+            metrics = self.ranks.agree_on_memory(lambda: score_sequences(
+                self.policy, sequences, self.micro_batch_tokens, self.temperature,
+                with_values=cfg.ppo.advantage == "gae"))
             self.check_stop()
             if cfg.ppo.sampler_correction:
                 metrics.update(correct_for_the_sampler(sequences, cfg.ppo.sampler_correction_cap, self.ranks.sum))
