@@ -264,6 +264,11 @@ class EnvSpec(Strict):
     env_vars: dict[str, str] = Field(default_factory=dict, description="docker mode: container environment.")
     timeout: float = Field(120.0, gt=0, description="docker/url: seconds per env call.")
     retries: int = Field(3, ge=0, description="docker/url: retries of transient failures.")
+    server_wait_seconds: float = Field(
+        900.0, ge=0, description="docker/url: how long an env server that went away (connections refused or "
+        "dropped) is waited for (a restart), logged once a minute; the episodes it lost are then replayed, not "
+        "counted as failed. Past it they fail, and so does every later call to it; 0 = no wait."
+    )
 
     @field_validator("workers", mode="before")
     @classmethod
