@@ -25,7 +25,10 @@ Algorithm (one step = sample -> rollout -> score -> advantages -> update -> curr
 - beta follows the adaptive KL controller (target KL per generated token, horizon in episodes).
 Departures from the textbook: LoRA dropout is off during PPO (the ratio must start at exactly 1);
 sampled tokens are scored at the sampling temperature; for `value_head.warmup_steps` steps only
-the value head trains, on a detached trunk (the policy does not move).
+the value head trains, on a detached trunk (the policy does not move); with
+`ppo.sampler_correction` each token's surrogate is weighted by min(pi_old / pi_vLLM, C) (truncated
+importance sampling), since vLLM's kernels give the sampled tokens other probabilities than the
+trainer's.
 
 Run:  python train_ppo.py --preset cpu                  (offline CPU demo with SmolLM2-135M)
       python train_ppo.py                               (Qwen3-4B, 4-bit, vLLM at localhost:8000)
@@ -50,10 +53,11 @@ import torch
 from ppo_affine.checkpoint import (CheckpointWriteError, find_resumable, list_checkpoints, load_trainer_state, rng_state,
                         save_checkpoint, set_rng_state)
 from curriculum import Curriculum, Task
-from ppo_affine.distributed import ONE_PROCESS, RankFailed, RankLost, Ranks, SilentLogger, check_world_size, rng_state_of
+from ppo_affine.distributed import (ONE_PROCESS, OutOfMemoryOnRanks, RankFailed, RankLost, Ranks, SilentLogger,
+                                    check_world_size, rng_state_of)
 from ppo_affine.envs.factory import make_envs, playable_filter
-from ppo_affine.experience import (assign_advantages, build_sequences, final_reward, sampler_gap, score_sequences,
-                        turn_rewards)
+from ppo_affine.experience import (assign_advantages, build_sequences, correct_for_the_sampler, final_reward,
+                                   sampler_gap, score_sequences, turn_rewards)
 from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
 from ppo_affine.generation import LocalGenerator, VLLMError, VLLMServers, eos_token_ids
 from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, check_4bit_support, load_policy, pick_device
@@ -254,7 +258,7 @@ class Trainer:
 
     def learn_with_oom_retry(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float] | None:
         """`score_and_update`, undone when it cannot finish: CUDA out of memory retries it with half the token
-        budget; a stop signal returns None, the weights back where the step began."""
+        budget (every rank together); a stop signal returns None, the weights back where the step began."""
         snapshot = TrainingSnapshot.take(self.optimizer, self.update_state)
         retries = 0
         while True:
@@ -267,17 +271,20 @@ class Trainer:
                 snapshot.restore(self.optimizer, self.update_state)
                 log.info("step %d interrupted during the update; its changes are undone", self.step + 1)
                 return None
-            except torch.cuda.OutOfMemoryError:
-                if self.ranks.world_size > 1:  # the other ranks sit in a collective: they cannot retry with us
+            except torch.cuda.OutOfMemoryError as exc:
+                # every rank raises OutOfMemoryOnRanks together; another out-of-memory error leaves the other
+                # ranks waiting in an exchange, where they notice this one stopping
+                if self.ranks.world_size > 1 and not isinstance(exc, OutOfMemoryOnRanks):
                     raise
+                ran_out = getattr(exc, "ranks", [self.ranks.rank])
                 snapshot.restore(self.optimizer, self.update_state)
             # outside the except block: the traceback's references to the failed pass's tensors are gone
             retries += 1
-            self.halve_micro_batch_tokens(episodes)
+            self.halve_micro_batch_tokens(episodes, ran_out)
 
-    def halve_micro_batch_tokens(self, episodes: list[Episode]) -> None:
-        """After CUDA ran out of memory: halve the token budget for the rest of the run, unless the
-        longest sequence already has a micro-batch of its own."""
+    def halve_micro_batch_tokens(self, episodes: list[Episode], ran_out: list[int]) -> None:
+        """After CUDA ran out of memory on the ranks `ran_out`: halve the token budget on every rank for the
+        rest of the run, unless the longest sequence already has a micro-batch of its own."""
         gen = self.config.train.generation
         longest = max(len(sequence.input_ids) for sequence in build_sequences(episodes))
         if self.micro_batch_tokens <= longest:
@@ -290,8 +297,10 @@ class Trainer:
         self.micro_batch_tokens = max(self.micro_batch_tokens // 2, 1)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        log.warning("CUDA out of memory in step %d: ppo.micro_batch_tokens halved to %d for the rest of the run; "
-                    "retrying the step", self.step + 1, self.micro_batch_tokens)
+        where = f" on rank {', '.join(map(str, ran_out))}" if self.ranks.world_size > 1 else ""
+        if self.ranks.is_main:  # every rank halves; one line says so
+            log.warning("CUDA out of memory in step %d%s: ppo.micro_batch_tokens halved to %d for the rest of the "
+                        "run; retrying the step", self.step + 1, where, self.micro_batch_tokens)
 
     def score_and_update(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
         """score -> advantages -> PPO update -> adapt beta, on this rank's share of the episodes."""
@@ -303,9 +312,12 @@ class Trainer:
         ppo = cfg.ppo.model_copy(update={"micro_batch_tokens": self.micro_batch_tokens})
         shuffle = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "minibatches", self.step))
         with training_allocations():
-            metrics = score_sequences(self.policy, sequences, self.micro_batch_tokens, self.temperature,
-                                      with_values=cfg.ppo.advantage == "gae")
+            metrics = self.ranks.agree_on_memory(lambda: score_sequences(
+                self.policy, sequences, self.micro_batch_tokens, self.temperature,
+                with_values=cfg.ppo.advantage == "gae"))
             self.check_stop()
+            if cfg.ppo.sampler_correction:
+                metrics.update(correct_for_the_sampler(sequences, cfg.ppo.sampler_correction_cap, self.ranks.sum))
             metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids,
                                              self.ranks.sum))
             metrics.update(ppo_update(self.policy, self.optimizer, sequences, ppo, self.kl_ctl.value,
@@ -488,6 +500,9 @@ def check_can_train(cfg: TrainConfig, world_size: int) -> None:
         log.warning("generation.top_p/top_k truncate sampling, but old log-probs are scored on the full "
                     "distribution (temperature only), so the PPO ratio starts slightly off-policy; "
                     "keep top_p=1 and top_k=0 for training")
+    if cfg.ppo.sampler_correction and cfg.generation.backend == "local":
+        log.warning("ppo.sampler_correction has nothing to correct with generation.backend=local: the trainer "
+                    "samples the tokens itself (every weight is 1)")
     if cfg.model.use_4bit:  # before anything is loaded or started
         check_4bit_support(pick_device(cfg.run.device))
 

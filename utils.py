@@ -148,6 +148,15 @@ class PPOConfig(Strict):
         0.05, gt=0, description="Skip the optimizer step and end the epochs when a minibatch's approx KL (k3) "
         "per token to the rollout policy passes this; null = never."
     )
+    sampler_correction: bool = Field(
+        False, description="Truncated importance sampling: weigh each sampled token's policy loss by "
+        "min(pi_trainer_old / pi_sampler, sampler_correction_cap), correcting for the sampler (vLLM) computing other "
+        "probabilities than the trainer (vllm/logprob_gap: about 2e-5 on CPU in float32, 1e-3 to 1e-2 on GPUs in "
+        "bf16). Recommended with vLLM on a GPU; with local generation the trainer is the sampler (weight 1)."
+    )
+    sampler_correction_cap: float = Field(
+        2.0, ge=1.0, description="sampler_correction: the most a token's importance weight may be (C)."
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this global norm.")
     disable_dropout: bool = Field(True, description="Dropout off during PPO so the ratio starts at exactly 1.")
     max_consecutive_skips: int = Field(5, ge=1, description="Abort after this many non-finite updates in a row.")
@@ -257,6 +266,11 @@ class EnvSpec(Strict):
     env_vars: dict[str, str] = Field(default_factory=dict, description="docker mode: container environment.")
     timeout: float = Field(120.0, gt=0, description="docker/url: seconds per env call.")
     retries: int = Field(3, ge=0, description="docker/url: retries of transient failures.")
+    server_wait_seconds: float = Field(
+        900.0, ge=0, description="docker/url: how long an env server that went away (connections refused or "
+        "dropped) is waited for (a restart), logged once a minute; the episodes it lost are then replayed, not "
+        "counted as failed. Past it they fail, and so does every later call to it; 0 = no wait."
+    )
 
     @field_validator("workers", mode="before")
     @classmethod

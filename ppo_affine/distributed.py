@@ -14,7 +14,9 @@ ranks meet at fixed points:
   whole batch.
 - write: rank 0 alone writes checkpoints, metrics, samples and wandb; the others wait for it.
 - fail: `all_succeed` raises on every rank when one fails; a rank that vanishes mid-exchange becomes
-  a `RankFailed` on the others, so no rank waits for one that has given up.
+  a `RankFailed` on the others, so no rank waits for one that has given up. CUDA out of memory in
+  the forward and backward passes is agreed on (`agree_on_memory`): every rank raises it together,
+  and all retry the step with half the token budget.
 Without a launcher (`python train_ppo.py`) `ONE_PROCESS` stands in and nothing is exchanged.
 
 Why not DistributedDataParallel: DDP expects every rank to run the same number of forward/backward
@@ -48,6 +50,15 @@ class RankFailed(RuntimeError):
 
 class RankLost(RankFailed):
     """Another rank disappeared mid-exchange (crashed, killed); its own output says why."""
+
+
+class OutOfMemoryOnRanks(torch.cuda.OutOfMemoryError):
+    """CUDA ran out of memory on `ranks` in work every rank had to finish first (`Ranks.agree_on_memory`); raised
+    on every rank at the same point, so that all of them can retry the step together."""
+
+    def __init__(self, ranks: list[int]):
+        super().__init__(f"CUDA ran out of memory on rank {', '.join(map(str, ranks))}")
+        self.ranks = ranks
 
 
 def check_world_size(ppo: PPOConfig, world_size: int) -> None:
@@ -176,6 +187,21 @@ class Ranks:
         counts = self.sum(torch.nn.functional.one_hot(torch.tensor(self.rank), self.world_size).double() * count)
         counts = [int(c) for c in counts.tolist()]
         return sum(counts[: self.rank]), sum(counts)
+
+    def agree_on_memory(self, work: Callable[[], T]) -> T:
+        """`work()`: this rank's own computation, with no exchange inside. When CUDA runs out of memory in it on
+        any rank, every rank raises OutOfMemoryOnRanks here once all have finished their part, instead of the
+        others waiting for that rank in their next exchange."""
+        try:
+            result, ran_out = work(), False
+        except torch.cuda.OutOfMemoryError:
+            result, ran_out = None, True
+        # past the except block: the failed pass's tensors are freed before the exchange allocates
+        flags = self.sum(torch.nn.functional.one_hot(torch.tensor(self.rank), self.world_size).float() * ran_out)
+        ranks = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+        if ranks:
+            raise OutOfMemoryOnRanks(ranks)
+        return result
 
     def sum_stats(self, stats: dict[str, float]) -> dict[str, float]:
         """Each statistic summed over the ranks that have it, in rank order (the same floats on every rank)."""

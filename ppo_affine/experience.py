@@ -30,7 +30,7 @@ import torch
 
 from ppo_affine.policy import Policy, common_prefix_length
 from ppo_affine.prefixes import padded_cost, partition
-from ppo_affine.ppo import compute_gae, group_advantages, kl_penalty, masked_whiten
+from ppo_affine.ppo import compute_gae, group_advantages, kl_penalty, masked_whiten, truncated_importance_weights
 from ppo_affine.rollout import Episode
 from utils import PPOConfig
 
@@ -50,6 +50,7 @@ class TrainSequence:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     token_weights: torch.Tensor | None = None  # policy-loss weight of each reply token
+    importance_weights: torch.Tensor | None = None  # min(pi_trainer_old / pi_sampler, C) (ppo.sampler_correction)
     value_weights: torch.Tensor | None = None  # value-loss weight; 0 where no value is trained
 
     @property
@@ -126,7 +127,7 @@ def collate(sequences: list[TrainSequence], pad_id: int, device: torch.device) -
         "response_mask": torch.zeros((len(sequences), width), dtype=torch.float32),
     }
     per_token = ("old_logprobs", "ref_logprobs", "old_values", "advantages", "returns", "token_weights",
-                 "value_weights")
+                 "value_weights", "importance_weights")
     for name in per_token:
         batch[name] = torch.zeros((len(sequences), width), dtype=torch.float32)
     for row, sequence in enumerate(sequences):
@@ -389,3 +390,25 @@ def sampler_gap(sequences: list[TrainSequence],
             for o, s in zip(sequence.old_logprobs, sequence.sampler_logprobs) if not math.isnan(s)]
     total, count = global_sum(torch.tensor([sum(gaps), len(gaps)], dtype=torch.float64)).tolist()
     return total / count if count else None
+
+
+def correct_for_the_sampler(sequences: list[TrainSequence], cap: float,
+                            global_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, float]:
+    """Truncated importance weights min(pi_trainer_old / pi_sampler, cap) on every reply token (1 where the trainer
+    sampled it: local generation), and their mean and the fraction the cap bit over the tokens another process
+    sampled (over every rank's with `global_sum`); no statistics when there are none."""
+    weight_sum, capped, count = 0.0, 0.0, 0.0
+    for sequence in sequences:
+        if sequence.sampler_logprobs is None:
+            sequence.importance_weights = torch.ones(sequence.response_len)
+            continue
+        sampler = torch.tensor(sequence.sampler_logprobs, dtype=sequence.old_logprobs.dtype)
+        sequence.importance_weights, bit = truncated_importance_weights(sequence.old_logprobs, sampler, cap)
+        known = ~torch.isnan(sampler)
+        weight_sum += float(sequence.importance_weights[known].sum())
+        capped += float(bit.sum())
+        count += float(known.sum())
+    weight_sum, capped, count = global_sum(torch.tensor([weight_sum, capped, count], dtype=torch.float64)).tolist()
+    if not count:
+        return {}
+    return {"tis/weight_mean": weight_sum / count, "tis/clip_fraction": capped / count}

@@ -363,7 +363,8 @@ class VLLMGenerator:
             if not (restored or self.outages != outages):  # it answers: the request itself fails
                 raise VLLMError(f"{path} failed after {self.cfg.request_retries + 1} attempts: {failure}")
             if replay_on_outage:
-                raise EpisodeLost(f"the vLLM server at {self.base_url} went away mid-episode ({failure})")
+                raise EpisodeLost(f"the vLLM server at {self.base_url} went away mid-episode ({failure})",
+                                  outage=True)
 
     async def _try_post(self, path: str, payload: dict[str, Any]) -> tuple[httpx.Response | None, str]:
         """The response, or (None, the last failure) once the quick retries are spent."""
@@ -507,7 +508,7 @@ class VLLMGenerator:
             self.in_flight[model] -= 1
         adapter_missing = response.status_code == 404 and model != self.base_model  # a restarted server?
         if adapter_missing and (await self._recover(f"{model!r} not served") or self.outages != outages):
-            raise EpisodeLost(f"the vLLM server at {self.base_url} restarted without adapter {model!r}")
+            raise EpisodeLost(f"the vLLM server at {self.base_url} restarted without adapter {model!r}", outage=True)
         if response.status_code >= 400:
             raise VLLMError(f"/v1/completions with model {model!r}: HTTP {response.status_code} {response.text[:300]}")
         token_ids, logprobs = self._parse_logprobs(response.json()["choices"][0])

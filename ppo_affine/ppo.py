@@ -212,6 +212,16 @@ def weighted_mean(x: torch.Tensor, weights: torch.Tensor, total_weight: float | 
     return total / max(total_weight, 1e-12)
 
 
+def truncated_importance_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """min(pi_trainer / pi_sampler, cap) per token sampled by another process (vLLM), and where the cap bit:
+    [R], [R] -> ([R], [R] bool). A token whose sampler log-prob is unknown (NaN) weighs 1."""
+    known = ~torch.isnan(sampler_logprobs)
+    ratio = torch.exp(torch.clamp(trainer_logprobs - sampler_logprobs, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    capped = known & (ratio > cap)
+    return torch.where(known, torch.clamp(ratio, max=cap), 1.0), capped
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -219,10 +229,12 @@ def policy_loss(
     weights: torch.Tensor,
     cliprange: float,
     total_weight: float | None = None,
+    importance_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped-surrogate PPO loss, all inputs [B, T]: the `weights`-weighted mean over tokens (a 0/1
     mask gives the plain token mean), divided by `total_weight` instead when the batch is one
-    micro-batch of a larger minibatch. Stats are plain means over the tokens with weight > 0."""
+    micro-batch of a larger minibatch. `importance_weights` (e.g. `truncated_importance_weights`) scale
+    each token's surrogate and carry no gradient. Stats are plain means over the tokens with weight > 0."""
     mask = weights != 0
     log_ratio = logprobs - old_logprobs  # [B, T]
     clamped_log_ratio = torch.clamp(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
@@ -231,7 +243,10 @@ def policy_loss(
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     # where, not maximum: on ties the gradient goes whole to the unclipped term
     clip_selected = clipped > unclipped
-    loss = weighted_mean(torch.where(clip_selected, clipped, unclipped), weights.float(), total_weight)
+    surrogate = torch.where(clip_selected, clipped, unclipped)  # [B, T]
+    if importance_weights is not None:
+        surrogate = surrogate * importance_weights.detach()
+    loss = weighted_mean(surrogate, weights.float(), total_weight)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(clip_selected.float(), mask).item(),

@@ -23,9 +23,12 @@ log = logging.getLogger(__name__)
 
 THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 THINKING_MARKER = "<think>[earlier reasoning omitted]</think>"
-# Replays of one episode whose server lost it; past them it counts as failed (a server that keeps
-# restarting is broken, not preempted).
+# Replays of one episode lost by a server that kept answering (it forgot the episode, or dropped the
+# connection); past them the episode fails: a server that keeps losing episodes is broken.
 MAX_REPLAYS = 3
+# Replays after outages that were waited out (the server was down and came back) do not use up
+# MAX_REPLAYS, but are bounded too: a task that brought its server down each time would loop forever.
+MAX_OUTAGE_REPLAYS = 10
 
 
 @dataclass
@@ -69,10 +72,12 @@ class Episode:
 
 
 def _raise_if_lost(result: StepResult) -> None:
-    """An env whose server went away or restarted marks the episode lost (affinetes url/docker mode)."""
+    """An env whose server went away or restarted marks the episode lost (affinetes url/docker mode), and says
+    whether that was an outage it waited out."""
     error = result["info"].get("error")
     if isinstance(error, dict) and error.get("episode_lost"):
-        raise EpisodeLost(f"the env server lost the episode: {error.get('type')}: {error.get('message')}")
+        raise EpisodeLost(f"the env server lost the episode: {error.get('type')}: {error.get('message')}",
+                          outage=bool(error.get("outage")))
 
 
 # ---------------------------------------------------------------------- context strategies
@@ -146,18 +151,27 @@ class RolloutRunner:
         return [e for e in episodes if e is not None]
 
     async def play_to_the_end(self, index: int, task: Task, step: int) -> Episode:
-        """`play`, replayed from its start (same task and seed) when a server lost the episode."""
-        for replays in range(MAX_REPLAYS + 1):
+        """`play`, replayed from its start (same task and seed) when a server lost the episode: at most
+        MAX_REPLAYS times by a server that kept answering, MAX_OUTAGE_REPLAYS times in outages."""
+        lost = lost_in_outages = 0
+
+        def replays_left() -> bool:
+            return lost <= MAX_REPLAYS and lost_in_outages <= MAX_OUTAGE_REPLAYS
+
+        while replays_left():
             try:
                 episode = await self.play(index, task, step)
             except EpisodeLost as exc:
+                lost_in_outages += exc.outage
+                lost += not exc.outage
                 log.warning("episode %s (task %s) lost (%s); %s", index, task.task_id, exc,
-                            "replaying it" if replays < MAX_REPLAYS else "giving up")
+                            "replaying it" if replays_left() else "giving up")
                 continue
-            episode.replays = replays
+            episode.replays = lost + lost_in_outages
             return episode
-        return Episode(task=task, env_kind=self.envs[task.env][0], replays=MAX_REPLAYS,
-                       error=f"EpisodeLost: lost {MAX_REPLAYS + 1} times by a server that keeps going away")
+        error = (f"EpisodeLost: lost {lost} times by a server that keeps losing episodes" if lost > MAX_REPLAYS else
+                 f"EpisodeLost: lost in {lost_in_outages} outages of its server (does this task bring it down?)")
+        return Episode(task=task, env_kind=self.envs[task.env][0], replays=lost + lost_in_outages - 1, error=error)
 
     async def play(self, index: int, task: Task, step: int) -> Episode:
         """One episode; raises EpisodeLost when a server lost it (the caller replays it)."""

@@ -1,8 +1,9 @@
 """The PPO update: epochs over shuffled minibatches of sequences, micro-batches packed by a token budget.
 
-`ppo_update` (epochs and minibatches, the KL stop) -> `accumulate_gradients` (one minibatch's
-micro-batches: forward, `micro_batch_loss`, backward) -> `step_optimizer` (gradients summed over the
-ranks, clipped, then the step, or a skip when they are not finite).
+`ppo_update` (epochs and minibatches, the KL stop) -> `accumulate_gradients` (one minibatch: this
+rank's micro-batches in `backward_micro_batches`, forward, `micro_batch_loss`, backward, then the
+statistics over the ranks) -> `step_optimizer` (gradients summed over the ranks, clipped, then the
+step, or a skip when they are not finite).
 """
 from __future__ import annotations
 
@@ -183,7 +184,9 @@ def micro_batch_loss(policy: Policy, batch: dict[str, torch.Tensor], cfg: PPOCon
     means: dict[str, float] = {}
     if train_policy:
         pg_loss, pg_stats = policy_loss(scored.logprobs, batch["old_logprobs"], batch["advantages"],
-                                        batch["token_weights"], cfg.cliprange, total_weight=weights.policy)
+                                        batch["token_weights"], cfg.cliprange, total_weight=weights.policy,
+                                        importance_weights=batch["importance_weights"] if cfg.sampler_correction
+                                        else None)
         loss = loss + pg_loss
         terms["policy/loss"] = pg_loss.item()
         means.update({f"policy/{k}": float(v) for k, v in pg_stats.items()})
@@ -207,43 +210,61 @@ def micro_batch_loss(policy: Policy, batch: dict[str, torch.Tensor], cfg: PPOCon
                           batch["returns"][value_mask])
 
 
+@dataclass
+class MicroBatchPasses:
+    """What one rank's forward and backward passes over its part of a minibatch measured."""
+    finite: bool  # every micro-batch's loss was finite
+    sums: dict[str, float]  # loss terms and token-weighted means, to be summed over the ranks
+    values: list[torch.Tensor]  # each micro-batch's predicted values, detached
+    returns: list[torch.Tensor]  # and their targets
+
+
 def accumulate_gradients(policy: Policy, minibatch: list[TrainSequence], cfg: PPOConfig, kl_coef: float,
                          temperature: float, value_only: bool, ranks: Ranks) -> AccumulatedGradients:
     """Forward and backward through this rank's part of a minibatch, micro-batches packed by the token budget,
-    the gradients adding up in `.grad`. A non-finite loss ends the pass; statistics are over every rank."""
+    the gradients adding up in `.grad`. A non-finite loss ends the pass; statistics are over every rank. CUDA out
+    of memory on any rank raises OutOfMemoryOnRanks on every rank."""
     use_critic = cfg.advantage == "gae"
     weights = MinibatchWeights.of(minibatch, use_critic, ranks)
     policy.zero_grad(set_to_none=True)  # this minibatch's gradients alone
-    sums: dict[str, float] = {}
-    predicted: list[torch.Tensor] = []  # values and their returns over the whole minibatch: a micro-batch
-    targets: list[torch.Tensor] = []  # may hold only a few value positions, too few for a variance
-    finite = True
+    passes = ranks.agree_on_memory(
+        lambda: backward_micro_batches(policy, minibatch, cfg, kl_coef, temperature, value_only, weights))
+    finite = not ranks.any(not passes.finite)
+    stats = ranks.sum_stats(passes.sums)
+    if use_critic:  # over every value position of the minibatch, every rank's part included
+        values = torch.cat(passes.values) if passes.values else torch.zeros(0)
+        returns = torch.cat(passes.returns) if passes.returns else torch.zeros(0)
+        explained = explained_variance_from_moments(ranks.sum(explained_variance_moments(values, returns)))
+        if explained is not None:
+            stats["value/explained_variance"] = explained
+    return AccumulatedGradients(finite, stats)
+
+
+def backward_micro_batches(policy: Policy, minibatch: list[TrainSequence], cfg: PPOConfig, kl_coef: float,
+                           temperature: float, value_only: bool, weights: MinibatchWeights) -> MicroBatchPasses:
+    """This rank's micro-batches of a minibatch, forward and backward, without any exchange: a non-finite loss
+    ends the pass."""
+    passes = MicroBatchPasses(finite=True, sums={}, values=[], returns=[])
+    # values and their returns are kept over the whole minibatch: a micro-batch may hold only a few value
+    # positions, too few for a variance
     for group in plan_micro_batches([s.input_ids for s in minibatch], cfg.micro_batch_tokens,
                                     policy.shares_prefixes_with_gradients()):
         batch = collate([minibatch[i] for i in group], policy.tokenizer.pad_token_id, policy.device)
         share = float(batch["response_mask"].sum()) / weights.tokens  # of the minibatch's token statistics
         part = micro_batch_loss(policy, batch, cfg, kl_coef, temperature, value_only, weights)
         if part.values is not None:
-            predicted.append(part.values)
-            targets.append(part.returns)
+            passes.values.append(part.values)
+            passes.returns.append(part.returns)
         if not torch.isfinite(part.loss):
-            finite = False
+            passes.finite = False
             break
         if part.loss.requires_grad:
             part.loss.backward()
         for key, value in part.terms.items():
-            sums[key] = sums.get(key, 0.0) + value
+            passes.sums[key] = passes.sums.get(key, 0.0) + value
         for key, value in part.means.items():
-            sums[key] = sums.get(key, 0.0) + value * share
-    finite = not ranks.any(not finite)
-    stats = ranks.sum_stats(sums)
-    if use_critic:  # over every value position of the minibatch, every rank's part included
-        values = torch.cat(predicted) if predicted else torch.zeros(0)
-        returns = torch.cat(targets) if targets else torch.zeros(0)
-        explained = explained_variance_from_moments(ranks.sum(explained_variance_moments(values, returns)))
-        if explained is not None:
-            stats["value/explained_variance"] = explained
-    return AccumulatedGradients(finite, stats)
+            passes.sums[key] = passes.sums.get(key, 0.0) + value * share
+    return passes
 
 
 def step_optimizer(optimizer: torch.optim.Optimizer, gradients: AccumulatedGradients, cfg: PPOConfig,
@@ -290,25 +311,8 @@ def update_signal(policy: Policy, sequences: list[TrainSequence], token_budget: 
     """Did the update push each reply the way its advantage says? Re-scores the batch (this rank's share)
     and relates every reply's advantage (the mean over its tokens) to the change of its log-probability
     (summed over its tokens) since the rollout: a healthy update has a clearly positive correlation."""
-    pad_id = policy.tokenizer.pad_token_id
-    was_training = policy.training
-    policy.eval()
-    advantages, changes = [], []
-    try:
-        for group in plan_micro_batches([s.input_ids for s in sequences], token_budget):
-            chunk = [sequences[i] for i in group]
-            batch = collate(chunk, pad_id, policy.device)
-            mask = batch["response_mask"].bool()
-            new = policy.score(batch["input_ids"], None, batch["response_mask"], with_values=False,
-                               temperature=temperature).logprobs
-            for row, sequence in enumerate(chunk):
-                change = new[row][mask[row]].cpu() - sequence.old_logprobs
-                for span in sequence.span_slices():
-                    advantages.append(float(sequence.advantages[span].mean()))
-                    changes.append(float(change[span].sum()))
-    finally:
-        policy.train(was_training)
-    pairs = [pair for part in ranks.gather(list(zip(advantages, changes))) for pair in part]
+    mine = ranks.agree_on_memory(lambda: _advantages_and_changes(policy, sequences, token_budget, temperature))
+    pairs = [pair for part in ranks.gather(mine) for pair in part]
     advantage, change = torch.tensor([a for a, _ in pairs]), torch.tensor([c for _, c in pairs])
     positive, negative = advantage > 0, advantage < 0
     return {
@@ -316,3 +320,26 @@ def update_signal(policy: Policy, sequences: list[TrainSequence], token_budget: 
         "signal/logprob_change_positive": float(change[positive].mean()) if positive.any() else 0.0,
         "signal/logprob_change_negative": float(change[negative].mean()) if negative.any() else 0.0,
     }
+
+
+@torch.no_grad()
+def _advantages_and_changes(policy: Policy, sequences: list[TrainSequence], token_budget: int, temperature: float
+                            ) -> list[tuple[float, float]]:
+    """(mean advantage, summed log-prob change since the rollout) of every reply of this rank's sequences."""
+    was_training = policy.training
+    policy.eval()
+    pairs = []
+    try:
+        for group in plan_micro_batches([s.input_ids for s in sequences], token_budget):
+            chunk = [sequences[i] for i in group]
+            batch = collate(chunk, policy.tokenizer.pad_token_id, policy.device)
+            mask = batch["response_mask"].bool()
+            new = policy.score(batch["input_ids"], None, batch["response_mask"], with_values=False,
+                               temperature=temperature).logprobs
+            for row, sequence in enumerate(chunk):
+                change = new[row][mask[row]].cpu() - sequence.old_logprobs
+                pairs += [(float(sequence.advantages[span].mean()), float(change[span].sum()))
+                          for span in sequence.span_slices()]
+    finally:
+        policy.train(was_training)
+    return pairs

@@ -33,8 +33,9 @@ def openenv(observation: str, reward: float = 0.0, done: bool = False, truncated
 class FakeServer:
     """A stdlib HTTP server speaking affinetes' function_based wire format on 127.0.0.1.
 
-    `respond(method, kwargs)` returns (status, body) and may sleep to play a slow server. It runs in
-    a thread so that it answers while the test's event loop awaits the client under test.
+    `respond(method, kwargs)` returns (status, body), or None to drop the connection unanswered, and may
+    sleep to play a slow server. It runs in a thread so that it answers while the test's event loop
+    awaits the client under test.
     """
 
     def __init__(self, respond: Callable[[str, dict[str, Any]], Reply], methods: tuple[str, ...] = ()):
@@ -54,7 +55,9 @@ class FakeServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.calls.append((body["method"], body["kwargs"]))
-                self._send(*server.respond(body["method"], body["kwargs"]))
+                reply = server.respond(body["method"], body["kwargs"])
+                if reply is not None:  # else the handler returns unanswered and the connection closes
+                    self._send(*reply)
 
             def _send(self, status: int, payload: bytes):
                 try:
@@ -520,29 +523,78 @@ def test_a_trace_task_over_http(tmp_path):
     assert env.error_counts()["failed_episodes"] == 0
 
 
-def test_server_killed_mid_episode_fails_that_episode_and_the_run_goes_on(game_server):
+def restart_later(server: ServerProcess, seconds: float) -> threading.Thread:
+    """Start the (killed) server again on its port `seconds` from now, from another thread."""
+    def start():
+        time.sleep(seconds)
+        server.start()
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_server_killed_mid_episode_is_waited_for_and_the_episode_lost_in_the_outage(game_server, caplog):
     env = url_env(game_server.url)
 
     async def play():
         first = await env.reset(task_id=game_task_id("leduc_poker"), seed=3, opponent="random")
         game_server.kill()
+        restart_later(game_server, 1.0)
         lost = await env.step(first_legal(first), first["episode_id"])
-        while_down = await env.reset(task_id=game_task_id("leduc_poker"), seed=4, opponent="random")
-        game_server.start()
         after_restart = await play_out(env, game_task_id("leduc_poker"), seed=5)
-        return lost, while_down, after_restart
+        return lost, after_restart
 
-    lost, while_down, after_restart = run(play())
+    with caplog.at_level(logging.WARNING, logger="ppo_affine.envs.affinetes_env"):
+        lost, after_restart = run(play())
     counts = env.error_counts()
     run(env.close())
     assert lost["done"] and lost["truncated"] and lost["info"]["error"]["type"] == "connection_error"
-    assert lost["info"]["error"]["episode_lost"]  # the rollout plays it again from its start
-    assert while_down["done"] and while_down["info"]["error"]["type"] == "connection_error"
-    # a refused connection never reached the server, so even the step was retried
-    assert counts["retries"] == 2 * FAST["max_retries"]
-    assert counts["connection_errors"] == 2 * (FAST["max_retries"] + 1)
-    assert counts["failed_episodes"] == 2
+    # the rollout plays it again from its start, and neither counts it as failed nor against its replay budget
+    assert lost["info"]["error"]["episode_lost"] and lost["info"]["error"]["outage"]
+    # a refused connection never reached the server, so even the step was retried, then the server waited for
+    assert counts["retries"] == FAST["max_retries"] and counts["connection_errors"] == FAST["max_retries"] + 1
+    assert counts["outages"] == 1 and counts["failed_episodes"] == 0
+    assert caplog.text.count("is not answering") == 1 and "answers again after" in caplog.text
     assert after_restart["done"] and not after_restart["truncated"]
+
+
+def test_a_server_that_stays_away_past_the_wait_is_given_up_and_later_calls_fail_at_once():
+    with FakeServer(AffineGame()) as server:
+        env = url_env(server.url, server_wait_seconds=1.5)
+    # the server is gone: every connection is refused
+
+    async def play():
+        return await env.reset(task_id=5, seed=1), await env.reset(task_id=5, seed=2)
+
+    first, later = run(play())
+    counts = env.error_counts()
+    run(env.close())
+    for result in (first, later):
+        error = result["info"]["error"]
+        assert result["done"] and error["type"] == "server_gone" and not error["episode_lost"]
+        assert "not back within server_wait_seconds=1.5" in error["message"] and "--resume latest" in error["message"]
+    assert counts["connection_errors"] == FAST["max_retries"] + 1  # the later reset did not try the server
+    assert counts["failed_episodes"] == 2 and counts["outages"] == 0
+
+
+def test_a_connection_dropped_by_a_server_that_still_answers_loses_the_episode_without_a_wait(caplog):
+    game = AffineGame()
+    with FakeServer(lambda method, kwargs: None if method == "step" else game(method, kwargs)) as server:
+        env = url_env(server.url)
+
+        async def play():
+            first = await env.reset(task_id=5, seed=1)
+            return await env.step("1", first["episode_id"])
+
+        with caplog.at_level(logging.WARNING, logger="ppo_affine.envs.affinetes_env"):
+            result = run(play())
+        counts = env.error_counts()
+        run(env.close())
+    error = result["info"]["error"]
+    assert error["type"] == "transport_error" and error["episode_lost"] and not error["outage"]
+    assert server.methods_called() == ["reset", "step", "stop"]  # a step that may have been applied is not resent
+    assert counts["outages"] == 0 and counts["failed_episodes"] == 1 and "is not answering" not in caplog.text
 
 
 def test_server_restarted_between_reset_and_step_marks_that_episode_lost(game_server):
@@ -620,17 +672,49 @@ def test_an_episode_its_restarted_server_forgot_is_replayed_from_its_start(tiny_
     assert steps == game.created  # one step in each of the two episodes
 
 
-def test_an_env_server_that_stays_away_fails_the_episode_after_the_replays(tiny_policy):
+def test_an_env_server_that_keeps_forgetting_episodes_fails_the_episode_after_the_replays(tiny_policy):
     from curriculum import Task
     from ppo_affine.rollout import MAX_REPLAYS
 
-    with FakeServer(AffineGame()) as server:
+    game = AffineGame()
+
+    def forget_at_every_step(method, kwargs):
+        if method == "step":
+            game.live.clear()
+        return game(method, kwargs)
+
+    with FakeServer(forget_at_every_step) as server:
         env = url_env(server.url)
-    # the server is gone: every reset is refused
-    [episode] = run(replaying_runner(tiny_policy, env).run([Task("game", 7, 3, None, "s", False)], step=0))
-    run(env.close())
+        [episode] = run(replaying_runner(tiny_policy, env).run([Task("game", 7, 3, None, "s", False)], step=0))
+        run(env.close())
     assert episode.replays == MAX_REPLAYS and "lost 4 times" in episode.error
-    assert env.error_counts()["connection_errors"] == (MAX_REPLAYS + 1) * (FAST["max_retries"] + 1)
+    assert len(game.created) == MAX_REPLAYS + 1
+
+
+def test_an_env_server_killed_and_restarted_mid_rollout_is_waited_for_and_its_episodes_replayed(tiny_policy,
+                                                                                               game_server, caplog):
+    from curriculum import Task
+
+    env = url_env(game_server.url)
+    runner = replaying_runner(tiny_policy, env)
+    replies_one = runner.generator.generate
+
+    async def kill_at_the_first_reply(prompt_ids, order_key, seed):
+        if game_server.process.poll() is None and not hasattr(game_server, "restarter"):
+            game_server.kill()  # every episode has been reset and waits for its first move
+            game_server.restarter = restart_later(game_server, 1.0)
+        return await replies_one(prompt_ids, order_key, seed)
+
+    runner.generator.generate = kill_at_the_first_reply
+    tasks = [Task("game", game_task_id("leduc_poker"), seed, None, "s", False) for seed in range(3)]
+    with caplog.at_level(logging.WARNING, logger="ppo_affine.envs.affinetes_env"):
+        episodes = run(runner.run(tasks, step=0))
+    counts = env.error_counts()
+    run(env.close())
+    assert [(e.error, e.done, e.replays) for e in episodes] == [(None, True, 1)] * 3
+    # one outage, waited for once by all three episodes, and none of them counted as failed
+    assert counts["outages"] == 1 and counts["failed_episodes"] == 0
+    assert caplog.text.count("is not answering") == 1
 
 
 # ------------------------------------------------------------------ docker mode (no Docker engine needed)

@@ -10,11 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from test_train import _free_port, metrics, tiny_args
+from safetensors.torch import load_file
+from test_train import _free_port, deterministic, metrics, tiny_args
 
 import train_ppo
 from ppo_affine.checkpoint import find_resumable, load_trainer_state, verify
-from ppo_affine.distributed import Ranks, check_world_size, rng_state_of
+from ppo_affine.distributed import OutOfMemoryOnRanks, Ranks, check_world_size, rng_state_of
 from ppo_affine.testing import fake_vllm as fake_vllm_server
 from utils import ConfigError, PPOConfig
 
@@ -56,6 +57,16 @@ def test_a_rank_resumes_its_own_rng_state_and_a_new_rank_keeps_its_seeded_one():
     assert rng_state_of(as_rank(1, 2), saved) == {"rank": 1}
     assert rng_state_of(as_rank(0, 1), {"python": "one process"}) == {"python": "one process"}  # older checkpoints
     assert rng_state_of(as_rank(2, 4), saved) is None
+
+
+def test_out_of_memory_in_work_every_rank_agrees_on_is_raised_naming_the_rank():
+    def out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    assert as_rank(0, 1).agree_on_memory(lambda: 7) == 7
+    with pytest.raises(OutOfMemoryOnRanks, match="CUDA ran out of memory on rank 0") as raised:
+        as_rank(0, 1).agree_on_memory(out_of_memory)
+    assert raised.value.ranks == [0] and isinstance(raised.value, torch.cuda.OutOfMemoryError)
 
 
 # ---------------------------------------------------------------- bad input stops at start
@@ -168,6 +179,57 @@ def test_a_crashed_rank_stops_the_run_with_a_message_and_the_last_checkpoint_int
     checkpoints = tmp_path / "t" / "checkpoints"
     assert find_resumable(checkpoints).name == "checkpoint-1" and verify(checkpoints / "checkpoint-1")
     assert [r["step"] for r in metrics(tmp_path / "t")] == [1]
+
+
+# Runs train_ppo with CUDA's out-of-memory error raised by rank 1's first micro-batch of the update (rank 0's passes
+# go through); every rank writes the token budget of each update it starts to budgets-rank<r>.txt.
+OUT_OF_MEMORY_ON_RANK_ONE = textwrap.dedent("""
+    import os, sys
+    import torch
+    import train_ppo
+    from ppo_affine import update
+    rank = int(os.environ["RANK"])
+    micro_batch_loss, ppo_update, calls = update.micro_batch_loss, train_ppo.ppo_update, []
+    def out_of_memory_once_on_rank_one(*args, **kwargs):
+        calls.append(1)
+        if rank == 1 and len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected on rank 1)")
+        return micro_batch_loss(*args, **kwargs)
+    def recording(policy, optimizer, sequences, cfg, *args, **kwargs):
+        with open(os.path.join({out!r}, f"budgets-rank{{rank}}.txt"), "a") as budgets:
+            budgets.write(f"{{cfg.micro_batch_tokens}}\\n")
+        return ppo_update(policy, optimizer, sequences, cfg, *args, **kwargs)
+    update.micro_batch_loss = out_of_memory_once_on_rank_one
+    train_ppo.ppo_update = recording
+    sys.exit(train_ppo.main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.slow
+def test_out_of_memory_on_one_rank_halves_the_token_budget_on_every_rank_and_retries_the_step(tiny_model_dir,
+                                                                                               tmp_path):
+    script = tmp_path / "out_of_memory_on_rank_one.py"
+    script.write_text(OUT_OF_MEMORY_ON_RANK_ONE.format(out=str(tmp_path)))
+    retried, halved_from_the_start = tmp_path / "retried", tmp_path / "halved"
+    result = torchrun(str(script), *tiny_args(tiny_model_dir, retried, "--max-steps", "2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "CUDA out of memory in step 1 on rank 1: ppo.micro_batch_tokens halved to 8192" in " ".join(
+        result.stderr.split())
+    # the failed try, its retry, then step 2 keeps the halved budget: on both ranks
+    for rank in (0, 1):
+        assert (tmp_path / f"budgets-rank{rank}.txt").read_text().split() == ["16384", "8192", "8192"]
+    records = metrics(retried / "t")
+    assert [(r["step"], r["train/micro_batch_tokens"], r["train/oom_retries"]) for r in records] == \
+        [(1, 8192, 1), (2, 8192, 0)]
+    # the retried step is the step a run with the halved budget from the start takes
+    result = torchrun(str(ROOT / "train_ppo.py"), *tiny_args(tiny_model_dir, halved_from_the_start, "--max-steps", "2",
+                                                             "--set", "ppo.micro_batch_tokens=8192"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = metrics(halved_from_the_start / "t")
+    assert [deterministic(r) | {"train/oom_retries": 0} for r in records] == [deterministic(r) for r in expected]
+    adapter = "t/checkpoints/checkpoint-2/adapter/adapter_model.safetensors"
+    got, want = load_file(str(retried / adapter)), load_file(str(halved_from_the_start / adapter))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 AGREEMENT = textwrap.dedent("""

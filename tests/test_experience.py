@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from curriculum import Task
-from ppo_affine.experience import _loss_weights, assign_advantages, batch_cost, build_sequences, collate, plan_micro_batches
+from ppo_affine.experience import (_loss_weights, assign_advantages, batch_cost, build_sequences, collate,
+                                   correct_for_the_sampler, plan_micro_batches)
 from ppo_affine.rollout import Episode, Turn
 from utils import PPOConfig
 
@@ -167,3 +168,26 @@ def test_batch_cost_counts_a_shared_prefix_once():
     assert batch_cost(torch.tensor([[1, 2, 3], [4, 5, 6]])) == 6
 
 
+
+
+def test_sampler_correction_weighs_the_tokens_vllm_sampled_and_leaves_the_trainers_own_at_one():
+    # sampled by vLLM: log pi_old - log pi_vllm = [0.5, 2.5, -1] -> weights [e^0.5, 2 (capped), e^-1]
+    # = [1.6487213, 2, 0.3678794]: mean 1.3388669, one of three capped
+    vllm = Episode(task=Task("e", 0, 0, None, "s", False), env_kind="openspiel", done=True,
+                   turns=[Turn([7, 8, 9], "", [-1.5, -3.0, -1.0], sequence=0, start=2)], sequences=[[1, 2, 7, 8, 9]])
+    local = played(1.0, turns=1, reply_len=2)  # sampled by the trainer: no sampler log-probs
+    sampled, own = build_sequences([vllm, local])
+    sampled.old_logprobs, own.old_logprobs = torch.tensor([-1.0, -0.5, -2.0]), torch.tensor([-1.0, -1.0])
+    stats = correct_for_the_sampler([sampled, own], cap=2.0)
+    torch.testing.assert_close(sampled.importance_weights, torch.tensor([1.6487213, 2.0, 0.3678794]))
+    assert own.importance_weights.tolist() == [1.0, 1.0]
+    assert stats == pytest.approx({"tis/weight_mean": 1.3388669, "tis/clip_fraction": 1 / 3})
+    batch = collate([sampled, own], pad_id=0, device=torch.device("cpu"))
+    torch.testing.assert_close(batch["importance_weights"],
+                               torch.tensor([[0, 0, 1.6487213, 2.0, 0.3678794], [0, 0, 0, 1.0, 1.0]]))
+
+
+def test_without_tokens_from_another_sampler_there_is_nothing_to_report():
+    [sequence] = build_sequences([played(1.0, turns=1, reply_len=2)])
+    sequence.old_logprobs = torch.zeros(2)
+    assert correct_for_the_sampler([sequence], cap=2.0) == {}

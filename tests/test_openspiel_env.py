@@ -290,7 +290,7 @@ def _fast(game: str) -> None:
     assert GAMES[game].fast_search, f"{game} is expected to play the fast search"
 
 
-@pytest.mark.parametrize("game", ["leduc_poker"])  # liars_dice joins once its parity run ends
+@pytest.mark.parametrize("game", ["leduc_poker", "liars_dice"])
 def test_the_validator_search_games_get_the_fast_search_by_default(game):
     _fast(game)
     assert all(isinstance(bot, pyspiel.MCTSBot) for bot in _bots(game, "evaluate", 0, "mcts", search="fast").values())

@@ -17,6 +17,7 @@ from ppo_affine.ppo import (
     masked_var,
     masked_whiten,
     policy_loss,
+    truncated_importance_weights,
     value_loss,
 )
 
@@ -272,6 +273,33 @@ def test_policy_loss_weighted_mean_and_micro_batch_normaliser():
     close(stats["clipfrac"], 0.5)  # stats stay plain token means
     loss, _ = policy_loss(logprobs.detach(), torch.zeros(1, 5), advantages, weights, 0.2, total_weight=2.0)
     close(loss, 0.0125)
+
+
+def test_policy_loss_scales_each_tokens_surrogate_by_its_importance_weight():
+    # the four per-token terms of the clipping test: [-1.2, 0.8, -0.6, 1.5], importance weights [2, 1, 0.5, 1]
+    # loss = (-2.4 + 0.8 - 0.3 + 1.5) / 4 = -0.1
+    # gradients (unclipped tokens only): t2 -A*ratio*w/4 = -0.6*0.5/4 = -0.075, t3 = 1.5*1/4 = 0.375
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 0.6, 1.5, math.e**3]])).requires_grad_(True)
+    advantages = torch.tensor([[1.0, -1.0, 1.0, -1.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    importance = torch.tensor([[2.0, 1.0, 0.5, 1.0, 0.0]], requires_grad=True)
+    loss, stats = policy_loss(logprobs, torch.zeros(1, 5), advantages, mask, 0.2, importance_weights=importance)
+    loss.backward()
+    close(loss.detach(), -0.1)
+    close(logprobs.grad, [[0.0, 0.0, -0.075, 0.375, 0.0]])
+    assert importance.grad is None  # a weight, not something to optimise
+    close(stats["clipfrac"], 0.5)
+
+
+def test_truncated_importance_weights_cap_the_trainer_over_sampler_ratio():
+    # log pi_trainer - log pi_sampler = [0.5, 0, 2.5, ?, -1], cap 2
+    # t0: e^0.5 = 1.6487213; t1: e^0 = 1; t2: e^2.5 = 12.18 -> 2 (capped); t3: sampler unknown -> 1;
+    # t4: e^-1 = 0.3678794
+    trainer = torch.tensor([-1.0, -2.0, -0.5, -3.0, -2.0])
+    sampler = torch.tensor([-1.5, -2.0, -3.0, float("nan"), -1.0])
+    weights, capped = truncated_importance_weights(trainer, sampler, cap=2.0)
+    close(weights, [1.6487213, 1.0, 2.0, 1.0, 0.3678794])
+    assert capped.tolist() == [False, False, True, False, False]
 
 
 # ---------------------------------------------------------------- value loss

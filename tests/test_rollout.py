@@ -5,10 +5,10 @@ import uuid
 import pytest
 
 from curriculum import Task
-from ppo_affine.envs.base import step_result
+from ppo_affine.envs.base import EpisodeLost, step_result
 from ppo_affine.generation import Generation, LocalGenerator, cut_at_eos
 from ppo_affine.prompts import PromptBuilder
-from ppo_affine.rollout import RolloutRunner, build_messages
+from ppo_affine.rollout import MAX_OUTAGE_REPLAYS, MAX_REPLAYS, RolloutRunner, build_messages
 from utils import GenerationConfig
 
 CONVERSATION = [
@@ -132,6 +132,34 @@ def test_an_env_failure_fails_that_episode_and_the_others_finish(tiny_policy):
     episodes = asyncio.run(_runner(tiny_policy, CountingEnv(fail_task=2)).run(_tasks(4), step=0))
     assert "env server went away" in episodes[2].error and not episodes[2].turns
     assert all(e.done and not e.error for i, e in enumerate(episodes) if i != 2)
+
+
+class LosingGenerator:
+    """Replies "1", after losing the episode `losses` times (EpisodeLost, in an outage or not)."""
+
+    def __init__(self, tokenizer, losses: int, outage: bool):
+        self.reply = tokenizer("1", add_special_tokens=False)["input_ids"]
+        self.eos_ids: set[int] = set()
+        self.losses, self.outage = losses, outage
+
+    async def generate(self, prompt_ids, order_key, seed):
+        if self.losses:
+            self.losses -= 1
+            raise EpisodeLost("the server went away", outage=self.outage)
+        return Generation(self.reply)
+
+
+@pytest.mark.parametrize("outage,losses,fails", [(False, MAX_REPLAYS, False), (False, MAX_REPLAYS + 1, True),
+                                                 (True, MAX_OUTAGE_REPLAYS, False),
+                                                 (True, MAX_OUTAGE_REPLAYS + 1, True)])
+def test_losses_in_outages_and_other_losses_each_have_their_own_replay_budget(tiny_policy, outage, losses, fails):
+    cfg = GenerationConfig(max_new_tokens=3)
+    generator = LosingGenerator(tiny_policy.tokenizer, losses, outage)
+    runner = RolloutRunner({"game": ("openspiel", CountingEnv())}, generator, PromptBuilder(tiny_policy.tokenizer, 4096),
+                           cfg)
+    [episode] = asyncio.run(runner.run(_tasks(1), step=0))
+    assert episode.done != fails and bool(episode.error) == fails
+    assert episode.replays == (losses - 1 if fails else losses)
 
 
 @pytest.mark.parametrize("strategy", ["full", "truncated", "last"])

@@ -1,6 +1,7 @@
 """train_ppo.py end to end on a tiny model: the real loop, resume equality, kill safety, bad input."""
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -164,6 +165,30 @@ def test_vllm_backend_hot_loads_adapters_and_reports_a_tiny_logprob_gap(tiny_mod
     assert all(r["vllm/logprob_gap"] < 1e-3 for r in records)  # the server samples with the trained adapter
     adapters = sorted(p.name for p in (tmp_path / "t" / "vllm_adapters").iterdir())
     assert adapters == ["step-2"], "older adapter folders should be gone once unloaded"
+
+
+@pytest.mark.slow
+def test_the_sampler_correction_weighs_the_vllm_sampled_tokens_and_logs_its_weights(tiny_model_dir, tmp_path,
+                                                                                    fake_vllm):
+    code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2", "--set", "generation.backend=vllm",
+                                    "--set", f"env.vllm_url={fake_vllm}", "--set", "ppo.sampler_correction=true"))
+    assert code == 0
+    records = metrics(tmp_path / "t")
+    assert len(records) == 2
+    for record in records:
+        # the fake server samples with the trainer's weights in float32: every weight is about 1, none capped
+        assert record["tis/weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert record["tis/clip_fraction"] == 0.0
+        assert "policy/loss" in record and "update/grad_norm" in record
+
+
+def test_the_sampler_correction_with_local_generation_says_it_has_nothing_to_correct(caplog):
+    from utils import load_config
+
+    cfg = load_config(presets=["cpu"], overrides=["ppo.sampler_correction=true"]).train
+    with caplog.at_level(logging.WARNING, logger="train_ppo"):
+        train_ppo.check_can_train(cfg, world_size=1)
+    assert "ppo.sampler_correction has nothing to correct with generation.backend=local" in caplog.text
 
 
 def served_adapters(url: str) -> list[str]:

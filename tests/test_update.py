@@ -3,10 +3,12 @@ import pytest
 import torch
 
 from ppo_affine import policy as policy_module
+from ppo_affine.distributed import ONE_PROCESS
 from curriculum import Task
 from ppo_affine.experience import assign_advantages, build_sequences, collate, score_sequences
 from ppo_affine.rollout import Episode, Turn
-from ppo_affine.update import TrainingSnapshot, UpdateState, build_optimizer, ppo_update, update_signal
+from ppo_affine.update import (MinibatchWeights, TrainingSnapshot, UpdateState, build_optimizer, micro_batch_loss,
+                               ppo_update, update_signal)
 from utils import PPOConfig
 
 
@@ -147,6 +149,24 @@ def test_explained_variance_is_taken_over_the_whole_minibatch_not_per_micro_batc
 
 class Stop(Exception):
     pass
+
+
+def test_the_sampler_correction_weighs_the_policy_loss_and_nothing_else(tiny_policy):
+    cfg = PPOConfig(vf_coef=1.0)
+    sequences = prepared(tiny_policy, cfg)
+    for sequence in sequences:
+        sequence.importance_weights = torch.full((sequence.response_len,), 0.5)
+    batch = collate(sequences, tiny_policy.tokenizer.pad_token_id, tiny_policy.device)
+    weights = MinibatchWeights.of(sequences, use_critic=True, ranks=ONE_PROCESS)
+
+    def terms(correct: bool) -> dict[str, float]:
+        corrected = cfg.model_copy(update={"sampler_correction": correct})
+        return micro_batch_loss(tiny_policy, batch, corrected, 0.0, 1.0, False, weights).terms
+
+    plain, halved = terms(False), terms(True)
+    assert plain["policy/loss"] != 0
+    assert halved["policy/loss"] == pytest.approx(0.5 * plain["policy/loss"], rel=1e-6)
+    assert halved["value/loss"] == plain["value/loss"]
 
 
 def test_an_update_abandoned_halfway_is_undone_by_its_snapshot(tiny_policy):

@@ -17,6 +17,12 @@
 - A failure that means the server lost the episode (it could not be reached, the connection
   dropped, or it answers `episode_not_found` after a restart) is marked `info.error.episode_lost`:
   the rollout replays such an episode from its start with the same task and seed.
+- A server that went away (connections refused or dropped once the retries are spent) is waited
+  for, like a vLLM server: its /health (docker mode: its method listing) is polled with backoff, a
+  line is logged once a minute, and every call that failed on it shares the one wait. Back within
+  `server_wait_seconds` after having been down, its episodes are lost in an outage
+  (`info.error.outage`): replayed, not counted as failed. Not back, they fail, and so does every
+  later call to that server, at once.
 - Remote episodes are stopped here once they are done or failed (the training loop does not stop
   finished episodes), so servers do not accumulate them.
 - The real Affine images answer with their own `info` (no prompts, no score until done); it is
@@ -60,9 +66,12 @@ _COUNTER_OF_KIND = {
     "malformed_response": "malformed_responses",
     "remote_error": "remote_errors",
 }
-_COUNTERS = (*_COUNTER_OF_KIND.values(), "retries", "failed_episodes", "stop_errors")
+_COUNTERS = (*_COUNTER_OF_KIND.values(), "retries", "failed_episodes", "stop_errors", "outages")
 # Failures that mean the server went away or restarted: the episode is gone, not broken.
 _LOST_KINDS = ("connection_error", "transport_error", "episode_not_found")
+# Failures after which the server is waited for: it may be down (or restarting).
+_AWAY_KINDS = ("connection_error", "transport_error")
+POLL_BACKOFF_S = (1.0, 30.0)  # the first and the longest pause between polls of a server that went away
 
 
 class RemoteCallError(Exception):
@@ -77,8 +86,11 @@ class RemoteCallError(Exception):
 class _Instance:
     name: str  # URL or container name, for messages
     client: Any  # affinetes EnvironmentWrapper
+    url: str | None = None  # url mode: the server's base URL
     live_episodes: int = 0
     suspect_until: float = 0.0  # monotonic time; new episodes go elsewhere until then
+    recovery: asyncio.Task | None = None  # the wait for it to answer again, shared by every call that failed on it
+    gone: str | None = None  # why it was given up (not back within server_wait_seconds): later calls fail at once
 
 
 @dataclass
@@ -95,6 +107,7 @@ class AffinetesEnv:
     call_timeout: seconds per remote call. max_retries: retries of a transient failure.
     backoff_base: seconds before the first retry, doubled per retry (jittered, at most 30 s).
     connect_timeout: seconds for the start-up health check of each URL.
+    server_wait_seconds: how long a server that went away is waited for (0: given up at once).
     container_prefix: docker mode: containers are named <prefix>-r0, -r1, ... (default: from the image
     name, e.g. game-openspiel), so two programs using one image on one host need different prefixes.
     """
@@ -102,17 +115,20 @@ class AffinetesEnv:
     def __init__(self, mode: str, base_url: str | list[str] | None = None, image: str | None = None,
                  env_vars: dict[str, str] | None = None, replicas: int = 1, call_timeout: float = 120.0,
                  max_retries: int = 3, backoff_base: float = 0.5, connect_timeout: float = 10.0,
-                 container_prefix: str | None = None):
+                 container_prefix: str | None = None, server_wait_seconds: float = 900.0):
         if mode not in ("docker", "url"):
             raise ValueError(f"AffinetesEnv mode must be 'docker' or 'url', got {mode!r}")
-        if replicas < 1 or call_timeout <= 0 or max_retries < 0 or backoff_base < 0 or connect_timeout <= 0:
+        if (replicas < 1 or call_timeout <= 0 or max_retries < 0 or backoff_base < 0 or connect_timeout <= 0
+                or server_wait_seconds < 0):
             raise ValueError("AffinetesEnv needs replicas >= 1, call_timeout > 0, max_retries >= 0, "
-                             f"backoff_base >= 0 and connect_timeout > 0; got replicas={replicas}, "
-                             f"call_timeout={call_timeout}, max_retries={max_retries}, "
-                             f"backoff_base={backoff_base}, connect_timeout={connect_timeout}")
+                             "backoff_base >= 0, connect_timeout > 0 and server_wait_seconds >= 0; got "
+                             f"replicas={replicas}, call_timeout={call_timeout}, max_retries={max_retries}, "
+                             f"backoff_base={backoff_base}, connect_timeout={connect_timeout}, "
+                             f"server_wait_seconds={server_wait_seconds}")
         self.call_timeout = call_timeout
         self.max_retries = max_retries
         self.backoff_base = backoff_base
+        self.server_wait_seconds = server_wait_seconds
         # Jitter only spreads retries in time and never changes a result, so it is not seeded
         # (equal seeds would make data-parallel ranks retry in lock-step).
         self._jitter = random.Random()
@@ -131,11 +147,18 @@ class AffinetesEnv:
         if self._closed:
             return self._failed(None, "reset", RemoteCallError("closed", "the env is closed", retryable=False))
         tried: set[int] = set()
+        picked: list[_Instance] = []
+
+        def pick() -> _Instance:
+            picked.append(self._pick_instance(tried))
+            return picked[-1]
+
+        outages = self._counts["outages"]
         try:
             instance, result = await self._call_retrying(
-                "reset", lambda: self._pick_instance(tried), _transient, task_id=task_id, seed=seed, **kwargs)
+                "reset", pick, _transient, task_id=task_id, seed=seed, **kwargs)
         except RemoteCallError as error:
-            return self._failed(None, "reset", error)
+            return await self._failed_call(None, "reset", picked[-1], error, outages)
         episode_id = result["episode_id"]
         if episode_id is None and not result["done"]:
             self._counts["malformed_responses"] += 1
@@ -154,12 +177,14 @@ class AffinetesEnv:
             return self._failed(episode_id, "step", RemoteCallError(
                 "unknown_episode", f"episode {episode_id!r} is not live in this env (never reset, done or failed)",
                 retryable=False))
+        outages = self._counts["outages"]
         try:
             _, result = await self._call_retrying("step", lambda: episode.instance, _undelivered,
                                                   action=action, episode_id=episode_id)
         except RemoteCallError as error:
-            await self._release(episode_id, stop_remote=error.delivered)
-            return self._failed(episode_id, "step", error)
+            failed = await self._failed_call(episode_id, "step", episode.instance, error, outages)
+            await self._release(episode_id, stop_remote=error.delivered and episode.instance.gone is None)
+            return failed
         return await self._finish_call("step", episode_id, episode, result)
 
     async def state(self, episode_id: str) -> StepResult:
@@ -168,11 +193,13 @@ class AffinetesEnv:
         if episode is None:
             return self._failed(episode_id, "state", RemoteCallError(
                 "unknown_episode", f"episode {episode_id!r} is not live in this env", retryable=False))
+        outages = self._counts["outages"]
         try:
             _, result = await self._call_retrying("state", lambda: episode.instance, _transient, episode_id=episode_id)
         except RemoteCallError as error:
-            await self._release(episode_id, stop_remote=error.delivered)
-            return self._failed(episode_id, "state", error)
+            failed = await self._failed_call(episode_id, "state", episode.instance, error, outages)
+            await self._release(episode_id, stop_remote=error.delivered and episode.instance.gone is None)
+            return failed
         return self._translate(result, episode, remember=False)
 
     async def stop(self, episode_id: str) -> dict[str, Any]:
@@ -187,6 +214,9 @@ class AffinetesEnv:
         if self._closed:
             return
         self._closed = True
+        for instance in self._instances:
+            if instance.recovery is not None:
+                instance.recovery.cancel()
         try:
             await asyncio.gather(*(self._release(eid, stop_remote=True) for eid in list(self._episodes)))
         finally:
@@ -250,6 +280,8 @@ class AffinetesEnv:
         """One remote call, bounded by call_timeout (the env's unless given); its reply checked by
         `reply_check` (default: an OpenEnv StepResult)."""
         call_timeout = call_timeout or self.call_timeout
+        if instance.gone is not None:
+            raise RemoteCallError("server_gone", instance.gone, retryable=False, delivered=False)
         try:
             reply = await asyncio.wait_for(getattr(instance.client, method)(**kwargs), call_timeout)
         except asyncio.TimeoutError:
@@ -293,14 +325,18 @@ class AffinetesEnv:
         await asyncio.sleep(delay * (0.5 + self._jitter.random()))
 
     def _pick_instance(self, tried: set[int]) -> _Instance:
-        """An instance not yet tried for this reset (added to `tried`): not suspect, then fewest live
-        episodes; ties rotate."""
+        """An instance not yet tried for this reset (added to `tried`): not given up, then not suspect (nor
+        waited for), then fewest live episodes; ties rotate."""
         fresh = [i for i in self._instances if id(i) not in tried] or self._instances
         start = self._next_instance % len(fresh)
         self._next_instance += 1
         now = time.monotonic()
-        chosen = min(fresh[start:] + fresh[:start],
-                     key=lambda instance: (instance.suspect_until > now, instance.live_episodes))
+
+        def preference(instance: _Instance) -> tuple[bool, bool, int]:
+            waited_for = instance.recovery is not None and not instance.recovery.done()
+            return instance.gone is not None, instance.suspect_until > now or waited_for, instance.live_episodes
+
+        chosen = min(fresh[start:] + fresh[:start], key=preference)
         tried.add(id(chosen))
         return chosen
 
@@ -339,11 +375,78 @@ class AffinetesEnv:
             return {"status": "error", "stopped": False, "episode_id": episode_id, "message": message}
         return reply if isinstance(reply, dict) else {"status": "ok", "stopped": True, "episode_id": episode_id}
 
-    def _failed(self, episode_id: str | None, method: str, error: RemoteCallError) -> StepResult:
-        """The result that ends an episode the env could not continue."""
-        self._counts["failed_episodes"] += 1
+    async def _failed_call(self, episode_id: str | None, method: str, instance: _Instance, error: RemoteCallError,
+                           outages_before: int) -> StepResult:
+        """The result that ends an episode whose call on `instance` failed. A server that went away is waited for
+        first: its episode was lost in an outage when the server had been down (by this wait or another one since
+        the call began), lost when it answers at once (a dropped connection), failed when it is given up."""
+        if error.kind not in _AWAY_KINDS:
+            return self._failed(episode_id, method, error)
+        try:
+            was_down = await self._wait_for(instance, error.message)
+        except RemoteCallError as gone:
+            return self._failed(episode_id, method, gone)
+        return self._failed(episode_id, method, error, outage=was_down or self._counts["outages"] != outages_before)
+
+    async def _wait_for(self, instance: _Instance, failure: str) -> bool:
+        """Wait until `instance` answers again, in one wait shared by every call that failed on it; True when it had
+        been down. RemoteCallError when it is given up (not back within server_wait_seconds), now and later."""
+        if instance.gone is None:
+            if instance.recovery is None or instance.recovery.done():
+                instance.recovery = asyncio.ensure_future(self._wait_until_answering(instance, failure))
+            was_down = await asyncio.shield(instance.recovery)
+        if instance.gone is not None:
+            raise RemoteCallError("server_gone", instance.gone, retryable=False, delivered=False)
+        return was_down
+
+    async def _wait_until_answering(self, instance: _Instance, failure: str) -> bool:
+        """Poll the server with backoff until it answers (True if it did not at first), logging once a minute;
+        past server_wait_seconds mark it gone."""
+        started = time.monotonic()
+        deadline = started + self.server_wait_seconds
+        next_log, delay, was_down = started, POLL_BACKOFF_S[0], False
+        while not await self._answers(instance):
+            was_down = True
+            now = time.monotonic()
+            if now >= deadline:
+                instance.gone = (f"the env server {instance.name} stopped answering ({failure}) and was not back "
+                                 f"within server_wait_seconds={self.server_wait_seconds:g} (env_config.json: "
+                                 "envs.NAME.server_wait_seconds): restart it, then continue with --resume latest")
+                log.warning("%s", instance.gone)
+                return True
+            if now >= next_log:
+                log.warning("env server %s is not answering (%s); waited %.0f s of server_wait_seconds=%g",
+                            instance.name, failure, now - started, self.server_wait_seconds)
+                next_log = now + 60.0
+            await asyncio.sleep(min(delay, deadline - now))
+            delay = min(delay * 2, POLL_BACKOFF_S[1])
+        if was_down:
+            self._counts["outages"] += 1
+            log.warning("env server %s answers again after %.0f s", instance.name, time.monotonic() - started)
+        return was_down
+
+    async def _answers(self, instance: _Instance) -> bool:
+        """Whether the server answers within a short timeout: its GET /health in url mode; in docker mode its method
+        listing, which affinetes returns empty when the container does not answer (a live env has methods)."""
+        timeout = min(self.call_timeout, STOP_TIMEOUT_S)
+        try:
+            if instance.url is not None:
+                async with httpx.AsyncClient(timeout=timeout) as client:
+                    return (await client.get(f"{instance.url}/health")).status_code == 200
+            return bool(await asyncio.wait_for(instance.client.list_methods(print_info=False), timeout))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return False
+
+    def _failed(self, episode_id: str | None, method: str, error: RemoteCallError, outage: bool = False
+                ) -> StepResult:
+        """The result that ends an episode the env could not continue; one lost in an outage of its server
+        (replayed by the rollout) is not counted as failed."""
+        if not outage:
+            self._counts["failed_episodes"] += 1
         info_error = {"type": error.kind, "message": error.message, "retryable": error.retryable,
-                      "episode_lost": error.kind in _LOST_KINDS}
+                      "episode_lost": outage or error.kind in _LOST_KINDS, "outage": outage}
         self._log_failure(episode_id, method, info_error)
         return step_result("", done=True, truncated=True, episode_id=episode_id, info={
             "error": info_error, "score": 0.0, "success": False, "parse_error": False,
@@ -459,7 +562,7 @@ def _connect_urls(base_url: str | list[str] | None, replicas: int, connect_timeo
     # imported only when an affinetes env is actually built.
     import affinetes
 
-    return [_Instance(url, affinetes.load_env(mode="url", base_url=url)) for url in urls]
+    return [_Instance(url, affinetes.load_env(mode="url", base_url=url), url=url.rstrip("/")) for url in urls]
 
 
 def _start_containers(image: str | None, env_vars: dict[str, str] | None, replicas: int,

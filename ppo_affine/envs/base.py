@@ -18,7 +18,12 @@ from typing import Any, Protocol, TypedDict
 
 class EpisodeLost(Exception):
     """A server the episode depends on (an env server, a vLLM server) went away or restarted and lost
-    it; the rollout replays the episode from its start with the same task and seed."""
+    it; the rollout replays the episode from its start with the same task and seed. `outage`: the
+    server had been down and was waited for (such replays do not use up the episode's replay budget)."""
+
+    def __init__(self, message: str, outage: bool):
+        super().__init__(message)
+        self.outage = outage
 
 
 class StepResult(TypedDict):

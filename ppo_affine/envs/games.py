@@ -329,7 +329,7 @@ GAMES: dict[str, GameSpec] = {
     ),
     "liars_dice": GameSpec(
         params=lambda c: {"players": 2, "numdice": 5}, rules=RULES["liars_dice"],
-        mcts=(3000, 200), describe=describe_liars_dice,
+        mcts=(3000, 200), describe=describe_liars_dice, fast_search=True,
     ),
     "leduc_poker": GameSpec(
         params=lambda c: {"players": 2}, rules=RULES["leduc_poker"], mcts=(3000, 200), describe=describe_leduc,
