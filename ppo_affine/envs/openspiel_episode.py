@@ -78,7 +78,8 @@ def compute_score(returns: list[float], player: int, zero_sum: bool, min_utility
 
 class AffineRolloutEvaluator(mcts.Evaluator):
     """The Affine env's MCTS leaf evaluator: the mean return of n random playouts, which choose
-    uniformly among `legal_actions()` at every node, chance nodes included; uniform priors."""
+    uniformly among `legal_actions()` at every node, chance nodes included, and stop at a non-terminal
+    state without legal actions (a rare gin_rummy state) with its current returns; uniform priors."""
 
     def __init__(self, n_rollouts: int, rng: np.random.RandomState):
         self.n_rollouts = n_rollouts
@@ -92,6 +93,8 @@ class AffineRolloutEvaluator(mcts.Evaluator):
             playout = state.clone()
             while not playout.is_terminal():
                 actions = playout.legal_actions()
+                if not actions:
+                    break
                 # Same draw as rng.choice(actions) from the same stream, at a fifth of the cost.
                 playout.apply_action(actions[self._rng.randint(len(actions))])
             total += playout.returns()
