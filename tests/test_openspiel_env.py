@@ -775,3 +775,32 @@ def test_each_result_says_how_long_the_opponents_took_to_move():
     results = run(play_episode(env, game_task_id("leduc_poker"), seed=1, opponent="mcts"))
     seconds = [r["info"]["opponent_seconds"] for r in results]
     assert seconds == sorted(seconds) and seconds[-1] > 0  # cumulative; the search took measurable time
+
+
+def test_exact_rollouts_stop_at_a_state_without_legal_actions():
+    """A few gin_rummy states are not terminal yet offer no action; a playout ends there with the state's
+    current returns, as the Affine evaluator's does (numpy cannot draw from nothing)."""
+    class Stuck:  # one move to a non-terminal state with no legal actions
+        def __init__(self, moved=False):
+            self.moved = moved
+
+        def is_terminal(self):
+            return False
+
+        def legal_actions(self):
+            return [] if self.moved else [7]
+
+        def apply_action(self, action):
+            self.moved = True
+
+        def clone(self):
+            return Stuck(self.moved)
+
+        def returns(self):
+            return [0.25, -0.25] if self.moved else [0.0, 0.0]
+
+        def get_game(self):
+            return load_game("leduc_poker", (("players", 2),))
+
+    values = AffineRolloutEvaluator(3, np.random.RandomState(0)).evaluate(Stuck())
+    assert values.tolist() == [0.25, -0.25]
