@@ -17,10 +17,11 @@ Profiles set the defaults every flag can still override:
   against their opponent at its real strength (the MCTS budgets of the game table, in the fast
   search; goofspiel's is uniform random, as simultaneous moves get in the env), in SFT data,
   training and evaluation alike; teachers aimed at that opponent (`--experts`); ID-only replies
-  (6 tokens), 30 PPO steps, 32 held-out seeds per game. gin_rummy games are long and their opponent
-  (the exact search: open_spiel's C++ one crashes on gin_rummy) thinks for seconds a move, so gin_rummy
-  gets 6 SFT games, a 1/61 share of the PPO episodes (`--game-weights`) and 4 evaluation seeds
-  (`--eval-episodes`), which its intervals show; goofspiel's long conversations get 32 SFT games.
+  (6 tokens), 20 PPO steps, 32 held-out seeds per game. Two CPU cores set the sizes: goofspiel's
+  conversations run to 4 000 tokens, so it gets 16 SFT games and 16 seeds; gin_rummy's to 8 000 and
+  its opponent (the exact search: open_spiel's C++ one crashes on gin_rummy) thinks for seconds a
+  move, so it gets 4 SFT games, a 1/61 share of the PPO episodes (`--game-weights`) and 4 seeds
+  (`--eval-episodes`), which their intervals show.
 - `ci`: the same four games and rows at toy sizes (2 games each, 1 PPO step, 20 simulations), for
   the tests (with a tiny model: `--set model.name_or_path=DIR`).
 
@@ -228,8 +229,9 @@ PROFILES = {
     "random": {"games": "goofspiel,leduc_poker", "opponents": "random", "train_opponent": "random",
                "max_new_tokens": 24, "eval_episodes": "16", "sft_episodes": "32", "sft_reason": True,
                "mcts_simulations": "300"},
-    "validator": {"games": VALIDATOR_GAMES, "opponents": "mcts", "train_opponent": "mcts", "steps": 30,
-                  "max_new_tokens": 6, "eval_episodes": "32,gin_rummy=4", "sft_episodes": "48,goofspiel=32,gin_rummy=6",
+    "validator": {"games": VALIDATOR_GAMES, "opponents": "mcts", "train_opponent": "mcts", "steps": 20,
+                  "max_new_tokens": 6, "eval_episodes": "32,goofspiel=16,gin_rummy=4",
+                  "sft_episodes": "48,goofspiel=16,gin_rummy=4",
                   "sft_reason": False, "experts": "leduc_poker=best_response,liars_dice=true_bids",
                   "game_weights": "gin_rummy=0.05"},
     "ci": {"games": VALIDATOR_GAMES, "opponents": "mcts", "train_opponent": "mcts", "steps": 1,

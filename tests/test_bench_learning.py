@@ -21,8 +21,8 @@ def test_the_validator_profile_plays_the_four_games_at_full_strength_and_flags_s
     assert args.games.split(",") == ["leduc_poker", "liars_dice", "goofspiel", "gin_rummy"]
     assert (args.opponents, args.train_opponent, args.mcts_simulations) == ("mcts", "mcts", None)  # the game table's
     assert (args.steps, args.max_new_tokens, args.sft_reason) == (12, 6, False)
-    assert args.eval_counts == {"*": 32, "gin_rummy": 4}
-    assert args.sft_counts == {"*": 48, "goofspiel": 32, "gin_rummy": 6}
+    assert args.eval_counts == {"*": 32, "goofspiel": 16, "gin_rummy": 4}
+    assert args.sft_counts == {"*": 48, "goofspiel": 16, "gin_rummy": 4}
     assert args.expert_choices == {"leduc_poker": "best_response", "liars_dice": "true_bids"}
     assert args.weights == {"gin_rummy": 0.05}
     assert learning.parse_args([]).steps == 4 and learning.parse_args(["--no-warm-start"]).steps == 10
