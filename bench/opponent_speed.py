@@ -1,7 +1,7 @@
 """Seconds per move of the validators' MCTS opponent: `exact` (the Affine env's Python search) and
 `fast` (open_spiel's C++ search), side by side on the same positions at the validators' budgets;
-then `fast` searches of concurrent episodes through the env: one episode alone, many on threads in this
-process, many on worker processes.
+then `fast` searches of concurrent episodes through the env: the same games one at a time, then all at once
+on threads in this process and on worker processes.
 Prints one JSON document (progress on stderr).
 
     python bench/opponent_speed.py                                # leduc_poker, liars_dice, gin_rummy
@@ -12,7 +12,8 @@ Positions are reached by uniformly random play from seeded deals (a few moves in
 chance to move), so both searches face exactly the same states; `--scale` multiplies the simulations
 of both alike. `parallel`: `--episodes` games against the fast opponent play `--turns` model turns
 each, all at once through OpenSpielEnv, with the searches on threads of this process (workers=0) and on
-`--workers` worker processes; `speedup_*` is one episode's wall seconds per opponent move over theirs.
+`--workers` worker processes; `speedup_*` is the wall seconds per opponent move of the same games played one at a
+time over theirs.
 """
 from __future__ import annotations
 
@@ -67,8 +68,10 @@ def seconds_per_move(game_name: str, states: list, simulations: int, search: str
     return times
 
 
-async def concurrent_turns(game_name: str, episodes: int, turns: int, simulations: int, workers: int) -> dict:
-    """Wall seconds for `episodes` concurrent games to play `turns` model turns each against the fast search."""
+async def timed_turns(game_name: str, episodes: int, turns: int, simulations: int, workers: int,
+                      concurrent: bool = True) -> dict:
+    """Wall seconds for `episodes` games (seeds 0..episodes-1) to play `turns` model turns each against the fast
+    search: all at once, or one after another (`concurrent=False`, the baseline on the same games)."""
     env = OpenSpielEnv("evaluate", mcts_simulations={game_name: simulations}, workers=workers,
                        opponent_search="fast")
     if workers:  # start the worker processes outside the timing
@@ -86,7 +89,11 @@ async def concurrent_turns(game_name: str, episodes: int, turns: int, simulation
             bot_moves += result["info"]["step_count"] - before - 1
 
     start = time.perf_counter()
-    await asyncio.gather(*(play(seed) for seed in range(episodes)))
+    if concurrent:
+        await asyncio.gather(*(play(seed) for seed in range(episodes)))
+    else:
+        for seed in range(episodes):
+            await play(seed)
     seconds = time.perf_counter() - start
     await env.close()
     return {"seconds": round(seconds, 2), "bot_moves": bot_moves}
@@ -128,16 +135,16 @@ def main() -> None:
         if "exact" in entry and "fast" in entry:
             entry["exact_over_fast"] = round(entry["exact"]["mean_s"] / entry["fast"]["mean_s"], 1)
         if args.episodes:
-            alone = asyncio.run(concurrent_turns(game_name, 1, args.turns, simulations, 0))
-            in_process = asyncio.run(concurrent_turns(game_name, args.episodes, args.turns, simulations, 0))
-            on_workers = asyncio.run(concurrent_turns(game_name, args.episodes, args.turns, simulations, args.workers))
+            in_turn = asyncio.run(timed_turns(game_name, args.episodes, args.turns, simulations, 0, concurrent=False))
+            in_process = asyncio.run(timed_turns(game_name, args.episodes, args.turns, simulations, 0))
+            on_workers = asyncio.run(timed_turns(game_name, args.episodes, args.turns, simulations, args.workers))
             per_move = {name: run["seconds"] / max(run["bot_moves"], 1)
-                        for name, run in (("one", alone), ("threads", in_process), ("workers", on_workers))}
+                        for name, run in (("one", in_turn), ("threads", in_process), ("workers", on_workers))}
             entry["parallel"] = {
                 "episodes": args.episodes, "turns_each": args.turns, "workers": args.workers,
-                "one_episode": alone, "in_process": in_process, "on_workers": on_workers,
-                # wall seconds per opponent move: one episode alone, then many at once; the ratio to one episode
-                # is the parallel speedup (the C++ search releases the GIL, so threads run it in parallel too)
+                "one_at_a_time": in_turn, "in_process": in_process, "on_workers": on_workers,
+                # wall seconds per opponent move: the same games one at a time, then all at once; the ratio is the
+                # parallel speedup (the C++ search releases the GIL, so threads run it in parallel too)
                 "s_per_bot_move": {name: round(value, 4) for name, value in per_move.items()},
                 "speedup_threads": round(per_move["one"] / per_move["threads"], 2),
                 "speedup_workers": round(per_move["one"] / per_move["workers"], 2),

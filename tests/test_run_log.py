@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ppo_affine.run_log import report_failure, silence_known_library_warnings
+from ppo_affine.run_log import episode_summary, report_failure, silence_known_library_warnings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,3 +71,19 @@ def test_progress_without_a_terminal_prints_a_plain_line_per_interval(monkeypatc
     lines = [line for line in log_file.getvalue().splitlines() if line.strip()]
     # 10 s: too soon; 70 s: a line; 80 s: 10 s after the last line; the 4th episode ends the work silently
     assert lines == ["eval: episodes: 2/4 (70 s)"]
+
+
+def test_a_steps_summary_adds_up_the_opponents_own_seconds_over_its_episodes():
+    from curriculum import Task
+    from ppo_affine.rollout import Episode
+
+    def episode(task_id: int, seconds: float | None, error: str | None = None) -> Episode:
+        info = {} if seconds is None else {"opponent_seconds": seconds}
+        return Episode(task=Task("openspiel", task_id, 0, "mcts", "s", False), env_kind="openspiel", done=True,
+                       score=1.0, error=error, info=info)
+
+    episodes = [episode(0, 0.25), episode(1, 1.5), episode(2, None), episode(3, 0.5, error="lost")]
+    summary = episode_summary(episodes, rollout_seconds=2.0, rewards={id(e): 1.0 for e in episodes})
+    # a failed episode's opponent still spent its time; an env that does not report it adds nothing
+    assert summary["perf/opponent_seconds"] == pytest.approx(2.25)
+    assert summary["env/episodes"] == 4 and summary["env/episodes_failed"] == 1
