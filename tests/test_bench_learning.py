@@ -35,6 +35,14 @@ def test_per_game_options_name_games_of_the_run():
         learning.parse_args(["--eval-episodes", "48,gin_rummy"])
 
 
+def test_a_profiles_per_game_defaults_follow_the_games_of_the_run():
+    args = learning.parse_args(["--profile", "validator", "--games", "leduc_poker,liars_dice"])
+    assert args.expert_choices == {"leduc_poker": "best_response", "liars_dice": "true_bids"}
+    assert args.weights == {}  # gin_rummy's share goes with gin_rummy
+    assert learning.parse_args(["--profile", "validator", "--games", "leduc_poker"]).expert_choices == {
+        "leduc_poker": "best_response"}
+
+
 def test_rows_not_in_this_run_are_refused():
     with pytest.raises(SystemExit):
         learning.parse_args(["--no-warm-start", "--models", "sft"])
