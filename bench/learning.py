@@ -247,7 +247,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", choices=sorted(PROFILES), default="random",
                         help="defaults for the flags below (module docstring)")
     parser.add_argument("--games", help="comma-separated games")
-    parser.add_argument("--steps", type=int, help="PPO steps (random: 4 after a warm start, 10 without; validator: 40)")
+    parser.add_argument("--steps", type=int, help="PPO steps (random: 4 after a warm start, 10 without; validator: 20)")
     parser.add_argument("--game-weights",
                         help="GAME=W,...: a game's share of the PPO episodes relative to 1 for the others")
     parser.add_argument("--experts", help="GAME=KIND,...: teachers other than a game's default (sft_warmstart --expert)")
