@@ -343,9 +343,11 @@ GAMES: dict[str, GameSpec] = {
     ),
     "othello": GameSpec(params=lambda c: {}, rules=RULES["othello"], mcts=(1000, 20)),
     "backgammon": GameSpec(params=lambda c: {}, rules=RULES["backgammon"], mcts=(600, 15)),
-    "hex": GameSpec(params=lambda c: {"board_size": 5 + 2 * (c % 4)}, rules=RULES["hex"], mcts=(1000, 50)),
+    "hex": GameSpec(params=lambda c: {"board_size": 5 + 2 * (c % 4)}, rules=RULES["hex"], mcts=(1000, 50),
+                   fast_search=True),
     "clobber": GameSpec(
         params=lambda c: {"rows": 5 + c % 3, "columns": 5 + c % 3}, rules=RULES["clobber"], mcts=(1500, 100),
+        fast_search=True,
     ),
     "hearts": GameSpec(
         params=lambda c: {
@@ -359,7 +361,7 @@ GAMES: dict[str, GameSpec] = {
     ),
     "dots_and_boxes": GameSpec(
         params=lambda c: {"num_rows": 3 + c % 3, "num_cols": 3 + c % 3}, rules=RULES["dots_and_boxes"],
-        mcts=(1200, 100),
+        mcts=(1200, 100), fast_search=True,
     ),
     "go": GameSpec(params=lambda c: {"board_size": 5 + 2 * (c % 2), "komi": 7.5}, rules=RULES["go"], mcts=(300, 30)),
     "chess": GameSpec(params=lambda c: {}, rules=RULES["chess"], mcts=(200, 20)),
@@ -371,7 +373,7 @@ GAMES: dict[str, GameSpec] = {
     "blackjack": GameSpec(params=lambda c: {}, rules=RULES["blackjack"], describe=describe_blackjack),
     "phantom_ttt": GameSpec(
         params=lambda c: {"obstype": "reveal-numturns" if c % 2 else "reveal-nothing"},
-        rules=RULES["phantom_ttt"], mcts=(3000, 150),
+        rules=RULES["phantom_ttt"], mcts=(3000, 150), fast_search=True,
     ),
     "2048": GameSpec(params=lambda c: {}, rules=RULES["2048"]),
     "solitaire": GameSpec(params=lambda c: {}, rules=RULES["solitaire"], describe=describe_solitaire),
