@@ -279,11 +279,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"))
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
     args = parser.parse_args(argv)
-    games = args.games or PROFILES[args.profile]["games"]
+    games = (args.games or PROFILES[args.profile]["games"]).split(",")
     for name, value in PROFILES[args.profile].items():
         if getattr(args, name, None) is None:
             if name in ("experts", "game_weights"):  # a profile's items for games left out of this run go
-                value = ",".join(item for item in value.split(",") if item.split("=")[0] in games.split(","))
+                value = ",".join(item for item in value.split(",") if item.split("=")[0] in games)
             setattr(args, name, parse_simulations(value) if name == "mcts_simulations" else value)
     args.sft_epochs = 2 if args.sft_epochs is None else args.sft_epochs
     try:
@@ -296,7 +296,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(str(exc))
     if args.goofspiel_expert:
         args.expert_choices["goofspiel"] = args.goofspiel_expert
-    unknown = [g for g in [*args.expert_choices, *args.weights] if g not in args.games.split(",")]
+    unknown = [g for g in [*args.expert_choices, *args.weights] if g not in games]
     if unknown:
         parser.error(f"--experts/--game-weights name games not in this run: {unknown}")
     if args.steps is None:

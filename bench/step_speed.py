@@ -68,6 +68,7 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
     import train_ppo
     from ppo_affine import prefixes
     from ppo_affine.experience import build_sequences
+    from ppo_affine.run_log import opponent_seconds
     from utils import load_config
 
     games, opponent, strategy, extra, share = SETTINGS[name]
@@ -102,7 +103,7 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
     peak = (torch.cuda.max_memory_allocated() if policy.device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     generated = sum(e.generated_tokens for e in episodes)
-    opponent_seconds = sum(e.info.get("opponent_seconds", 0.0) for e in episodes)  # as perf/opponent_seconds
+    searching = opponent_seconds(episodes)  # perf/opponent_seconds of this step
     prompts = [e.prompt_ids(turn) for e in episodes for turn in e.turns]
     ceiling = plain_generate_rate(policy, prompts, args.episodes, args.max_new_tokens, trainer.generator.eos_ids)
     sequences = build_sequences(usable)
@@ -120,8 +121,8 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
         if hasattr(trainer.generator, "prefilled_tokens") else None,
         "rollout_seconds": round(rollout_seconds, 2), "step_seconds": round(step_seconds, 2),
         "update_seconds": round(metrics["perf/update_seconds"], 2), "peak_memory_bytes": int(peak),
-        "opponent_seconds": round(opponent_seconds, 2),
-        "opponent_share_of_step": round(opponent_seconds / step_seconds, 3),
+        "opponent_seconds": round(searching, 2),
+        "opponent_share_of_step": round(searching / step_seconds, 3),
     }
 
 

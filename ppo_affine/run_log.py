@@ -117,6 +117,11 @@ class RunLogger:
             self.wandb_run.finish()
 
 
+def opponent_seconds(episodes) -> float:
+    """The game opponents' own move time summed over `episodes` (envs that do not report it add nothing)."""
+    return sum(e.info.get("opponent_seconds", 0.0) for e in episodes)
+
+
 def episode_summary(episodes, rollout_seconds: float, rewards: dict[int, float]) -> dict[str, Any]:
     """The env/ and perf/ numbers of one step's episodes; `rewards` maps id(episode) to its total reward."""
     ok = [e for e in episodes if not e.error]
@@ -136,7 +141,7 @@ def episode_summary(episodes, rollout_seconds: float, rewards: dict[int, float])
         "perf/rollout_seconds": rollout_seconds,
         # the game opponents' own time over the step's episodes (searches of concurrent episodes overlap
         # on worker processes, so this can exceed the rollout's wall time)
-        "perf/opponent_seconds": sum(e.info.get("opponent_seconds", 0.0) for e in episodes),
+        "perf/opponent_seconds": opponent_seconds(episodes),
         "perf/tokens_per_s": tokens / rollout_seconds if rollout_seconds > 0 else 0.0,
     }
     for prefix, key in (("game", lambda e: e.game_name), ("stage", lambda e: e.task.stage)):

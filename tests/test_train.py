@@ -408,9 +408,9 @@ def test_sigterm_during_the_update_saves_the_last_finished_step_and_resumes_as_i
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     # the reference runs in a fresh interpreter as the stopped run does: nothing earlier tests left in this
     # process can tell the two apart
-    reference = _run_cli(*tiny_args(tiny_model_dir, straight, "--max-steps", "2", "--set",
-                                    "checkpointing.save_every=1"))
-    assert reference.returncode == 0, reference.stderr[-2000:]
+    straight_run = _run_cli(*tiny_args(tiny_model_dir, straight, "--max-steps", "2", "--set",
+                                       "checkpointing.save_every=1"))
+    assert straight_run.returncode == 0, straight_run.stderr[-2000:]
     stopped.mkdir()
     args = tiny_args(tiny_model_dir, stopped, "--max-steps", "2", "--set", "checkpointing.save_every=1000")
     process = start_and_wait_for_the_update(stopped, args, checks=True)
