@@ -21,7 +21,8 @@ Profiles set the defaults every flag can still override:
   conversations run to 4 000 tokens, so it gets 16 SFT games and 16 seeds; gin_rummy's to 8 000 and
   its opponent (the exact search: open_spiel's C++ one crashes on gin_rummy) thinks for seconds a
   move, so it gets 4 SFT games, a 1/61 share of the PPO episodes (`--game-weights`) and 4 seeds
-  (`--eval-episodes`), which their intervals show.
+  (`--eval-episodes`), which their intervals show; a run with gin_rummy allows 60 model turns and
+  8 186-token prompts (GAME_OVERRIDES), room for its whole conversation.
 - `ci`: the same four games and rows at toy sizes (2 games each, 1 PPO step, 20 simulations), for
   the tests (with a tiny model: `--set model.name_or_path=DIR`).
 
@@ -66,6 +67,10 @@ TRAIN_OVERRIDES = ["ppo.batch_size=8", "ppo.ppo_epochs=1", "ppo.learning_rate=2e
 # PPO from an SFT adapter runs with the warm_start preset (config/presets/warm_start.json: temperature 0.7,
 # a loose KL anchor to the SFT adapter); the bench's own curriculum stage replaces the preset's.
 WARM_START_PRESET = "warm_start"
+# What a game's whole evaluate() conversation needs beyond TRAIN_OVERRIDES, set when the game is in the run:
+# gin_rummy plays up to about 45 model turns before the stock runs out, and its full conversation outgrows
+# 4 096 tokens after about 15 (SmolLM2 holds 8 192, 6 of them for the reply).
+GAME_OVERRIDES = {"gin_rummy": ["generation.max_turns=60", "generation.max_prompt_tokens=8186"]}
 EVAL_SEED = 900_000  # training draws its seeds from the curriculum's generator; these are derived apart
 
 
@@ -316,15 +321,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_overrides(args: argparse.Namespace, games: list[str]) -> list[str]:
+    """The config overrides SFT, PPO and evaluation share, the user's `--set` items last so that they win."""
+    overrides = [*TRAIN_OVERRIDES, f"generation.max_new_tokens={args.max_new_tokens}"]
+    # one MCTS strength for SFT data, training and evaluation (default: the validators'); random opponents ignore it
+    if args.mcts_simulations is not None:
+        overrides.append(f"env.envs.openspiel.mcts_simulations={json.dumps(args.mcts_simulations)}")
+    overrides += [item for game in games for item in GAME_OVERRIDES.get(game, [])]
+    return overrides + args.set
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     games = args.games.split(",")
     opponents = args.opponents.split(",")
-    # one MCTS strength for SFT data, training and evaluation (default: the validators'); random opponents ignore it
-    overrides = [*TRAIN_OVERRIDES, f"generation.max_new_tokens={args.max_new_tokens}"]
-    if args.mcts_simulations is not None:
-        overrides.append(f"env.envs.openspiel.mcts_simulations={json.dumps(args.mcts_simulations)}")
-    overrides += args.set  # last: the user's overrides win
+    overrides = run_overrides(args, games)
     shutil.rmtree(args.output_dir, ignore_errors=True)  # this bench's own scratch folder
     args.output_dir.mkdir(parents=True)
     timings: dict[str, float] = {}

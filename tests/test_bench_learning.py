@@ -35,6 +35,17 @@ def test_per_game_options_name_games_of_the_run():
         learning.parse_args(["--eval-episodes", "48,gin_rummy"])
 
 
+def test_gin_rummy_gets_room_for_its_whole_conversation_and_the_users_set_still_wins():
+    args = learning.parse_args(["--profile", "validator", "--games", "leduc_poker,gin_rummy",
+                                "--set", "generation.max_turns=80"])
+    overrides = learning.run_overrides(args, ["leduc_poker", "gin_rummy"])
+    settings = dict(item.split("=", 1) for item in overrides)  # a later item wins, as in load_config
+    assert settings["generation.max_turns"] == "80" and settings["generation.max_prompt_tokens"] == "8186"
+    assert settings["generation.max_new_tokens"] == "6"
+    leduc_only = dict(item.split("=", 1) for item in learning.run_overrides(args, ["leduc_poker"]))
+    assert leduc_only["generation.max_prompt_tokens"] == "4096"
+
+
 def test_a_profiles_per_game_defaults_follow_the_games_of_the_run():
     args = learning.parse_args(["--profile", "validator", "--games", "leduc_poker,liars_dice"])
     assert args.expert_choices == {"leduc_poker": "best_response", "liars_dice": "true_bids"}
