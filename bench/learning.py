@@ -22,7 +22,8 @@ Profiles set the defaults every flag can still override:
   its opponent (the exact search: open_spiel's C++ one crashes on gin_rummy) thinks for seconds a
   move, so it gets 4 SFT games, a 1/61 share of the PPO episodes (`--game-weights`) and 4 seeds
   (`--eval-episodes`), which their intervals show; a run with gin_rummy allows 60 model turns and
-  8 186-token prompts (GAME_OVERRIDES), room for its whole conversation.
+  8 186-token prompts (GAME_OVERRIDES), room for its whole conversation, and checkpoints
+  activations in backward passes.
 - `ci`: the same four games and rows at toy sizes (2 games each, 1 PPO step, 20 simulations), for
   the tests (with a tiny model: `--set model.name_or_path=DIR`).
 
@@ -69,8 +70,10 @@ TRAIN_OVERRIDES = ["ppo.batch_size=8", "ppo.ppo_epochs=1", "ppo.learning_rate=2e
 WARM_START_PRESET = "warm_start"
 # What a game's whole evaluate() conversation needs beyond TRAIN_OVERRIDES, set when the game is in the run:
 # gin_rummy plays up to about 45 model turns before the stock runs out, and its full conversation outgrows
-# 4 096 tokens after about 15 (SmolLM2 holds 8 192, 6 of them for the reply).
-GAME_OVERRIDES = {"gin_rummy": ["generation.max_turns=60", "generation.max_prompt_tokens=8186"]}
+# 4 096 tokens after about 15 (SmolLM2 holds 8 192, 6 of them for the reply); backward passes through
+# 8 000-token rows keep one layer's activations at a time (gradient checkpointing: 6.9 GB RSS in SFT).
+GAME_OVERRIDES = {"gin_rummy": ["generation.max_turns=60", "generation.max_prompt_tokens=8186",
+                                "model.gradient_checkpointing=true"]}
 EVAL_SEED = 900_000  # training draws its seeds from the curriculum's generator; these are derived apart
 
 

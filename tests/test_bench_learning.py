@@ -41,7 +41,7 @@ def test_gin_rummy_gets_room_for_its_whole_conversation_and_the_users_set_still_
     overrides = learning.run_overrides(args, ["leduc_poker", "gin_rummy"])
     settings = dict(item.split("=", 1) for item in overrides)  # a later item wins, as in load_config
     assert settings["generation.max_turns"] == "80" and settings["generation.max_prompt_tokens"] == "8186"
-    assert settings["generation.max_new_tokens"] == "6"
+    assert settings["generation.max_new_tokens"] == "6" and settings["model.gradient_checkpointing"] == "true"
     leduc_only = dict(item.split("=", 1) for item in learning.run_overrides(args, ["leduc_poker"]))
     assert leduc_only["generation.max_prompt_tokens"] == "4096"
 
