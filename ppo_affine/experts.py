@@ -216,6 +216,20 @@ def _matching(counts: np.ndarray, face: int) -> np.ndarray:
     return counts[..., face - 1] + (counts[..., 5] if face < 6 else 0)
 
 
+def highest_true_bid_guess_rate(dice: int) -> float:
+    """liars_dice with `dice` dice each, moving first against an opponent that sees every die and
+    answers with the highest bid that holds: the first bid wins only if it is that highest bid. The
+    chance of naming it with the best guess from one's own dice (averaged over one's hands); the
+    second mover never wins against that opponent, so both seats average half of this."""
+    counts, weights = dice_compositions(dice, 6)
+    rate = 0.0
+    for mine, weight in zip(counts, weights):
+        totals = np.stack([_matching(mine, face) + _matching(counts, face) for face in range(1, 7)], axis=1)
+        highest = np.max(np.where(totals > 0, (totals - 1) * 6 + np.arange(6), -1), axis=1)
+        rate += weight * max(np.bincount(highest, weights=weights))
+    return float(rate)
+
+
 def true_bid_choice(my_dice: list[int], bids: list[tuple[int, int]], legal: list[int]) -> tuple[int, float]:
     """liars_dice against an opponent that sees every die: it raises to the highest bid that holds,
     which leaves no true raise, so a raise wins only if it is itself the highest bid that holds, and a

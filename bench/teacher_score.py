@@ -1,0 +1,66 @@
+"""How well a game's teacher (ppo_affine/experts.py) plays against the validators' opponent.
+
+Plays `--games-played` games of the env's evaluate() conversation with the teacher in the model's seat,
+both seats in turn, against the MCTS at the game's validator budget (the fast search where the game
+table says so), and prints one JSON document: the mean score per seat and over both with 95 % t
+intervals. For liars_dice it adds the most a first bid can win against an opponent that sees every die
+and always answers with the highest bid that holds (`experts.highest_true_bid_guess_rate`): a bar
+the real MCTS is measured against.
+
+    python bench/teacher_score.py --game liars_dice --games-played 200
+    python bench/teacher_score.py --game leduc_poker --expert cfr --games-played 200
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import sft_warmstart
+from ppo_affine import report
+from ppo_affine.envs.games import GAMES
+from ppo_affine.experts import expert_choices, expert_kind, highest_true_bid_guess_rate
+
+SEED = 424_242  # apart from the SFT data's and the evaluation's seeds
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--game", required=True, choices=sorted(g for g in GAMES if expert_choices(g)))
+    parser.add_argument("--expert", help="a teacher other than the game's default (sft_warmstart --expert kinds)")
+    parser.add_argument("--games-played", type=int, default=200, help="games, seats alternating")
+    parser.add_argument("--config-ids", default="0", help="comma-separated game variants to cycle through")
+    parser.add_argument("--workers", type=int, default=2, help="processes playing games")
+    args = parser.parse_args(argv)
+    chosen = {args.game: args.expert} if args.expert else {}
+    if args.expert and args.expert not in expert_choices(args.game):
+        parser.error(f"--expert {args.expert}: {args.game}'s teachers are {', '.join(expert_choices(args.game))}")
+    if args.games_played < 2:
+        parser.error(f"--games-played must be at least 2 (one a seat), got {args.games_played}")
+
+    started = time.perf_counter()
+    jobs = sft_warmstart.plan_jobs([args.game], args.games_played, SEED, "mcts",
+                                   [int(c) for c in args.config_ids.split(",")], None, 300, False, experts=chosen)
+    records = sft_warmstart.generate(jobs, args.workers, None)
+    scores = {seat: [r["score"] for r in records if r["llm_player_id"] == seat] for seat in (0, 1)}
+
+    def summary(values: list[float]) -> dict:
+        mean, interval = report.mean_interval(values, 0.0, 1.0)
+        return {"games": len(values), "mean_score": round(mean, 4),
+                "ci95": [round(x, 4) for x in interval] if interval else None}
+
+    result = {"game": args.game, "expert": expert_kind(args.game, chosen), "opponent": "mcts",
+              "opponent_budget": list(GAMES[args.game].mcts), "config_ids": args.config_ids,
+              "both_seats": summary(scores[0] + scores[1]),
+              "by_seat": {str(seat): summary(values) for seat, values in scores.items() if values},
+              "minutes": round((time.perf_counter() - started) / 60, 1)}
+    if args.game == "liars_dice":
+        dice = GAMES["liars_dice"].params(0)["numdice"]
+        first = highest_true_bid_guess_rate(dice)
+        result["vs_a_perfect_opponent"] = {"first_seat": round(first, 4), "second_seat": 0.0,
+                                           "both_seats": round(first / 2, 4)}
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
