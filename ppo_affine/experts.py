@@ -216,6 +216,13 @@ def _matching(counts: np.ndarray, face: int) -> np.ndarray:
     return counts[..., face - 1] + (counts[..., 5] if face < 6 else 0)
 
 
+def _true_bid_totals(mine: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For our face counts `mine` [6] and each opponent hand in `counts` [K, 6]: the dice that count for
+    each face [K, 6], and the highest bid that holds as an action id [K]: (q - 1) * 6 + f - 1 with q = totals[f]."""
+    totals = np.stack([_matching(mine, face) + _matching(counts, face) for face in range(1, 7)], axis=1)
+    return totals, np.max(np.where(totals > 0, (totals - 1) * 6 + np.arange(6), -1), axis=1)
+
+
 def highest_true_bid_guess_rate(dice: int) -> float:
     """liars_dice with `dice` dice each, moving first against an opponent that sees every die and
     answers with the highest bid that holds: the first bid wins only if it is that highest bid. The
@@ -224,8 +231,7 @@ def highest_true_bid_guess_rate(dice: int) -> float:
     counts, weights = dice_compositions(dice, 6)
     rate = 0.0
     for mine, weight in zip(counts, weights):
-        totals = np.stack([_matching(mine, face) + _matching(counts, face) for face in range(1, 7)], axis=1)
-        highest = np.max(np.where(totals > 0, (totals - 1) * 6 + np.arange(6), -1), axis=1)
+        _, highest = _true_bid_totals(mine, counts)
         rate += weight * max(np.bincount(highest, weights=weights))
     return float(rate)
 
@@ -237,7 +243,7 @@ def true_bid_choice(my_dice: list[int], bids: list[tuple[int, int]], legal: list
     earlier bids hold), take the action most likely to win; returns it with that probability."""
     mine = np.bincount(np.array(my_dice) - 1, minlength=6)
     counts, weights = dice_compositions(len(my_dice), 6)
-    totals = np.stack([_matching(mine, face) + _matching(counts, face) for face in range(1, 7)], axis=1)  # [K, 6]
+    totals, highest = _true_bid_totals(mine, counts)
     # bids alternate seats and the last one (if any) is the opponent's: its earlier ones are every other
     for quantity, face in bids[-3::-2]:
         weights = weights * (totals[:, face - 1] >= quantity)
@@ -246,8 +252,6 @@ def true_bid_choice(my_dice: list[int], bids: list[tuple[int, int]], legal: list
     if bids:
         quantity, face = bids[-1]
         p_challenge = float(weights @ (totals[:, face - 1] < quantity))
-    # the highest bid that holds under each hand, as an action id: (q - 1) * 6 + f - 1 with q = totals[f]
-    highest = np.max(np.where(totals > 0, (totals - 1) * 6 + np.arange(6), -1), axis=1)
     p_win = {a: float(weights[highest == a].sum()) for a in legal if a != LIAR}
     best = max(p_win, key=lambda a: (p_win[a], -a), default=None)
     if LIAR in legal and (best is None or p_challenge >= p_win[best]):
