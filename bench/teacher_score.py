@@ -19,7 +19,7 @@ import time
 import sft_warmstart
 from ppo_affine import report
 from ppo_affine.envs.games import GAMES
-from ppo_affine.experts import expert_choices, expert_kind, highest_true_bid_guess_rate
+from ppo_affine.experts import ExpertUnavailable, expert_choices, expert_kind, highest_true_bid_guess_rate
 
 SEED = 424_242  # apart from the SFT data's and the evaluation's seeds
 
@@ -33,8 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2, help="processes playing games")
     args = parser.parse_args(argv)
     chosen = {args.game: args.expert} if args.expert else {}
-    if args.expert and args.expert not in expert_choices(args.game):
-        parser.error(f"--expert {args.expert}: {args.game}'s teachers are {', '.join(expert_choices(args.game))}")
+    try:
+        kind = expert_kind(args.game, chosen)
+    except ExpertUnavailable as exc:
+        parser.error(f"--expert: {exc}")
     if args.games_played < 2:
         parser.error(f"--games-played must be at least 2 (one a seat), got {args.games_played}")
 
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         return {"games": len(values), "mean_score": round(mean, 4),
                 "ci95": [round(x, 4) for x in interval] if interval else None}
 
-    result = {"game": args.game, "expert": expert_kind(args.game, chosen), "opponent": "mcts",
+    result = {"game": args.game, "expert": kind, "opponent": "mcts",
               "opponent_budget": list(GAMES[args.game].mcts), "config_ids": args.config_ids,
               "both_seats": summary(scores[0] + scores[1]),
               "by_seat": {str(seat): summary(values) for seat, values in scores.items() if values},
