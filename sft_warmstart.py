@@ -23,6 +23,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,12 +71,14 @@ def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | 
 
 def plan_jobs(games: list[str], episodes: int | dict[str, int], seed: int, opponent: str, config_ids: list[int],
               budget: int | None,
-              cfr_iterations: int, with_reason: bool, opponent_simulations: int | dict[str, int] | None = None, *,
+              cfr_iterations: int, with_reason: bool | Collection[str],
+              opponent_simulations: int | dict[str, int] | None = None, *,
               experts: dict[str, str] | None = None, opponent_search: str = "fast",
               cache_dir: str = "~/.cache/ppo-affine") -> list[ExpertJob]:
     """`episodes` jobs per game (one number, or {game: number} with "*" for the others) over the config ids;
-    consecutive seeds alternate the model's seat. `opponent_simulations` is one MCTS budget for every game
-    or {game: budget} (unnamed games: the env's)."""
+    consecutive seeds alternate the model's seat. `with_reason`: True for replies with a reason in every game,
+    or the games whose replies carry one. `opponent_simulations` is one MCTS budget for every game or
+    {game: budget} (unnamed games: the env's)."""
     from ppo_affine.envs.tasks import game_task_id
 
     def count(game: str) -> int:
@@ -86,7 +89,8 @@ def plan_jobs(games: list[str], episodes: int | dict[str, int], seed: int, oppon
 
     return [expert_job(game, game_task_id(game, config_ids[i % len(config_ids)]),
                        (derive_seed(seed, "sft", game, i) & ~1) | (i % 2),  # parity = the model's seat
-                       opponent, budget, cfr_iterations, with_reason, simulations(game),
+                       opponent, budget, cfr_iterations,
+                       with_reason if isinstance(with_reason, bool) else game in with_reason, simulations(game),
                        experts=experts, opponent_search=opponent_search, cache_dir=cache_dir)
             for game in games for i in range(count(game))]
 
@@ -236,7 +240,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="experts other than a game's default (the first listed): "
                         + "; ".join(f"{game}: {', '.join(kinds)}" for game, kinds in CHOICES.items()))
     parser.add_argument("--cfr-iterations", type=int, default=300, help="CFR+ iterations for leduc_poker")
-    parser.add_argument("--reason", action="store_true", help="replies '<think>one-line reason</think>ID'")
+    parser.add_argument("--reason", nargs="?", const="*", default="", metavar="GAMES",
+                        help="replies '<think>one-line reason</think>ID': in every game, or only in the "
+                        "comma-separated GAMES (e.g. --reason goofspiel); the others reply with the ID alone")
     parser.add_argument("--data", type=Path, help="train on this JSONL instead of generating episodes")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes playing episodes")
     parser.add_argument("--epochs", type=int, default=2)
@@ -273,6 +279,16 @@ def parse_experts(text: str) -> dict[str, str]:
     return experts
 
 
+def parse_reason_games(text: str, games: list[str]) -> set[str]:
+    """--reason's value: '' -> no game, '*' -> every game, 'a,b' -> those games (ConfigError for a game not played)."""
+    if text.strip() == "*":
+        return set(games)
+    named = {game.strip() for game in text.split(",") if game.strip()}
+    if named - set(games):
+        raise ConfigError(f"--reason: {sorted(named - set(games))} are not in --games ({','.join(games)}).")
+    return named
+
+
 def check_args(args: argparse.Namespace) -> list[str]:
     """The games to play; ConfigError naming the option for anything that cannot work."""
     from ppo_affine.experts import ExpertUnavailable, expert_kind
@@ -297,6 +313,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
                 expert_kind(game, args.experts)
             except ExpertUnavailable as exc:
                 raise ConfigError(f"--games: {exc}.") from None
+    args.reason_games = parse_reason_games(args.reason, games) if args.data is None else set()
     for name in ("epochs", "batch_size", "workers", "cfr_iterations"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
@@ -326,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             if simulations is None:  # the opponent training will meet
                 simulations = game_env.mcts_simulations
             jobs = plan_jobs(games, args.episodes, config.train.run.seed, args.opponent, args.config_id_list,
-                             args.expert_budget, args.cfr_iterations, args.reason, simulations,
+                             args.expert_budget, args.cfr_iterations, args.reason_games, simulations,
                              experts=args.experts, opponent_search=game_env.opponent_search,
                              cache_dir=config.train.model.cache_dir)
             started = time.perf_counter()

@@ -17,7 +17,8 @@ Profiles set the defaults every flag can still override:
   against their opponent at its real strength (the MCTS budgets of the game table, in the fast
   search; goofspiel's is uniform random, as simultaneous moves get in the env), in SFT data,
   training and evaluation alike; teachers aimed at that opponent (`--experts`); ID-only replies
-  (6 tokens), 20 PPO steps, 32 held-out seeds per game. Two CPU cores set the sizes: goofspiel's
+  (6 tokens) except goofspiel's, which carry the prize card as a short reason (`--sft-reason`: the
+  ID-only student played legal bids 0.72 of the time), 20 PPO steps, 32 held-out seeds per game. Two CPU cores set the sizes: goofspiel's
   conversations run to 4 000 tokens, so it gets 16 SFT games and 16 seeds; gin_rummy's to 8 000 and
   its opponent (the exact search: open_spiel's C++ one crashes on gin_rummy) thinks for seconds a
   move, so it gets 4 SFT games, a 1/61 share of the PPO episodes (`--game-weights`) and 4 seeds
@@ -74,6 +75,9 @@ WARM_START_PRESET = "warm_start"
 # 8 000-token rows keep one layer's activations at a time (gradient checkpointing: 6.9 GB RSS in SFT).
 GAME_OVERRIDES = {"gin_rummy": ["generation.max_turns=60", "generation.max_prompt_tokens=8186",
                                 "model.gradient_checkpointing=true"]}
+# A reply with a short reason ('<think>Current point card: 8</think>7') fits in 24 tokens; ID-only replies end
+# at their EOS long before, so a run that mixes the two costs nothing more for the ID-only games.
+REASON_REPLY_TOKENS = 24
 EVAL_SEED = 900_000  # training draws its seeds from the curriculum's generator; these are derived apart
 
 
@@ -235,15 +239,15 @@ def _ci(value, interval, signed: bool = False) -> str:
 VALIDATOR_GAMES = "leduc_poker,liars_dice,goofspiel,gin_rummy"
 PROFILES = {
     "random": {"games": "goofspiel,leduc_poker", "opponents": "random", "train_opponent": "random",
-               "max_new_tokens": 24, "eval_episodes": "16", "sft_episodes": "32", "sft_reason": True,
+               "max_new_tokens": 24, "eval_episodes": "16", "sft_episodes": "32", "sft_reason": "*",
                "mcts_simulations": "300"},
     "validator": {"games": VALIDATOR_GAMES, "opponents": "mcts", "train_opponent": "mcts", "steps": 20,
                   "max_new_tokens": 6, "eval_episodes": "32,goofspiel=16,gin_rummy=4",
                   "sft_episodes": "48,goofspiel=16,gin_rummy=4",
-                  "sft_reason": False, "experts": "leduc_poker=best_response,liars_dice=true_bids",
+                  "sft_reason": "goofspiel", "experts": "leduc_poker=best_response,liars_dice=true_bids",
                   "game_weights": "gin_rummy=0.05"},
     "ci": {"games": VALIDATOR_GAMES, "opponents": "mcts", "train_opponent": "mcts", "steps": 1,
-           "max_new_tokens": 4, "eval_episodes": "2", "sft_episodes": "2", "sft_reason": False,
+           "max_new_tokens": 4, "eval_episodes": "2", "sft_episodes": "2", "sft_reason": "",
            "mcts_simulations": "20", "experts": "liars_dice=true_bids", "sft_epochs": 1},
 }
 MODELS = ("base", "sft", "sft+ppo", "expert")
@@ -278,9 +282,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sft-learning-rate", type=float, default=1e-3)
     parser.add_argument("--goofspiel-expert", choices=GOOFSPIEL_EXPERTS,
                         help=f"the goofspiel expert for SFT data and the expert rows (default {DEFAULT_GOOFSPIEL_EXPERT})")
-    parser.add_argument("--sft-reason", action=argparse.BooleanOptionalAction,
-                        help="SFT replies '<think>reason</think>ID' (sft_warmstart --reason); --no-sft-reason: the ID "
-                        "alone")
+    parser.add_argument("--sft-reason", nargs="?", const="*", metavar="GAMES",
+                        help="SFT replies '<think>reason</think>ID' (sft_warmstart --reason) in every game, or only in "
+                        f"the comma-separated GAMES (validator: goofspiel); replies get at least {REASON_REPLY_TOKENS} "
+                        "tokens unless --max-new-tokens says otherwise")
+    parser.add_argument("--no-sft-reason", dest="sft_reason", action="store_const", const="",
+                        help="every SFT reply is the ID alone")
     parser.add_argument("--sft-checkpoint", type=Path,
                         help="with --warm-start: start PPO from this SFT checkpoint instead of training one")
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
@@ -288,13 +295,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
     args = parser.parse_args(argv)
     games = (args.games or PROFILES[args.profile]["games"]).split(",")
+    tokens_given = args.max_new_tokens is not None
     for name, value in PROFILES[args.profile].items():
         if getattr(args, name, None) is None:
-            if name in ("experts", "game_weights"):  # a profile's items for games left out of this run go
+            if name in ("experts", "game_weights") or (name == "sft_reason" and value != "*"):
+                # a profile's items for games left out of this run go
                 value = ",".join(item for item in value.split(",") if item.split("=")[0] in games)
             setattr(args, name, parse_simulations(value) if name == "mcts_simulations" else value)
     args.sft_epochs = 2 if args.sft_epochs is None else args.sft_epochs
     try:
+        args.reason_games = sorted(sft_warmstart.parse_reason_games(args.sft_reason, games))
+        if args.reason_games and not tokens_given:
+            args.max_new_tokens = max(args.max_new_tokens, REASON_REPLY_TOKENS)
         args.eval_counts = sft_warmstart.parse_game_counts(args.eval_episodes, "--eval-episodes")
         args.sft_counts = sft_warmstart.parse_game_counts(args.sft_episodes, "--sft-episodes")
         args.expert_choices = sft_warmstart.parse_experts(args.experts or "")
@@ -353,7 +365,8 @@ def main(argv: list[str] | None = None) -> None:
                     "--expert", ",".join(f"{g}={k}" for g, k in args.expert_choices.items()),
                     "--opponent", args.train_opponent, "--epochs", str(args.sft_epochs), "--workers", str(args.workers),
                     "--batch-size", str(args.sft_batch_size), "--learning-rate", str(args.sft_learning_rate),
-                    "--output-dir", str(args.output_dir / "sft"), *(["--reason"] if args.sft_reason else [])]
+                    "--output-dir", str(args.output_dir / "sft"),
+                    *(["--reason", ",".join(args.reason_games)] if args.reason_games else [])]
         for override in overrides:
             sft_args += ["--set", override]
         if sft_warmstart.main(sft_args) != 0:
@@ -417,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
                       "experts": {g: expert_kind(g, args.expert_choices) for g in games if has_expert(g)},
                       "sft": ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
                               {"episodes_per_game": args.sft_counts, "epochs": args.sft_epochs,
-                               "opponent": args.train_opponent, "reason": args.sft_reason,
+                               "opponent": args.train_opponent, "reason": args.reason_games,
                                "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate})
                       if args.warm_start else None,
                       "checkpoint": str(trained), "minutes": {k.replace("_seconds", ""): round(v / 60, 1)

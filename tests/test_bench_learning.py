@@ -20,7 +20,8 @@ def test_the_validator_profile_plays_the_four_games_at_full_strength_and_flags_s
     args = learning.parse_args(["--profile", "validator", "--steps", "12"])
     assert args.games.split(",") == ["leduc_poker", "liars_dice", "goofspiel", "gin_rummy"]
     assert (args.opponents, args.train_opponent, args.mcts_simulations) == ("mcts", "mcts", None)  # the game table's
-    assert (args.steps, args.max_new_tokens, args.sft_reason) == (12, 6, False)
+    assert (args.steps, args.reason_games) == (12, ["goofspiel"])  # goofspiel replies with a short reason ...
+    assert args.max_new_tokens == learning.REASON_REPLY_TOKENS  # ... and so gets room for one
     assert args.eval_counts == {"*": 32, "goofspiel": 16, "gin_rummy": 4}
     assert args.sft_counts == {"*": 48, "goofspiel": 16, "gin_rummy": 4}
     assert args.expert_choices == {"leduc_poker": "best_response", "liars_dice": "true_bids"}
@@ -49,6 +50,7 @@ def test_gin_rummy_gets_room_for_its_whole_conversation_and_the_users_set_still_
 def test_a_profiles_per_game_defaults_follow_the_games_of_the_run():
     args = learning.parse_args(["--profile", "validator", "--games", "leduc_poker,liars_dice"])
     assert args.expert_choices == {"leduc_poker": "best_response", "liars_dice": "true_bids"}
+    assert (args.reason_games, args.max_new_tokens) == ([], 6)  # no goofspiel: ID-only replies, 6 tokens
     assert args.weights == {}  # gin_rummy's share goes with gin_rummy
     assert learning.parse_args(["--profile", "validator", "--games", "leduc_poker"]).expert_choices == {
         "leduc_poker": "best_response"}
@@ -111,3 +113,12 @@ def test_the_ci_profile_runs_every_phase_and_row_on_the_four_validator_games(tin
     assert "ceiling" in report["results"]["mcts"]["leduc_poker"]
     assert report["experts"]["liars_dice"] == "true_bids"
     assert set(report["minutes"]) == {"sft", "ppo", "eval", "teacher"}
+
+
+def test_reasoned_replies_are_every_game_some_games_or_none_and_an_explicit_length_wins():
+    assert learning.parse_args([]).reason_games == ["goofspiel", "leduc_poker"]  # the random profile: every game
+    args = learning.parse_args(["--profile", "validator", "--sft-reason", "leduc_poker", "--max-new-tokens", "12"])
+    assert (args.reason_games, args.max_new_tokens) == (["leduc_poker"], 12)
+    assert learning.parse_args(["--profile", "validator", "--no-sft-reason"]).max_new_tokens == 6
+    with pytest.raises(SystemExit):  # a game this run does not play
+        learning.parse_args(["--profile", "validator", "--games", "leduc_poker", "--sft-reason", "goofspiel"])

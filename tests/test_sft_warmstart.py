@@ -135,6 +135,18 @@ def test_episodes_may_differ_game_by_game():
         sft_warmstart.parse_game_counts("64,gin_rummy", "--episodes")
 
 
+def test_reasons_may_go_to_some_games_only():
+    planned = plan_jobs(["goofspiel", "leduc_poker"], 1, seed=0, opponent="random", config_ids=[0], budget=None,
+                        cfr_iterations=20, with_reason={"goofspiel"})
+    assert [(j.game, j.with_reason) for j in planned] == [("goofspiel", True), ("leduc_poker", False)]
+    games = ["goofspiel", "leduc_poker"]
+    assert sft_warmstart.parse_reason_games("*", games) == set(games)
+    assert sft_warmstart.parse_reason_games("", games) == set()
+    assert sft_warmstart.parse_reason_games(" goofspiel ", games) == {"goofspiel"}
+    with pytest.raises(ConfigError, match=r"--reason: \['chess'\] are not in --games"):
+        sft_warmstart.parse_reason_games("goofspiel,chess", games)
+
+
 def test_generation_on_several_processes_matches_one_process(tmp_path):
     planned = jobs("liars_dice", 3, budget=5) + jobs("leduc_poker", 2)
     parallel = generate(planned, workers=2, path=tmp_path / "data.jsonl")
