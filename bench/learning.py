@@ -17,8 +17,8 @@ Profiles set the defaults every flag can still override:
   against their opponent at its real strength (the MCTS budgets of the game table, in the fast
   search; goofspiel's is uniform random, as simultaneous moves get in the env), in SFT data,
   training and evaluation alike; teachers aimed at that opponent (`--experts`); ID-only replies
-  (6 tokens) except goofspiel's, which carry the prize card as a short reason (`--sft-reason`: the
-  ID-only student played legal bids 0.72 of the time), 20 PPO steps, 32 held-out seeds per game. Two CPU cores set the sizes: goofspiel's
+  (6 tokens: the validators' conversation keeps each reply think-stripped, so a reason the model
+  wrote is gone from its next prompt; docs/benchmarks.md), 20 PPO steps, 32 held-out seeds per game. Two CPU cores set the sizes: goofspiel's
   conversations run to 4 000 tokens, so it gets 16 SFT games and 16 seeds; gin_rummy's to 8 000 and
   its opponent (the exact search: open_spiel's C++ one crashes on gin_rummy) thinks for seconds a
   move, so it gets 4 SFT games, a 1/61 share of the PPO episodes (`--game-weights`) and 4 seeds
@@ -244,7 +244,7 @@ PROFILES = {
     "validator": {"games": VALIDATOR_GAMES, "opponents": "mcts", "train_opponent": "mcts", "steps": 20,
                   "max_new_tokens": 6, "eval_episodes": "32,goofspiel=16,gin_rummy=4",
                   "sft_episodes": "48,goofspiel=16,gin_rummy=4",
-                  "sft_reason": "goofspiel", "experts": "leduc_poker=best_response,liars_dice=true_bids",
+                  "sft_reason": "", "experts": "leduc_poker=best_response,liars_dice=true_bids",
                   "game_weights": "gin_rummy=0.05"},
     "ci": {"games": VALIDATOR_GAMES, "opponents": "mcts", "train_opponent": "mcts", "steps": 1,
            "max_new_tokens": 4, "eval_episodes": "2", "sft_episodes": "2", "sft_reason": "",
@@ -284,7 +284,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"the goofspiel expert for SFT data and the expert rows (default {DEFAULT_GOOFSPIEL_EXPERT})")
     parser.add_argument("--sft-reason", nargs="?", const="*", metavar="GAMES",
                         help="SFT replies '<think>reason</think>ID' (sft_warmstart --reason) in every game, or only in "
-                        f"the comma-separated GAMES (validator: goofspiel); replies get at least {REASON_REPLY_TOKENS} "
+                        f"the comma-separated GAMES; replies get at least {REASON_REPLY_TOKENS} "
                         "tokens unless --max-new-tokens says otherwise")
     parser.add_argument("--no-sft-reason", dest="sft_reason", action="store_const", const="",
                         help="every SFT reply is the ID alone")

@@ -20,8 +20,7 @@ def test_the_validator_profile_plays_the_four_games_at_full_strength_and_flags_s
     args = learning.parse_args(["--profile", "validator", "--steps", "12"])
     assert args.games.split(",") == ["leduc_poker", "liars_dice", "goofspiel", "gin_rummy"]
     assert (args.opponents, args.train_opponent, args.mcts_simulations) == ("mcts", "mcts", None)  # the game table's
-    assert (args.steps, args.reason_games) == (12, ["goofspiel"])  # goofspiel replies with a short reason ...
-    assert args.max_new_tokens == learning.REASON_REPLY_TOKENS  # ... and so gets room for one
+    assert (args.steps, args.max_new_tokens, args.reason_games) == (12, 6, [])
     assert args.eval_counts == {"*": 32, "goofspiel": 16, "gin_rummy": 4}
     assert args.sft_counts == {"*": 48, "goofspiel": 16, "gin_rummy": 4}
     assert args.expert_choices == {"leduc_poker": "best_response", "liars_dice": "true_bids"}
@@ -117,8 +116,10 @@ def test_the_ci_profile_runs_every_phase_and_row_on_the_four_validator_games(tin
 
 def test_reasoned_replies_are_every_game_some_games_or_none_and_an_explicit_length_wins():
     assert learning.parse_args([]).reason_games == ["goofspiel", "leduc_poker"]  # the random profile: every game
+    args = learning.parse_args(["--profile", "validator", "--sft-reason", "goofspiel"])
+    assert (args.reason_games, args.max_new_tokens) == (["goofspiel"], learning.REASON_REPLY_TOKENS)
     args = learning.parse_args(["--profile", "validator", "--sft-reason", "leduc_poker", "--max-new-tokens", "12"])
     assert (args.reason_games, args.max_new_tokens) == (["leduc_poker"], 12)
-    assert learning.parse_args(["--profile", "validator", "--no-sft-reason"]).max_new_tokens == 6
+    assert learning.parse_args(["--no-sft-reason"]).reason_games == []
     with pytest.raises(SystemExit):  # a game this run does not play
         learning.parse_args(["--profile", "validator", "--games", "leduc_poker", "--sft-reason", "goofspiel"])
