@@ -71,13 +71,13 @@ def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | 
 
 def plan_jobs(games: list[str], episodes: int | dict[str, int], seed: int, opponent: str, config_ids: list[int],
               budget: int | None,
-              cfr_iterations: int, with_reason: bool | Collection[str],
+              cfr_iterations: int, reason_games: Collection[str],
               opponent_simulations: int | dict[str, int] | None = None, *,
               experts: dict[str, str] | None = None, opponent_search: str = "fast",
               cache_dir: str = "~/.cache/ppo-affine") -> list[ExpertJob]:
     """`episodes` jobs per game (one number, or {game: number} with "*" for the others) over the config ids;
-    consecutive seeds alternate the model's seat. `with_reason`: True for replies with a reason in every game,
-    or the games whose replies carry one. `opponent_simulations` is one MCTS budget for every game or
+    consecutive seeds alternate the model's seat. `reason_games`: the games whose replies carry a reason.
+    `opponent_simulations` is one MCTS budget for every game or
     {game: budget} (unnamed games: the env's)."""
     from ppo_affine.envs.tasks import game_task_id
 
@@ -89,8 +89,7 @@ def plan_jobs(games: list[str], episodes: int | dict[str, int], seed: int, oppon
 
     return [expert_job(game, game_task_id(game, config_ids[i % len(config_ids)]),
                        (derive_seed(seed, "sft", game, i) & ~1) | (i % 2),  # parity = the model's seat
-                       opponent, budget, cfr_iterations,
-                       with_reason if isinstance(with_reason, bool) else game in with_reason, simulations(game),
+                       opponent, budget, cfr_iterations, game in reason_games, simulations(game),
                        experts=experts, opponent_search=opponent_search, cache_dir=cache_dir)
             for game in games for i in range(count(game))]
 

@@ -18,13 +18,13 @@ Profiles set the defaults every flag can still override:
   search; goofspiel's is uniform random, as simultaneous moves get in the env), in SFT data,
   training and evaluation alike; teachers aimed at that opponent (`--experts`); ID-only replies
   (6 tokens: the validators' conversation keeps each reply think-stripped, so a reason the model
-  wrote is gone from its next prompt; docs/benchmarks.md), 20 PPO steps, 32 held-out seeds per game. Two CPU cores set the sizes: goofspiel's
-  conversations run to 4 000 tokens, so it gets 16 SFT games and 16 seeds; gin_rummy's to 8 000 and
-  its opponent (the exact search: open_spiel's C++ one crashes on gin_rummy) thinks for seconds a
-  move, so it gets 4 SFT games, a 1/61 share of the PPO episodes (`--game-weights`) and 4 seeds
-  (`--eval-episodes`), which their intervals show; a run with gin_rummy allows 60 model turns and
-  8 186-token prompts (GAME_OVERRIDES), room for its whole conversation, and checkpoints
-  activations in backward passes.
+  wrote is gone from its next prompt; docs/benchmarks.md), 20 PPO steps, 32 held-out seeds per
+  game. Two CPU cores set the sizes: goofspiel's conversations run to 4 000 tokens, so it gets 16
+  SFT games and 16 seeds; gin_rummy's to 8 000 and its opponent (the exact search: open_spiel's C++
+  one crashes on gin_rummy) thinks for seconds a move, so it gets 4 SFT games, a 1/61 share of the
+  PPO episodes (`--game-weights`) and 4 seeds (`--eval-episodes`), which their intervals show; a
+  run with gin_rummy allows 60 model turns and 8 186-token prompts (GAME_OVERRIDES), room for its
+  whole conversation, and checkpoints activations in backward passes.
 - `ci`: the same four games and rows at toy sizes (2 games each, 1 PPO step, 20 simulations), for
   the tests (with a tiny model: `--set model.name_or_path=DIR`).
 

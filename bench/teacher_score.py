@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
 
     started = time.perf_counter()
     jobs = sft_warmstart.plan_jobs([args.game], args.games_played, SEED, "mcts",
-                                   [int(c) for c in args.config_ids.split(",")], None, 300, False, experts=chosen)
+                                   [int(c) for c in args.config_ids.split(",")], None, 300, (), experts=chosen)
     records = sft_warmstart.generate(jobs, args.workers, None)
     scores = {seat: [r["score"] for r in records if r["llm_player_id"] == seat] for seat in (0, 1)}
 

@@ -21,13 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def jobs(game, n, **kwargs):
-    options = {"opponent": "random", "config_ids": [0], "budget": None, "cfr_iterations": 20, "with_reason": False}
+    options = {"opponent": "random", "config_ids": [0], "budget": None, "cfr_iterations": 20, "reason_games": ()}
     return plan_jobs([game], n, seed=0, **{**options, **kwargs})
 
 
 def test_expert_games_meet_the_opponent_budget_of_their_own_game():
     planned = plan_jobs(["liars_dice", "leduc_poker"], 1, seed=0, opponent="mcts", config_ids=[0], budget=None,
-                        cfr_iterations=20, with_reason=False, opponent_simulations={"liars_dice": 30})
+                        cfr_iterations=20, reason_games=(), opponent_simulations={"liars_dice": 30})
     assert [(j.game, j.opponent_simulations) for j in planned] == [("liars_dice", 30), ("leduc_poker", None)]
     assert [j.opponent_simulations for j in jobs("liars_dice", 2, opponent_simulations=40)] == [40, 40]
 
@@ -90,7 +90,7 @@ def test_goofspiel_prize_expert_takes_the_next_higher_card_when_the_prize_card_i
 
 
 def test_reasons_go_inside_think_tags_the_env_ignores():
-    [record] = [play_expert_episode(job) for job in jobs("goofspiel", 1, budget=2, with_reason=True)]
+    [record] = [play_expert_episode(job) for job in jobs("goofspiel", 1, budget=2, reason_games={"goofspiel"})]
     reply = next(m["content"] for m in record["messages"] if m["role"] == "assistant")
     prize, action = re.fullmatch(r"<think>Current point card: (\d+)</think>(\d+)", reply).groups()
     assert int(action) == int(prize) - 1
@@ -129,7 +129,7 @@ def test_experts_other_than_the_default_are_named_game_by_game():
 def test_episodes_may_differ_game_by_game():
     assert sft_warmstart.parse_game_counts("64,gin_rummy=8", "--episodes") == {"*": 64, "gin_rummy": 8}
     planned = plan_jobs(["leduc_poker", "gin_rummy"], {"*": 3, "gin_rummy": 1}, seed=0, opponent="random",
-                        config_ids=[0], budget=None, cfr_iterations=20, with_reason=False)
+                        config_ids=[0], budget=None, cfr_iterations=20, reason_games=())
     assert [j.game for j in planned] == ["leduc_poker"] * 3 + ["gin_rummy"]
     with pytest.raises(ConfigError, match="--episodes: expected a number, then GAME=N items"):
         sft_warmstart.parse_game_counts("64,gin_rummy", "--episodes")
@@ -137,7 +137,7 @@ def test_episodes_may_differ_game_by_game():
 
 def test_reasons_may_go_to_some_games_only():
     planned = plan_jobs(["goofspiel", "leduc_poker"], 1, seed=0, opponent="random", config_ids=[0], budget=None,
-                        cfr_iterations=20, with_reason={"goofspiel"})
+                        cfr_iterations=20, reason_games={"goofspiel"})
     assert [(j.game, j.with_reason) for j in planned] == [("goofspiel", True), ("leduc_poker", False)]
     games = ["goofspiel", "leduc_poker"]
     assert sft_warmstart.parse_reason_games("*", games) == set(games)
