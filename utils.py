@@ -180,8 +180,8 @@ class GenerationConfig(Strict):
                          "the full distribution).")
     top_k: int = Field(0, ge=0, description="0 = off.")
     context_strategy: Literal["full", "truncated", "last"] = Field(
-        "full", description="What the model sees each turn: full = the whole conversation (validators); truncated = "
-        "earlier thinking replaced by a marker; last = system prompt + the pending decision only."
+        "full", description="What the model sees each turn: full = the whole conversation as validators' client keeps it "
+        "(earlier replies think- and whitespace-stripped); truncated = earlier thinking replaced by a marker; last = system prompt + the pending decision only."
     )
     max_prompt_tokens: int = Field(4096, ge=16, description="Oldest turns are dropped past this budget.")
     max_concurrent_episodes: int = Field(32, ge=1, description="Episodes played at once (local: rows per "

@@ -9,8 +9,9 @@ every turn, to be scored and trained in one pass.
 A continuation is only valid while the template renders the conversation append-only. Every turn
 checks that on the text: the new render must start with the previous render + the reply text (+
 the EOS text when the reply ended with EOS). Templates that re-render history (Qwen3 drops earlier
-thinking, the `truncated` strategy, budget trimming, the `last` strategy) fail the check and that
-turn starts a new sequence from a fresh render.
+thinking, the `truncated` strategy, budget trimming, the `last` strategy) and a reply the `full`
+conversation shows stripped (reasoning, surrounding whitespace: what the validators' client stores)
+fail the check, and that turn starts a new sequence from a fresh render.
 """
 from __future__ import annotations
 

@@ -84,7 +84,11 @@ def _raise_if_lost(result: StepResult) -> None:
 def build_messages(
     messages: list[dict[str, str]], decision_start: int, strategy: str, turn_prompt: str | None
 ) -> list[dict[str, str]]:
-    """The messages the model sees now. `decision_start` indexes the user message of the pending decision."""
+    """The messages the model sees now. `decision_start` indexes the user message of the pending decision.
+
+    `full` is the conversation validators' LLM client keeps: every earlier reply as it returned it,
+    think blocks and surrounding whitespace stripped. Training on the raw replies would teach the
+    model a history it never sees when validators play it (from turn 2 on, its reasons are gone)."""
     system = [m for m in messages[:1] if m["role"] == "system"]
     if strategy == "last":
         current = list(messages[decision_start:])
@@ -98,7 +102,8 @@ def build_messages(
             else m
             for i, m in enumerate(messages)
         ]
-    return list(messages)
+    return [{"role": "assistant", "content": strip_think(m["content"])} if m["role"] == "assistant" else m
+            for m in messages]
 
 
 # ---------------------------------------------------------------------- episodes
@@ -108,7 +113,9 @@ class RolloutRunner:
     `validator_conversation=True` (evaluation) plays the conversation validators' LLM client keeps:
     each reply is sent and stored whitespace- and think-stripped, as their client returns it, and
     every prompt is the chat template rendered afresh over the messages, as an OpenAI chat server
-    renders it. Training keeps the default: the exact sampled ids continue each episode's sequence."""
+    renders it. Training sends the env what the model wrote and continues each episode's sequence with
+    the exact sampled ids while the prompt allows it; under `full` a reply the client would store
+    stripped (reasoning, surrounding whitespace) starts a new sequence, rendered as validators show it."""
 
     def __init__(self, envs: dict[str, tuple[str, Env]], generator, prompt_builder: PromptBuilder,
                  gen_cfg: GenerationConfig, validator_conversation: bool = False):

@@ -21,8 +21,10 @@ CONVERSATION = [
 ]
 
 
-def test_full_strategy_is_the_whole_dialog():
-    assert build_messages(CONVERSATION, 3, "full", "turn 2") == CONVERSATION
+def test_full_strategy_is_the_whole_dialog_with_replies_as_the_validators_client_stores_them():
+    shown = build_messages(CONVERSATION, 3, "full", "turn 2")
+    assert [m["content"] for m in shown] == ["rules", "turn 1", "3", "turn 2", "x", "invalid, attempt 2 of 3"]
+    assert [m["role"] for m in shown] == [m["role"] for m in CONVERSATION]
 
 
 def test_truncated_strategy_replaces_earlier_thinking_with_a_marker():
@@ -185,7 +187,7 @@ class ScriptedGenerator:
 
 
 @pytest.mark.parametrize("validator_conversation", [True, False])
-def test_evaluation_plays_the_conversation_the_validators_client_keeps(tiny_policy, validator_conversation):
+def test_every_prompt_shows_the_conversation_the_validators_client_keeps(tiny_policy, validator_conversation):
     env, builder = CountingEnv(), PromptBuilder(tiny_policy.tokenizer, 4096)
     generator = ScriptedGenerator(tiny_policy.tokenizer, "<think>plan</think> 7 \n")
     runner = RolloutRunner({"game": ("openspiel", env)}, generator, builder,
@@ -193,14 +195,26 @@ def test_evaluation_plays_the_conversation_the_validators_client_keeps(tiny_poli
                            validator_conversation=validator_conversation)
     episode = asyncio.run(runner.run(_tasks(1), step=0))[0]
     replies = [m["content"] for m in episode.messages if m["role"] == "assistant"]
-    second_prompt = episode.prompt_ids(episode.turns[1])
+    # in training and in evaluation alike, the second prompt shows the first reply whitespace- and
+    # think-stripped, rendered afresh: the sampled "<think>plan</think> 7 \n" cannot continue the sequence
+    stripped = episode.messages[:2] + [{"role": "assistant", "content": "7"}, episode.messages[3]]
+    assert episode.prompt_ids(episode.turns[1]) == builder.encode(stripped) and len(episode.sequences) == 2
+    first = episode.turns[0]
+    assert episode.sequences[0] == episode.prompt_ids(first) + first.response_ids  # the reply trained as sampled
     if validator_conversation:
-        # sent and stored whitespace- and think-stripped; each prompt the template rendered over those messages
+        # sent and stored stripped, as their client returns it
         assert list(env.episodes.values()) == [["7", "7"]] and replies == ["7", "7"]
-        assert second_prompt == builder.encode(episode.messages[:4]) and len(episode.sequences) == 2
     else:
-        # training: the reply as generated, and the second prompt continues the sampled ids
+        # training sends and keeps what the model wrote (the env strips reasoning itself where Affine's does)
+        assert list(env.episodes.values()) == [["<think>plan</think> 7 \n"] * 2]
         assert replies == ["<think>plan</think> 7 \n"] * 2
-        first = episode.turns[0]
-        assert second_prompt[:first.start + len(first.response_ids)] == episode.prompt_ids(first) + first.response_ids
-        assert len(episode.sequences) == 1
+
+
+def test_a_reply_the_client_keeps_as_it_is_continues_the_sampled_sequence(tiny_policy):
+    builder = PromptBuilder(tiny_policy.tokenizer, 4096)
+    runner = RolloutRunner({"game": ("openspiel", CountingEnv())}, ScriptedGenerator(tiny_policy.tokenizer, "7"),
+                           builder, GenerationConfig(backend="local", context_strategy="full"))
+    episode = asyncio.run(runner.run(_tasks(1), step=0))[0]
+    first, second = episode.turns
+    assert len(episode.sequences) == 1 and second.start > first.start
+    assert episode.prompt_ids(second)[: first.start + 1] == episode.prompt_ids(first) + first.response_ids

@@ -13,6 +13,7 @@ import sft_warmstart
 import train_ppo
 from utils import ConfigError
 from ppo_affine.experience import build_sequences
+from ppo_affine.envs.openspiel_text import strip_think
 from ppo_affine.experts import Expert, ExpertUnavailable, expert_kind
 from ppo_affine.prompts import PromptBuilder
 from sft_warmstart import conversations_to_episodes, generate, plan_jobs, play_expert_episode, train_sft
@@ -168,6 +169,23 @@ def test_conversations_become_rollout_sequences_with_only_the_replies_trained(ti
         assert sequence.input_ids[: len(first_prompt)] == first_prompt
     last = conversations_to_episodes(records, builder, "last", {eos})
     assert all(len(e.sequences) == len(e.turns) for e in last)  # a fresh prompt per decision
+
+
+def test_reasoned_replies_are_trained_whole_but_later_prompts_show_them_as_validators_keep_them(tiny_policy):
+    [record] = [play_expert_episode(job) for job in jobs("goofspiel", 1, budget=2, reason_games={"goofspiel"})]
+    builder = PromptBuilder(tiny_policy.tokenizer, 8192)
+    eos = tiny_policy.tokenizer.eos_token_id
+    [episode] = conversations_to_episodes([record], builder, "full", {eos})
+    messages = record["messages"]
+    replies = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert len(replies) > 1 and all(r.startswith("<think>") for r in replies)
+    assert len(episode.sequences) == len(replies)  # a reasoned reply cannot continue the sequence
+    for i, turn in enumerate(episode.turns):
+        at = [j for j, m in enumerate(messages) if m["role"] == "assistant"][i]
+        shown = [{**m, "content": strip_think(m["content"])} if m["role"] == "assistant" else m
+                 for m in messages[:at]]
+        assert episode.prompt_ids(turn) == builder.encode(shown)
+        assert turn.response_ids == builder.tokenize(replies[i]) + [eos]
 
 
 def test_sft_raises_the_likelihood_of_the_expert_replies(tiny_policy):
