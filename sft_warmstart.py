@@ -51,6 +51,7 @@ class ExpertJob:
     opponent_simulations: int | None = None
     opponent_search: str = "fast"  # the MCTS opponent's implementation (openspiel_episode.SEARCHES)
     cache_dir: str = "~/.cache/ppo-affine"  # where the best-response expert keeps its opponent model
+    explore: float = 0.0  # chance that a turn plays a uniformly random legal move (not trained on)
 
 
 # MCTS simulations / playouts per bid / unused (the other experts)
@@ -60,13 +61,13 @@ DEFAULT_BUDGET = {"mcts": 300, "montecarlo": 20, "cfr": 0, "best_response": 0, "
 def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | None = None,
                cfr_iterations: int = 300, with_reason: bool = False,
                opponent_simulations: int | None = None, *, experts: dict[str, str] | None = None,
-               opponent_search: str = "fast", cache_dir: str = "~/.cache/ppo-affine") -> ExpertJob:
+               opponent_search: str = "fast", cache_dir: str = "~/.cache/ppo-affine", explore: float = 0.0) -> ExpertJob:
     """`experts`: game -> expert kind for the games that do not play their default expert."""
     from ppo_affine.experts import expert_kind
 
     kind = expert_kind(game, experts)
     return ExpertJob(game, kind, task_id, seed, opponent, budget or DEFAULT_BUDGET[kind], cfr_iterations,
-                     with_reason, opponent_simulations, opponent_search, cache_dir)
+                     with_reason, opponent_simulations, opponent_search, cache_dir, explore)
 
 
 def plan_jobs(games: list[str], episodes: int | dict[str, int], seed: int, opponent: str, config_ids: list[int],
@@ -74,11 +75,11 @@ def plan_jobs(games: list[str], episodes: int | dict[str, int], seed: int, oppon
               cfr_iterations: int, reason_games: Collection[str],
               opponent_simulations: int | dict[str, int] | None = None, *,
               experts: dict[str, str] | None = None, opponent_search: str = "fast",
-              cache_dir: str = "~/.cache/ppo-affine") -> list[ExpertJob]:
+              cache_dir: str = "~/.cache/ppo-affine", explore: float = 0.0) -> list[ExpertJob]:
     """`episodes` jobs per game (one number, or {game: number} with "*" for the others) over the config ids;
-    consecutive seeds alternate the model's seat. `reason_games`: the games whose replies carry a reason.
-    `opponent_simulations` is one MCTS budget for every game or
-    {game: budget} (unnamed games: the env's)."""
+    consecutive seeds alternate the model's seat. `reason_games`: the games whose replies carry a reason;
+    `explore`: the chance a turn plays a random legal move instead of the expert's (`play_expert_episode`).
+    `opponent_simulations` is one MCTS budget for every game or {game: budget} (unnamed games: the env's)."""
     from ppo_affine.envs.tasks import game_task_id
 
     def count(game: str) -> int:
@@ -90,12 +91,19 @@ def plan_jobs(games: list[str], episodes: int | dict[str, int], seed: int, oppon
     return [expert_job(game, game_task_id(game, config_ids[i % len(config_ids)]),
                        (derive_seed(seed, "sft", game, i) & ~1) | (i % 2),  # parity = the model's seat
                        opponent, budget, cfr_iterations, game in reason_games, simulations(game),
-                       experts=experts, opponent_search=opponent_search, cache_dir=cache_dir)
+                       experts=experts, opponent_search=opponent_search, cache_dir=cache_dir, explore=explore)
             for game in games for i in range(count(game))]
 
 
 def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
-    """One episode of the env's evaluate() game with the expert in the model's seat, as a conversation."""
+    """One episode of the env's evaluate() game with the expert in the model's seat, as a conversation.
+
+    With `job.explore` > 0 a turn plays a uniformly random legal move at that chance, and the record lists
+    those replies (`explored_replies`, their places among the assistant replies): SFT does not train on
+    them, but on the expert's answers from the states they lead to, which the expert's own games never
+    reach (a goofspiel prize whose matching card is gone) and a student's slips do."""
+    import random
+
     from ppo_affine.envs.openspiel_episode import Episode
     from ppo_affine.experts import Expert
 
@@ -107,16 +115,22 @@ def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
     result = episode.start()
     messages = [{"role": "system", "content": episode.system_prompt},
                 {"role": "user", "content": result["observation"]}]
+    explorer = random.Random(derive_seed(job.seed, "explore"))
+    explored = []
     while not result["done"]:
-        action, reason = expert.choose(episode.state, dict(zip(episode.legal, episode.labels)))
-        reply = f"<think>{reason}</think>{action}" if job.with_reason else str(action)
+        if job.explore and explorer.random() < job.explore:
+            explored.append(sum(m["role"] == "assistant" for m in messages))
+            reply = str(explorer.choice(episode.legal))
+        else:
+            action, reason = expert.choose(episode.state, dict(zip(episode.legal, episode.labels)))
+            reply = f"<think>{reason}</think>{action}" if job.with_reason else str(action)
         messages.append({"role": "assistant", "content": reply})
         result = episode.step(reply)
         if not result["done"]:
             messages.append({"role": "user", "content": result["observation"]})
     return {"step": 0, "env": "openspiel", "task_id": job.task_id, "seed": job.seed, "game": job.game,
             "score": episode.score, "error": None, "messages": messages, "expert": expert.kind,
-            "opponent": job.opponent, "llm_player_id": episode.player}
+            "opponent": job.opponent, "llm_player_id": episode.player, "explored_replies": explored}
 
 
 def generate(jobs: list[ExpertJob], workers: int, path: Path | None) -> list[dict[str, Any]]:
@@ -156,6 +170,8 @@ def conversations_to_episodes(records: list[dict[str, Any]], builder, strategy: 
     episodes = []
     for record in records:
         messages = record["messages"]
+        explored = set(record.get("explored_replies", ()))
+        replies_seen = 0
         has_system = bool(messages) and messages[0]["role"] == "system"
         history = TokenHistory(builder, eos_ids)
         episode = Episode(task=Task("openspiel", record.get("task_id", 0), record.get("seed", 0), None, "sft", False),
@@ -171,7 +187,9 @@ def conversations_to_episodes(records: list[dict[str, Any]], builder, strategy: 
             _, sequence, start = prompt
             reply_ids = builder.tokenize(message["content"]) + [eos]
             history.add_reply(reply_ids, message["content"])
-            episode.turns.append(Turn(reply_ids, message["content"], None, sequence=sequence, start=start))
+            if replies_seen not in explored:  # a random move stays in the context, untrained
+                episode.turns.append(Turn(reply_ids, message["content"], None, sequence=sequence, start=start))
+            replies_seen += 1
         episodes.append(episode)
     return episodes
 
@@ -242,6 +260,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reason", nargs="?", const="*", default="", metavar="GAMES",
                         help="replies '<think>one-line reason</think>ID': in every game, or only in the "
                         "comma-separated GAMES (e.g. --reason goofspiel); the others reply with the ID alone")
+    parser.add_argument("--explore", type=float, default=0.0, metavar="P",
+                        help="chance that a turn of an expert game plays a random legal move, not trained on: "
+                        "SFT then also sees the expert recover from states its own play never reaches (e.g. 0.2)")
     parser.add_argument("--data", type=Path, help="train on this JSONL instead of generating episodes")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes playing episodes")
     parser.add_argument("--epochs", type=int, default=2)
@@ -316,6 +337,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
     for name in ("epochs", "batch_size", "workers", "cfr_iterations"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
+    if not 0 <= args.explore < 1:
+        raise ConfigError(f"--explore must be in [0, 1), got {args.explore}.")
     if args.learning_rate <= 0:
         raise ConfigError(f"--learning-rate must be > 0, got {args.learning_rate}.")
     if args.expert_budget is not None and args.expert_budget < 1:
@@ -344,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             jobs = plan_jobs(games, args.episodes, config.train.run.seed, args.opponent, args.config_id_list,
                              args.expert_budget, args.cfr_iterations, args.reason_games, simulations,
                              experts=args.experts, opponent_search=game_env.opponent_search,
-                             cache_dir=config.train.model.cache_dir)
+                             cache_dir=config.train.model.cache_dir, explore=args.explore)
             started = time.perf_counter()
             records = generate(jobs, args.workers, args.output_dir / DATA_FILE)
             console.print(f"{len(records)} expert episodes in {time.perf_counter() - started:.0f} s -> "
@@ -381,7 +404,8 @@ def warm_start(config, records: list[dict[str, Any]], args: argparse.Namespace) 
                                          eos_token_ids(policy.tokenizer, policy.model.generation_config))
     sequences = build_sequences(episodes)
     if not sequences:
-        raise ConfigError("no assistant reply fits generation.max_prompt_tokens; nothing to train on.")
+        raise ConfigError("no expert reply to train on: each was a random move (--explore) or its prompt is longer "
+                          "than generation.max_prompt_tokens.")
     console.print(f"SFT on {sum(len(e.turns) for e in episodes)} expert replies in {len(sequences)} sequences "
                   f"({sum(s.response_len for s in sequences)} reply tokens)", highlight=False)
     with training_allocations():

@@ -259,7 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", choices=sorted(PROFILES), default="random",
                         help="defaults for the flags below (module docstring)")
     parser.add_argument("--games", help="comma-separated games")
-    parser.add_argument("--steps", type=int, help="PPO steps (random: 4 after a warm start, 10 without; validator: 20)")
+    parser.add_argument("--steps", type=int, help="PPO steps (random: 4 after a warm start, 10 without; validator: "
+                        "20); 0 with a warm start: no PPO, the SFT rows alone (--models without sft+ppo)")
     parser.add_argument("--game-weights",
                         help="GAME=W,...: a game's share of the PPO episodes relative to 1 for the others")
     parser.add_argument("--experts", help="GAME=KIND,...: teachers other than a game's default (sft_warmstart --expert)")
@@ -288,6 +289,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tokens unless --max-new-tokens says otherwise")
     parser.add_argument("--no-sft-reason", dest="sft_reason", action="store_const", const="",
                         help="every SFT reply is the ID alone")
+    parser.add_argument("--sft-explore", type=float, default=0.0, metavar="P",
+                        help="chance that a turn of an SFT expert game is a random legal move, not trained on "
+                        "(sft_warmstart --explore)")
     parser.add_argument("--sft-checkpoint", type=Path,
                         help="with --warm-start: start PPO from this SFT checkpoint instead of training one")
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
@@ -321,13 +325,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--experts/--game-weights name games not in this run: {unknown}")
     if args.steps is None:
         args.steps = 4 if args.warm_start else 10
-    if args.steps < 1:
-        parser.error(f"--steps must be at least 1, got {args.steps}")
+    if args.steps < (0 if args.warm_start else 1):
+        parser.error(f"--steps must be at least {0 if args.warm_start else 1}, got {args.steps}")
     allowed = MODELS if args.warm_start else ("base", "ppo")
+    if args.steps == 0:
+        allowed = tuple(m for m in allowed if m != "sft+ppo")
     args.model_rows = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else list(allowed)
     unknown = [m for m in args.model_rows if m not in allowed]
     if unknown:
         parser.error(f"--models: {unknown} are not rows of this run; expected some of {','.join(allowed)}")
+    if not 0 <= args.sft_explore < 1:
+        parser.error(f"--sft-explore must be in [0, 1), got {args.sft_explore}")
     if args.sft_checkpoint is not None and not (args.warm_start and (args.sft_checkpoint / "adapter").is_dir()):
         parser.error(f"--sft-checkpoint needs --warm-start and a checkpoint folder with adapter/: "
                      f"{args.sft_checkpoint}")
@@ -366,19 +374,21 @@ def main(argv: list[str] | None = None) -> None:
                     "--opponent", args.train_opponent, "--epochs", str(args.sft_epochs), "--workers", str(args.workers),
                     "--batch-size", str(args.sft_batch_size), "--learning-rate", str(args.sft_learning_rate),
                     "--output-dir", str(args.output_dir / "sft"),
-                    *(["--reason", ",".join(args.reason_games)] if args.reason_games else [])]
+                    *(["--reason", ",".join(args.reason_games)] if args.reason_games else []),
+                    *(["--explore", str(args.sft_explore)] if args.sft_explore else [])]
         for override in overrides:
             sft_args += ["--set", override]
         if sft_warmstart.main(sft_args) != 0:
             sys.exit("warm start failed")
         sft_checkpoint = find_resumable(args.output_dir / "sft" / "checkpoints")
         timings["sft_seconds"] = time.perf_counter() - started
-    started = time.perf_counter()
-    trained = train(games, args.steps, args.output_dir, overrides, sft_checkpoint, args.train_opponent, variants,
-                    args.weights)
-    timings["ppo_seconds"] = time.perf_counter() - started
-    metrics_path = args.output_dir / "ppo" / "metrics.jsonl"
-    curves = [str(path) for path in visualize.plot_run(metrics_path, args.output_dir / "plots")]
+    trained, curves, metrics_path = None, [], args.output_dir / "ppo" / "metrics.jsonl"
+    if args.steps:
+        started = time.perf_counter()
+        trained = train(games, args.steps, args.output_dir, overrides, sft_checkpoint, args.train_opponent, variants,
+                        args.weights)
+        timings["ppo_seconds"] = time.perf_counter() - started
+        curves = [str(path) for path in visualize.plot_run(metrics_path, args.output_dir / "plots")]
 
     config = load_config(presets=["cpu"], overrides=[*overrides, "generation.temperature=0"])
     trained_label = "sft+ppo" if args.warm_start else "ppo"
@@ -431,12 +441,13 @@ def main(argv: list[str] | None = None) -> None:
                       "sft": ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
                               {"episodes_per_game": args.sft_counts, "epochs": args.sft_epochs,
                                "opponent": args.train_opponent, "reason": args.reason_games,
+                               "explore": args.sft_explore,
                                "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate})
                       if args.warm_start else None,
-                      "checkpoint": str(trained), "minutes": {k.replace("_seconds", ""): round(v / 60, 1)
+                      "checkpoint": str(trained) if trained else None, "minutes": {k.replace("_seconds", ""): round(v / 60, 1)
                                                               for k, v in timings.items()},
                       "total_minutes": round(sum(timings.values()) / 60, 1),
-                      "signal": training_signal(metrics_path), "curves": curves,
+                      "signal": training_signal(metrics_path) if trained else None, "curves": curves,
                       "ceilings": ceilings, "results": results}, indent=1))
     print("\n| game | opponent | model | legal-move rate [95% CI] | mean score [95% CI] | score - base [95% CI] "
           "| score - SFT [95% CI] |")

@@ -58,6 +58,13 @@ def test_a_profiles_per_game_defaults_follow_the_games_of_the_run():
 def test_rows_not_in_this_run_are_refused():
     with pytest.raises(SystemExit):
         learning.parse_args(["--no-warm-start", "--models", "sft"])
+    with pytest.raises(SystemExit):  # no PPO steps, no SFT+PPO row
+        learning.parse_args(["--steps", "0", "--models", "sft,sft+ppo"])
+    with pytest.raises(SystemExit):  # PPO without a warm start needs steps
+        learning.parse_args(["--no-warm-start", "--steps", "0"])
+    assert learning.parse_args(["--steps", "0"]).model_rows == ["base", "sft", "expert"]
+    with pytest.raises(SystemExit):
+        learning.parse_args(["--sft-explore", "1"])
 
 
 def record(model, seed, score):
@@ -123,3 +130,22 @@ def test_reasoned_replies_are_every_game_some_games_or_none_and_an_explicit_leng
     assert learning.parse_args(["--no-sft-reason"]).reason_games == []
     with pytest.raises(SystemExit):  # a game this run does not play
         learning.parse_args(["--profile", "validator", "--games", "leduc_poker", "--sft-reason", "goofspiel"])
+
+
+@pytest.mark.slow
+def test_zero_steps_measure_the_sft_rows_alone(tiny_model_dir, tmp_path, capsys):
+    """`--steps 0`: SFT (here from expert games with explored turns), no PPO run, the SFT row evaluated."""
+    sets = {"model.name_or_path": str(tiny_model_dir), "model.gguf_package": "null", "model.dtype": "float32",
+            "model.cache_dir": str(tmp_path), "generation.max_prompt_tokens": "16384",
+            "ppo.micro_batch_tokens": "16384"}
+    learning.main(["--profile", "ci", "--games", "liars_dice", "--steps", "0", "--models", "sft",
+                   "--sft-explore", "0.3", "--sft-episodes", "4", "--output-dir", str(tmp_path / "bench"), "--workers", "1",
+                   *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]])
+    printed = capsys.readouterr().out
+    report = json.loads(printed[:printed.index("\n| game |")])
+    assert set(report["results"]["mcts"]["liars_dice"]) == {"sft"}
+    assert report["checkpoint"] is None and report["signal"] is None and set(report["minutes"]) == {"sft", "eval",
+                                                                                                    "teacher"}
+    assert report["sft"]["explore"] == 0.3 and not (tmp_path / "bench" / "ppo").exists()
+    data = [json.loads(line) for line in (tmp_path / "bench" / "sft" / "sft_data.jsonl").read_text().splitlines()]
+    assert any(record["explored_replies"] for record in data)

@@ -188,6 +188,23 @@ def test_reasoned_replies_are_trained_whole_but_later_prompts_show_them_as_valid
         assert turn.response_ids == builder.tokenize(replies[i]) + [eos]
 
 
+def test_explored_moves_stay_in_the_conversation_but_only_the_experts_replies_are_trained(tiny_policy):
+    planned = jobs("goofspiel", 4, budget=2, reason_games={"goofspiel"}, explore=0.5)
+    records = [play_expert_episode(job) for job in planned]
+    assert records == [play_expert_episode(job) for job in planned]  # seeded: the same moves again
+    assert all(r["explored_replies"] for r in records)
+    # the expert answers from states its own games never reach: the prize's matching card was bid already
+    assert any("is gone" in m["content"] for r in records for m in r["messages"] if m["role"] == "assistant")
+    builder = PromptBuilder(tiny_policy.tokenizer, 8192)
+    episodes = conversations_to_episodes(records, builder, "full", {tiny_policy.tokenizer.eos_token_id})
+    for record, episode in zip(records, episodes):
+        replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+        explored = set(record["explored_replies"])
+        assert all(replies[i].isdigit() for i in explored)  # a random legal ID, no reason
+        assert [t.response_text for t in episode.turns] == [r for i, r in enumerate(replies) if i not in explored]
+    assert all(not r["explored_replies"] for r in (play_expert_episode(job) for job in jobs("goofspiel", 2, budget=2)))
+
+
 def test_sft_raises_the_likelihood_of_the_expert_replies(tiny_policy):
     records = [play_expert_episode(job) for job in jobs("leduc_poker", 6)]
     episodes = conversations_to_episodes(records, PromptBuilder(tiny_policy.tokenizer, 8192), "full",
@@ -206,6 +223,7 @@ def _cli(*args):
     (["--games", "kuhn_poker"], "--games: unknown game 'kuhn_poker'"),
     (["--games", "blackjack"], "--games: no expert plays blackjack"),
     (["--episodes", "0"], "--episodes must be at least 1"),
+    (["--explore", "1.5"], "--explore must be in [0, 1)"),
 ])
 def test_bad_options_are_a_one_line_error_naming_the_option(args, expected):
     result = _cli("--preset", "cpu", *args)
