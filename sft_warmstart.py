@@ -5,6 +5,8 @@ fine-tuning of the LoRA adapter on the expert's replies, written as a checkpoint
    parity), the model's moves chosen by the game's expert (experts.py: CFR+ for leduc_poker, MCTS
    for sequential games, prize matching or Monte Carlo search for goofspiel). Every core plays
    episodes; the conversations go to `sft_data.jsonl` in the shape `logging.log_samples_every` writes.
+   `--explore P` makes a P share of the turns random legal moves, which stay in the conversation
+   untrained: the expert's later replies show how to recover from a slip.
 2. Train: each conversation becomes token sequences exactly as a rollout builds them (the chat
    template, the configured context strategy, continued sequences); the loss is the mean negative
    log-likelihood of the assistant tokens (EOS included), everything else masked.
@@ -61,7 +63,8 @@ DEFAULT_BUDGET = {"mcts": 300, "montecarlo": 20, "cfr": 0, "best_response": 0, "
 def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | None = None,
                cfr_iterations: int = 300, with_reason: bool = False,
                opponent_simulations: int | None = None, *, experts: dict[str, str] | None = None,
-               opponent_search: str = "fast", cache_dir: str = "~/.cache/ppo-affine", explore: float = 0.0) -> ExpertJob:
+               opponent_search: str = "fast", cache_dir: str = "~/.cache/ppo-affine",
+               explore: float = 0.0) -> ExpertJob:
     """`experts`: game -> expert kind for the games that do not play their default expert."""
     from ppo_affine.experts import expert_kind
 
@@ -161,7 +164,8 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 def conversations_to_episodes(records: list[dict[str, Any]], builder, strategy: str, eos_ids: set[int]):
     """Rollout-shaped episodes (token sequences + turns) of recorded conversations, built the way a rollout
-    prompts: the same context strategy, and each reply's ids followed by an EOS."""
+    prompts: the same context strategy, and each reply's ids followed by an EOS. A record's
+    `explored_replies` (random moves) stay in the context and are not trained on."""
     from curriculum import Task
     from ppo_affine.prompts import TokenHistory
     from ppo_affine.rollout import Episode, Turn, build_messages

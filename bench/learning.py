@@ -12,13 +12,14 @@ rate and the mean score with 95 % intervals, and the paired score differences to
 
 Profiles set the defaults every flag can still override:
 - `random` (default): goofspiel + leduc_poker against the env's random opponent; SFT replies carry a
-  short reason before the ID ('<think>Current point card: 8</think>7'), up to 24 tokens.
+  short reason before the ID ('<think>Current point card: 8</think>7'), up to 40 tokens.
 - `validator`: the four games validators sampled (leduc_poker, liars_dice, goofspiel, gin_rummy)
   against their opponent at its real strength (the MCTS budgets of the game table, in the fast
   search; goofspiel's is uniform random, as simultaneous moves get in the env), in SFT data,
   training and evaluation alike; teachers aimed at that opponent (`--experts`); ID-only replies
-  (6 tokens: the validators' conversation keeps each reply think-stripped, so a reason the model
-  wrote is gone from its next prompt; docs/benchmarks.md), 20 PPO steps, 32 held-out seeds per
+  (6 tokens: the validators' conversation keeps each reply think-stripped, and so does training, so
+  a reply with a reason makes the next turn a new token sequence, about 4x the tokens on goofspiel;
+  docs/benchmarks.md), 20 PPO steps, 32 held-out seeds per
   game. Two CPU cores set the sizes: goofspiel's conversations run to 4 000 tokens, so it gets 16
   SFT games and 16 seeds; gin_rummy's to 8 000 and its opponent (the exact search: open_spiel's C++
   one crashes on gin_rummy) thinks for seconds a move, so it gets 4 SFT games, a 1/61 share of the
@@ -75,9 +76,11 @@ WARM_START_PRESET = "warm_start"
 # 8 000-token rows keep one layer's activations at a time (gradient checkpointing: 6.9 GB RSS in SFT).
 GAME_OVERRIDES = {"gin_rummy": ["generation.max_turns=60", "generation.max_prompt_tokens=8186",
                                 "model.gradient_checkpointing=true"]}
-# A reply with a short reason ('<think>Current point card: 8</think>7') fits in 24 tokens; ID-only replies end
-# at their EOS long before, so a run that mixes the two costs nothing more for the ID-only games.
-REASON_REPLY_TOKENS = 24
+# A reply with a short reason fits in 40 tokens: '<think>Current point card: 8</think>7' takes 13, goofspiel's
+# longest, when the prize's card is gone ('...; card 14 is gone, so I bid my card 15</think>14'), 32 with
+# its EOS; a cut one carries no ID. ID-only replies end at their EOS long before, so a run that mixes the
+# two costs nothing more for the ID-only games.
+REASON_REPLY_TOKENS = 40
 EVAL_SEED = 900_000  # training draws its seeds from the curriculum's generator; these are derived apart
 
 
@@ -239,7 +242,7 @@ def _ci(value, interval, signed: bool = False) -> str:
 VALIDATOR_GAMES = "leduc_poker,liars_dice,goofspiel,gin_rummy"
 PROFILES = {
     "random": {"games": "goofspiel,leduc_poker", "opponents": "random", "train_opponent": "random",
-               "max_new_tokens": 24, "eval_episodes": "16", "sft_episodes": "32", "sft_reason": "*",
+               "max_new_tokens": 40, "eval_episodes": "16", "sft_episodes": "32", "sft_reason": "*",
                "mcts_simulations": "300"},
     "validator": {"games": VALIDATOR_GAMES, "opponents": "mcts", "train_opponent": "mcts", "steps": 20,
                   "max_new_tokens": 6, "eval_episodes": "32,goofspiel=16,gin_rummy=4",
@@ -264,7 +267,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--game-weights",
                         help="GAME=W,...: a game's share of the PPO episodes relative to 1 for the others")
     parser.add_argument("--experts", help="GAME=KIND,...: teachers other than a game's default (sft_warmstart --expert)")
-    parser.add_argument("--max-new-tokens", type=int, help="reply length (random: 24, room for a short reason)")
+    parser.add_argument("--max-new-tokens", type=int, help="reply length (random: 40, room for a short reason)")
     parser.add_argument("--eval-episodes", help="per game and opponent, both seats: N, or N then GAME=M items")
     parser.add_argument("--opponents", help="comma-separated evaluation opponents: random, mcts")
     parser.add_argument("--train-opponent", choices=["random", "mcts"],
@@ -444,8 +447,8 @@ def main(argv: list[str] | None = None) -> None:
                                "explore": args.sft_explore,
                                "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate})
                       if args.warm_start else None,
-                      "checkpoint": str(trained) if trained else None, "minutes": {k.replace("_seconds", ""): round(v / 60, 1)
-                                                              for k, v in timings.items()},
+                      "checkpoint": str(trained) if trained else None,
+                      "minutes": {k.replace("_seconds", ""): round(v / 60, 1) for k, v in timings.items()},
                       "total_minutes": round(sum(timings.values()) / 60, 1),
                       "signal": training_signal(metrics_path) if trained else None, "curves": curves,
                       "ceilings": ceilings, "results": results}, indent=1))

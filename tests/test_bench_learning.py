@@ -139,7 +139,8 @@ def test_zero_steps_measure_the_sft_rows_alone(tiny_model_dir, tmp_path, capsys)
             "model.cache_dir": str(tmp_path), "generation.max_prompt_tokens": "16384",
             "ppo.micro_batch_tokens": "16384"}
     learning.main(["--profile", "ci", "--games", "liars_dice", "--steps", "0", "--models", "sft",
-                   "--sft-explore", "0.3", "--sft-episodes", "4", "--output-dir", str(tmp_path / "bench"), "--workers", "1",
+                   "--sft-explore", "0.3", "--sft-episodes", "4", "--output-dir", str(tmp_path / "bench"),
+                   "--workers", "1",
                    *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]])
     printed = capsys.readouterr().out
     report = json.loads(printed[:printed.index("\n| game |")])
