@@ -298,7 +298,7 @@ def explained_variance_moments(values: torch.Tensor, returns: torch.Tensor) -> t
     parts (micro-batches, ranks) add up to the whole's."""
     returns = returns.double()
     errors = returns - values.double()
-    count = torch.tensor(float(returns.numel()), dtype=torch.float64)
+    count = torch.tensor(float(returns.numel()), dtype=torch.float64, device=returns.device)  # on the GPU too
     return torch.stack([count, returns.sum(), (returns**2).sum(), errors.sum(), (errors**2).sum()])
 
 

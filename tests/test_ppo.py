@@ -10,6 +10,7 @@ from ppo_affine.ppo import (
     compute_gae,
     entropy_from_logits,
     explained_variance,
+    explained_variance_moments,
     group_advantages,
     kl_penalty,
     logprobs_from_logits,
@@ -333,6 +334,13 @@ def test_explained_variance():
     values = torch.tensor([1.0, 2.0, 2.0, 5.0, 100.0])
     returns = torch.tensor([1.0, 2.0, 3.0, 4.0, -100.0])
     close(explained_variance(values, returns, torch.tensor([1, 1, 1, 1, 0])), 0.6)
+
+
+def test_explained_variance_moments_stay_on_the_values_device():
+    """On a GPU the values are CUDA tensors: every moment must be made there (the meta device stands in for
+    CUDA on a CPU-only machine; a moment made on the CPU fails to stack with them)."""
+    moments = explained_variance_moments(torch.zeros(3, device="meta"), torch.zeros(3, device="meta"))
+    assert moments.device.type == "meta" and moments.shape == (5,)
 
 
 def test_explained_variance_constant_returns_is_zero_not_nan():
