@@ -1,7 +1,9 @@
-"""The QLoRA path on CPU: a 4-bit NF4 base (bitsandbytes), LoRA on its Linear4bit layers, the value head,
+"""The QLoRA path on CPU (on TEST_DEVICE: a GPU where one is): a 4-bit NF4 base (bitsandbytes), LoRA on its
+Linear4bit layers, the value head,
 gradient checkpointing, training, checkpoint and exact resume, the merge onto the dequantised base and the
 weights exported for vLLM, all on the tiny model."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +17,11 @@ import merge
 import prepare_model
 import train_ppo
 from ppo_affine.policy import load_dequantised_base, load_policy
-from test_train import deterministic, metrics, tiny_args
+from test_train import TEST_DEVICE, deterministic, metrics, tiny_args
 from utils import ConfigError, LoraConfig, ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU = torch.device("cpu")
+DEVICE = torch.device(TEST_DEVICE)
 
 
 def nf4(model_dir: Path, **fields) -> ModelConfig:
@@ -46,7 +48,7 @@ def qlora_run(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 def test_the_base_loads_in_nf4_with_lora_on_its_linear4bit_layers(tiny_model_dir):
-    policy = load_policy(nf4(tiny_model_dir), LoraConfig(), CPU)
+    policy = load_policy(nf4(tiny_model_dir), LoraConfig(), DEVICE)
     q_proj = policy.model.get_base_model().model.layers[0].self_attn.q_proj
     assert type(q_proj).__module__ == "peft.tuners.lora.bnb" and type(q_proj.base_layer).__name__ == "Linear4bit"
     assert q_proj.base_layer.weight.dtype == torch.uint8 and q_proj.base_layer.weight.quant_type == "nf4"
@@ -60,8 +62,8 @@ def test_scores_without_gradients_equal_the_update_passes_and_every_adapter_laye
     """Old log-probs are scored without gradients; the update scores again with them: on a 4-bit base the
     two must agree exactly, or the first PPO ratio is not 1."""
     torch.manual_seed(0)
-    policy = load_policy(nf4(tiny_model_dir, gradient_checkpointing=checkpointing), LoraConfig(), CPU)
-    ids = prompt_ids()
+    policy = load_policy(nf4(tiny_model_dir, gradient_checkpointing=checkpointing), LoraConfig(), DEVICE)
+    ids = prompt_ids().to(DEVICE)
     mask = torch.zeros_like(ids)
     mask[:, 12:] = 1
     with torch.no_grad():
@@ -77,20 +79,20 @@ def test_scores_without_gradients_equal_the_update_passes_and_every_adapter_laye
 
 def test_the_dequantised_base_computes_what_the_4bit_base_computes_and_not_the_stored_weights(tiny_model_dir):
     ids = prompt_ids()
-    policy = load_policy(nf4(tiny_model_dir), LoraConfig(), CPU)
-    dequantised = load_dequantised_base(nf4(tiny_model_dir), CPU)
+    policy = load_policy(nf4(tiny_model_dir), LoraConfig(), DEVICE)
+    dequantised = load_dequantised_base(nf4(tiny_model_dir), DEVICE)
     stored = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad(), policy.base():
-        nf4_logits = policy.model(input_ids=ids).logits
-        assert (dequantised(input_ids=ids).logits - nf4_logits).abs().max() < 1e-5
-        assert (stored(input_ids=ids).logits - nf4_logits).abs().max() > 0.1  # 4-bit rounding is not nothing
+        nf4_logits = policy.model(input_ids=ids.to(DEVICE)).logits
+        assert (dequantised(input_ids=ids.to(DEVICE)).logits - nf4_logits).abs().max() < 1e-5
+        assert (stored(input_ids=ids).logits.to(DEVICE) - nf4_logits).abs().max() > 0.1  # 4-bit rounding is not nothing
     assert {type(m).__name__ for m in dequantised.modules()}.isdisjoint({"Linear4bit", "Params4bit"})
 
 
 def test_4bit_where_bitsandbytes_cannot_run_it_is_one_line_naming_the_field(tiny_model_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails, as without the package
     with pytest.raises(ConfigError) as raised:
-        load_policy(nf4(tiny_model_dir), LoraConfig(), CPU)
+        load_policy(nf4(tiny_model_dir), LoraConfig(), DEVICE)
     message = str(raised.value)
     assert "\n" not in message and "model.use_4bit" in message and "--set model.use_4bit=false" in message
 
@@ -103,7 +105,8 @@ def test_the_trainer_stops_at_start_when_bitsandbytes_is_broken(tiny_model_dir, 
     done = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"),
                            *qlora_args(tiny_model_dir, tmp_path / "runs", "--max-steps", "1")],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "site"), "COLUMNS": "400"})
+                          env={"PATH": "/usr/bin:/bin", "COLUMNS": "400", "PYTHONPATH": os.pathsep.join(
+                              [str(tmp_path / "site"), *filter(None, [os.environ.get("PYTHONPATH")])])})
     assert done.returncode == 2 and "Traceback" not in done.stderr
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("Configuration error: model.use_4bit is true") and "native library not found" in line
@@ -125,16 +128,16 @@ def test_4bit_training_checkpoints_and_resumes_exactly(tiny_model_dir, qlora_run
 
 def _trained_logits(model_dir: Path, checkpoint: Path, ids: torch.Tensor) -> torch.Tensor:
     """The trained policy's logits: the 4-bit base with the checkpoint's adapter, as the trainer runs it."""
-    policy = load_policy(nf4(model_dir), LoraConfig(), CPU)
+    policy = load_policy(nf4(model_dir), LoraConfig(), DEVICE)
     policy.load(checkpoint)
     with torch.no_grad():
-        return policy.model(input_ids=ids).logits
+        return policy.model(input_ids=ids.to(DEVICE)).logits.cpu()
 
 
 @pytest.mark.slow
 def test_a_4bit_adapter_merges_onto_the_dequantised_base(tiny_model_dir, qlora_run, tmp_path):
     checkpoint = qlora_run / "checkpoints" / "checkpoint-2"
-    sets = [f"model.name_or_path={tiny_model_dir}", "model.use_4bit=true", "model.dtype=float32", "run.device=cpu"]
+    sets = [f"model.name_or_path={tiny_model_dir}", "model.use_4bit=true", "model.dtype=float32", f"run.device={TEST_DEVICE}"]
     output = tmp_path / "merged"
     assert merge.main(["--checkpoint", str(checkpoint), "--output", str(output),
                        *[arg for s in sets for arg in ("--set", s)]]) == 0
@@ -150,7 +153,7 @@ def test_vllm_is_given_the_dequantised_base_that_with_the_adapter_is_the_trained
                                                                                         tmp_path, capsys):
     from peft import PeftModel
 
-    sets = [f"model.name_or_path={tiny_model_dir}", "model.use_4bit=true", "model.dtype=float32", "run.device=cpu",
+    sets = [f"model.name_or_path={tiny_model_dir}", "model.use_4bit=true", "model.dtype=float32", f"run.device={TEST_DEVICE}",
             f"model.cache_dir={tmp_path / 'cache'}"]
     args = [arg for s in sets for arg in ("--set", s)]
     assert prepare_model.main(args) == 0

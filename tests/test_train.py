@@ -21,15 +21,18 @@ from ppo_affine.checkpoint import find_resumable, verify
 from ppo_affine.testing import fake_vllm as fake_vllm_server
 
 ROOT = Path(__file__).resolve().parent.parent
+# CI has no GPU; on a CUDA machine `PPO_AFFINE_TEST_DEVICE=cuda pytest tests/test_quantized.py tests/test_train.py`
+# runs the tiny model's training runs and the QLoRA tests on the GPU, with bitsandbytes' CUDA kernels.
+TEST_DEVICE = os.environ.get("PPO_AFFINE_TEST_DEVICE", "cpu")
 TWO_GAMES = ('[{"name": "s", "opponent": "random", "min_episodes": 1000, '
              '"tasks": [{"env": "openspiel", "games": ["leduc_poker", "liars_dice"]}]}]')
 
 
 def tiny_args(model_dir: Path, out: Path, *extra: str) -> list[str]:
-    """A CPU run of the tiny model on the embedded game env; `extra` adds or overrides options."""
+    """A run of the tiny model (on TEST_DEVICE) on the embedded game env; `extra` adds or overrides options."""
     sets = {
         "model.name_or_path": str(model_dir), "model.use_4bit": "false", "model.dtype": "float32",
-        "model.gradient_checkpointing": "false", "run.device": "cpu", "run.name": "t",
+        "model.gradient_checkpointing": "false", "run.device": TEST_DEVICE, "run.name": "t",
         "generation.backend": "local", "generation.max_new_tokens": "3", "generation.max_prompt_tokens": "8192",
         "generation.max_concurrent_episodes": "3", "generation.max_turns": "6",
         "ppo.batch_size": "4", "ppo.ppo_epochs": "2", "ppo.micro_batch_tokens": "16384",
@@ -92,6 +95,13 @@ def test_resume_latest_reproduces_the_straight_run(tiny_model_dir, tmp_path):
     assert train_ppo.main(tiny_args(tiny_model_dir, split, "--max-steps", "4", "--resume", "latest")) == 0
     a, b = metrics(straight / "t"), metrics(split / "t")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
+    if TEST_DEVICE != "cpu":
+        # CUDA kernels do not repeat their rounding (an H100 run differed from itself at step 1: memory-efficient
+        # attention's backward adds in no fixed order), so on a GPU only what the random streams decide must match
+        def drawn(record: dict) -> dict:
+            return {k: v for k, v in record.items() if k.startswith(("curriculum/episodes", "env/episodes"))}
+        assert [drawn(r) for r in a] == [drawn(r) for r in b]
+        return
     assert [deterministic(r) for r in a] == [deterministic(r) for r in b]
     adapter = "checkpoints/checkpoint-4/adapter/adapter_model.safetensors"
     wa, wb = load_file(str(straight / "t" / adapter)), load_file(str(split / "t" / adapter))
