@@ -1,7 +1,6 @@
 """The QLoRA path on CPU (on TEST_DEVICE: a GPU where one is): a 4-bit NF4 base (bitsandbytes), LoRA on its
-Linear4bit layers, the value head,
-gradient checkpointing, training, checkpoint and exact resume, the merge onto the dequantised base and the
-weights exported for vLLM, all on the tiny model."""
+Linear4bit layers, the value head, gradient checkpointing, training, checkpoint and exact resume, the merge
+onto the dequantised base and the weights exported for vLLM, all on the tiny model."""
 import json
 import os
 import subprocess
@@ -27,6 +26,12 @@ DEVICE = torch.device(TEST_DEVICE)
 def nf4(model_dir: Path, **fields) -> ModelConfig:
     return ModelConfig(name_or_path=str(model_dir), use_4bit=True, dtype="float32", **{
         "gradient_checkpointing": False, **fields})
+
+
+def nf4_sets(model_dir: Path) -> list[str]:
+    """The --set options of merge.py and prepare_model.py for the tiny model's 4-bit base."""
+    return [f"model.name_or_path={model_dir}", "model.use_4bit=true", "model.dtype=float32",
+            f"run.device={TEST_DEVICE}"]
 
 
 def qlora_args(model_dir: Path, out: Path, *extra: str) -> list[str]:
@@ -78,14 +83,15 @@ def test_scores_without_gradients_equal_the_update_passes_and_every_adapter_laye
 
 
 def test_the_dequantised_base_computes_what_the_4bit_base_computes_and_not_the_stored_weights(tiny_model_dir):
-    ids = prompt_ids()
+    ids = prompt_ids()  # the stored model runs on the CPU
     policy = load_policy(nf4(tiny_model_dir), LoraConfig(), DEVICE)
     dequantised = load_dequantised_base(nf4(tiny_model_dir), DEVICE)
     stored = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad(), policy.base():
-        nf4_logits = policy.model(input_ids=ids.to(DEVICE)).logits
-        assert (dequantised(input_ids=ids.to(DEVICE)).logits - nf4_logits).abs().max() < 1e-5
-        assert (stored(input_ids=ids).logits.to(DEVICE) - nf4_logits).abs().max() > 0.1  # 4-bit rounding is not nothing
+        on_device = ids.to(DEVICE)
+        nf4_logits = policy.model(input_ids=on_device).logits.cpu()
+        assert (dequantised(input_ids=on_device).logits.cpu() - nf4_logits).abs().max() < 1e-5
+        assert (stored(input_ids=ids).logits - nf4_logits).abs().max() > 0.1  # 4-bit rounding is not nothing
     assert {type(m).__name__ for m in dequantised.modules()}.isdisjoint({"Linear4bit", "Params4bit"})
 
 
@@ -137,7 +143,7 @@ def _trained_logits(model_dir: Path, checkpoint: Path, ids: torch.Tensor) -> tor
 @pytest.mark.slow
 def test_a_4bit_adapter_merges_onto_the_dequantised_base(tiny_model_dir, qlora_run, tmp_path):
     checkpoint = qlora_run / "checkpoints" / "checkpoint-2"
-    sets = [f"model.name_or_path={tiny_model_dir}", "model.use_4bit=true", "model.dtype=float32", f"run.device={TEST_DEVICE}"]
+    sets = nf4_sets(tiny_model_dir)
     output = tmp_path / "merged"
     assert merge.main(["--checkpoint", str(checkpoint), "--output", str(output),
                        *[arg for s in sets for arg in ("--set", s)]]) == 0
@@ -153,8 +159,7 @@ def test_vllm_is_given_the_dequantised_base_that_with_the_adapter_is_the_trained
                                                                                         tmp_path, capsys):
     from peft import PeftModel
 
-    sets = [f"model.name_or_path={tiny_model_dir}", "model.use_4bit=true", "model.dtype=float32", f"run.device={TEST_DEVICE}",
-            f"model.cache_dir={tmp_path / 'cache'}"]
+    sets = [*nf4_sets(tiny_model_dir), f"model.cache_dir={tmp_path / 'cache'}"]
     args = [arg for s in sets for arg in ("--set", s)]
     assert prepare_model.main(args) == 0
     folder = Path(capsys.readouterr().out.split("base weights: ")[1].split("\n")[0])
