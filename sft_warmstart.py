@@ -6,7 +6,9 @@ fine-tuning of the LoRA adapter on the expert's replies, written as a checkpoint
    for sequential games, prize matching or Monte Carlo search for goofspiel). Every core plays
    episodes; the conversations go to `sft_data.jsonl` in the shape `logging.log_samples_every` writes.
    `--explore P` makes a P share of the turns random legal moves, which stay in the conversation
-   untrained: the expert's later replies show how to recover from a slip.
+   untrained: the expert's later replies show how to recover from a slip. `--openings N` adds N
+   episodes per game cut after the expert's first reply: more of the decision that decides short
+   games (a liars_dice opening bid) at the cost of one prompt each.
 2. Train: each conversation becomes token sequences exactly as a rollout builds them (the chat
    template, the configured context strategy, continued sequences); the loss is the mean negative
    log-likelihood of the assistant tokens (EOS included), everything else masked.
@@ -54,6 +56,7 @@ class ExpertJob:
     opponent_search: str = "fast"  # the MCTS opponent's implementation (openspiel_episode.SEARCHES)
     cache_dir: str = "~/.cache/ppo-affine"  # where the best-response expert keeps its opponent model
     explore: float = 0.0  # chance that a turn plays a uniformly random legal move (not trained on)
+    max_replies: int | None = None  # the record ends after this many expert replies (None: the whole game)
 
 
 # MCTS simulations / playouts per bid / unused (the other experts)
@@ -64,13 +67,13 @@ def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | 
                cfr_iterations: int = 300, with_reason: bool = False,
                opponent_simulations: int | None = None, *, experts: dict[str, str] | None = None,
                opponent_search: str = "fast", cache_dir: str = "~/.cache/ppo-affine",
-               explore: float = 0.0) -> ExpertJob:
+               explore: float = 0.0, max_replies: int | None = None) -> ExpertJob:
     """`experts`: game -> expert kind for the games that do not play their default expert."""
     from ppo_affine.experts import expert_kind
 
     kind = expert_kind(game, experts)
     return ExpertJob(game, kind, task_id, seed, opponent, budget or DEFAULT_BUDGET[kind], cfr_iterations,
-                     with_reason, opponent_simulations, opponent_search, cache_dir, explore)
+                     with_reason, opponent_simulations, opponent_search, cache_dir, explore, max_replies)
 
 
 def plan_jobs(games: list[str], episodes: int | dict[str, int], seed: int, opponent: str, config_ids: list[int],
@@ -78,24 +81,31 @@ def plan_jobs(games: list[str], episodes: int | dict[str, int], seed: int, oppon
               cfr_iterations: int, reason_games: Collection[str],
               opponent_simulations: int | dict[str, int] | None = None, *,
               experts: dict[str, str] | None = None, opponent_search: str = "fast",
-              cache_dir: str = "~/.cache/ppo-affine", explore: float = 0.0) -> list[ExpertJob]:
+              cache_dir: str = "~/.cache/ppo-affine", explore: float = 0.0,
+              openings: int | dict[str, int] = 0) -> list[ExpertJob]:
     """`episodes` jobs per game (one number, or {game: number} with "*" for the others) over the config ids;
     consecutive seeds alternate the model's seat. `reason_games`: the games whose replies carry a reason;
     `explore`: the chance a turn plays a random legal move instead of the expert's (`play_expert_episode`).
-    `opponent_simulations` is one MCTS budget for every game or {game: budget} (unnamed games: the env's)."""
+    `opponent_simulations` is one MCTS budget for every game or {game: budget} (unnamed games: the env's).
+    `openings` (counted like `episodes`): more jobs per game, on seeds of their own, that end after the
+    expert's first reply and play no random moves."""
     from ppo_affine.envs.tasks import game_task_id
 
-    def count(game: str) -> int:
-        return episodes.get(game, episodes["*"]) if isinstance(episodes, dict) else episodes
+    def count(counts: int | dict[str, int], game: str) -> int:
+        return counts.get(game, counts["*"]) if isinstance(counts, dict) else counts
 
     def simulations(game: str) -> int | None:
         return opponent_simulations.get(game) if isinstance(opponent_simulations, dict) else opponent_simulations
 
-    return [expert_job(game, game_task_id(game, config_ids[i % len(config_ids)]),
-                       (derive_seed(seed, "sft", game, i) & ~1) | (i % 2),  # parity = the model's seat
-                       opponent, budget, cfr_iterations, game in reason_games, simulations(game),
-                       experts=experts, opponent_search=opponent_search, cache_dir=cache_dir, explore=explore)
-            for game in games for i in range(count(game))]
+    def job(game: str, i: int, stream: str, explore: float, max_replies: int | None) -> ExpertJob:
+        return expert_job(game, game_task_id(game, config_ids[i % len(config_ids)]),
+                          (derive_seed(seed, stream, game, i) & ~1) | (i % 2),  # parity = the model's seat
+                          opponent, budget, cfr_iterations, game in reason_games, simulations(game),
+                          experts=experts, opponent_search=opponent_search, cache_dir=cache_dir, explore=explore,
+                          max_replies=max_replies)
+
+    return ([job(game, i, "sft", explore, None) for game in games for i in range(count(episodes, game))]
+            + [job(game, i, "sft-opening", 0.0, 1) for game in games for i in range(count(openings, game))])
 
 
 def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
@@ -104,7 +114,10 @@ def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
     With `job.explore` > 0 a turn plays a uniformly random legal move at that chance, and the record lists
     those replies (`explored_replies`, their places among the assistant replies): SFT does not train on
     them, but on the expert's answers from the states they lead to, which the expert's own games never
-    reach (a goofspiel prize whose matching card is gone) and a student's slips do."""
+    reach (a goofspiel prize whose matching card is gone) and a student's slips do.
+
+    With `job.max_replies` the record stops after that many expert replies, before the game ends: its
+    `score` is None and `max_replies` says where it was cut."""
     import random
 
     from ppo_affine.envs.openspiel_episode import Episode
@@ -128,12 +141,18 @@ def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
             action, reason = expert.choose(episode.state, dict(zip(episode.legal, episode.labels)))
             reply = f"<think>{reason}</think>{action}" if job.with_reason else str(action)
         messages.append({"role": "assistant", "content": reply})
+        if job.max_replies is not None and sum(m["role"] == "assistant" for m in messages) == job.max_replies:
+            break
         result = episode.step(reply)
         if not result["done"]:
             messages.append({"role": "user", "content": result["observation"]})
-    return {"step": 0, "env": "openspiel", "task_id": job.task_id, "seed": job.seed, "game": job.game,
-            "score": episode.score, "error": None, "messages": messages, "expert": expert.kind,
-            "opponent": job.opponent, "llm_player_id": episode.player, "explored_replies": explored}
+    record = {"step": 0, "env": "openspiel", "task_id": job.task_id, "seed": job.seed, "game": job.game,
+              "score": episode.score if result["done"] else None, "error": None, "messages": messages,
+              "expert": expert.kind, "opponent": job.opponent, "llm_player_id": episode.player,
+              "explored_replies": explored}
+    if job.max_replies is not None:
+        record["max_replies"] = job.max_replies
+    return record
 
 
 def generate(jobs: list[ExpertJob], workers: int, path: Path | None) -> list[dict[str, Any]]:
@@ -180,7 +199,7 @@ def conversations_to_episodes(records: list[dict[str, Any]], builder, strategy: 
         history = TokenHistory(builder, eos_ids)
         episode = Episode(task=Task("openspiel", record.get("task_id", 0), record.get("seed", 0), None, "sft", False),
                           env_kind="openspiel", sequences=history.sequences, game_name=record.get("game", ""),
-                          done=True, score=float(record.get("score", 0.0)))
+                          done=True, score=float(record.get("score") or 0.0))  # None: a cut record
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
@@ -267,6 +286,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--explore", type=float, default=0.0, metavar="P",
                         help="chance that a turn of an expert game plays a random legal move, not trained on: "
                         "SFT then also sees the expert recover from states its own play never reaches (e.g. 0.2)")
+    parser.add_argument("--openings", default="0", metavar="N",
+                        help="more expert episodes per game, cut after the expert's first reply (a number, or a "
+                        "number then GAME=N items): the decision that decides short games, such as a liars_dice "
+                        "opening bid, at one prompt each")
     parser.add_argument("--data", type=Path, help="train on this JSONL instead of generating episodes")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes playing episodes")
     parser.add_argument("--epochs", type=int, default=2)
@@ -327,6 +350,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
         except ExpertUnavailable as exc:
             raise ConfigError(f"--expert: {exc}.") from None
     args.episodes = parse_game_counts(args.episodes, "--episodes")
+    args.openings = parse_game_counts(args.openings, "--openings")
+    if min(args.openings.values()) < 0:
+        raise ConfigError(f"--openings must be at least 0 for every game, got {args.openings}.")
     if args.data is None:
         if min(args.episodes.values()) < 1:
             raise ConfigError(f"--episodes must be at least 1 for every game, got {args.episodes}.")
@@ -371,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             jobs = plan_jobs(games, args.episodes, config.train.run.seed, args.opponent, args.config_id_list,
                              args.expert_budget, args.cfr_iterations, args.reason_games, simulations,
                              experts=args.experts, opponent_search=game_env.opponent_search,
-                             cache_dir=config.train.model.cache_dir, explore=args.explore)
+                             cache_dir=config.train.model.cache_dir, explore=args.explore,
+                             openings=args.openings)
             started = time.perf_counter()
             records = generate(jobs, args.workers, args.output_dir / DATA_FILE)
             console.print(f"{len(records)} expert episodes in {time.perf_counter() - started:.0f} s -> "

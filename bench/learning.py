@@ -295,6 +295,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sft-explore", type=float, default=0.0, metavar="P",
                         help="chance that a turn of an SFT expert game is a random legal move, not trained on "
                         "(sft_warmstart --explore)")
+    parser.add_argument("--sft-openings", metavar="N",
+                        help="more SFT expert episodes per game cut after the expert's first reply: N, or N then "
+                        "GAME=M items (sft_warmstart --openings)")
     parser.add_argument("--sft-checkpoint", type=Path,
                         help="with --warm-start: start PPO from this SFT checkpoint instead of training one")
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
@@ -316,6 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.max_new_tokens = max(args.max_new_tokens, REASON_REPLY_TOKENS)
         args.eval_counts = sft_warmstart.parse_game_counts(args.eval_episodes, "--eval-episodes")
         args.sft_counts = sft_warmstart.parse_game_counts(args.sft_episodes, "--sft-episodes")
+        args.opening_counts = sft_warmstart.parse_game_counts(args.sft_openings or "0", "--sft-openings")
         args.expert_choices = sft_warmstart.parse_experts(args.experts or "")
         weights = sft_warmstart.parse_experts(args.game_weights or "")
         args.weights = {game: float(weight) for game, weight in weights.items()}
@@ -378,7 +382,8 @@ def main(argv: list[str] | None = None) -> None:
                     "--batch-size", str(args.sft_batch_size), "--learning-rate", str(args.sft_learning_rate),
                     "--output-dir", str(args.output_dir / "sft"),
                     *(["--reason", ",".join(args.reason_games)] if args.reason_games else []),
-                    *(["--explore", str(args.sft_explore)] if args.sft_explore else [])]
+                    *(["--explore", str(args.sft_explore)] if args.sft_explore else []),
+                    *(["--openings", args.sft_openings] if args.sft_openings else [])]
         for override in overrides:
             sft_args += ["--set", override]
         if sft_warmstart.main(sft_args) != 0:
@@ -444,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
                       "sft": ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
                               {"episodes_per_game": args.sft_counts, "epochs": args.sft_epochs,
                                "opponent": args.train_opponent, "reason": args.reason_games,
-                               "explore": args.sft_explore,
+                               "explore": args.sft_explore, "openings_per_game": args.opening_counts,
                                "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate})
                       if args.warm_start else None,
                       "checkpoint": str(trained) if trained else None,

@@ -205,6 +205,34 @@ def test_explored_moves_stay_in_the_conversation_but_only_the_experts_replies_ar
     assert all(not r["explored_replies"] for r in (play_expert_episode(job) for job in jobs("goofspiel", 2, budget=2)))
 
 
+def test_openings_are_expert_games_cut_after_the_experts_first_reply(tiny_policy):
+    from ppo_affine.experts import true_bid_choice
+
+    planned = plan_jobs(["liars_dice", "leduc_poker"], 1, seed=0, opponent="random", config_ids=[0], budget=None,
+                        cfr_iterations=20, reason_games=(), experts={"liars_dice": "true_bids"}, explore=0.3,
+                        openings={"*": 0, "liars_dice": 4})
+    whole, openings = planned[:2], planned[2:]
+    assert [(j.game, j.max_replies, j.explore) for j in whole] == [("liars_dice", None, 0.3), ("leduc_poker", None, 0.3)]
+    assert [(j.game, j.max_replies, j.explore) for j in openings] == [("liars_dice", 1, 0.0)] * 4
+    assert [j.seed % 2 for j in openings] == [0, 1, 0, 1] and whole[0].seed not in {j.seed for j in openings}
+    records = [play_expert_episode(job) for job in openings]
+    assert records == [play_expert_episode(job) for job in openings]  # seeded
+    for record in records:
+        assert [m["role"] for m in record["messages"]][-1] == "assistant"
+        assert [m["role"] for m in record["messages"]].count("assistant") == 1
+        assert record["score"] is None and record["max_replies"] == 1 and not record["explored_replies"]
+    first_seat = [r for r in records if r["llm_player_id"] == 0]
+    for record in first_seat:  # the opening bid is the teacher's, from the dice the prompt shows
+        dice = re.search(r"Your dice: \[([\d, ]+)\]", record["messages"][1]["content"]).group(1)
+        expected, _ = true_bid_choice([int(d) for d in dice.split(",")], [], list(range(60)))
+        assert record["messages"][-1]["content"] == str(expected)
+    # the second seat answers the opponent's opening: its prompt shows that bid
+    assert all("No bid yet" not in r["messages"][1]["content"] for r in records if r["llm_player_id"] == 1)
+    episodes = conversations_to_episodes(records, PromptBuilder(tiny_policy.tokenizer, 8192), "full",
+                                         {tiny_policy.tokenizer.eos_token_id})
+    assert [len(e.turns) for e in episodes] == [1] * 4 and all(e.score == 0.0 for e in episodes)
+
+
 def test_sft_raises_the_likelihood_of_the_expert_replies(tiny_policy):
     records = [play_expert_episode(job) for job in jobs("leduc_poker", 6)]
     episodes = conversations_to_episodes(records, PromptBuilder(tiny_policy.tokenizer, 8192), "full",
@@ -224,6 +252,8 @@ def _cli(*args):
     (["--games", "blackjack"], "--games: no expert plays blackjack"),
     (["--episodes", "0"], "--episodes must be at least 1"),
     (["--explore", "1.5"], "--explore must be in [0, 1)"),
+    (["--openings", "-1"], "--openings must be at least 0"),
+    (["--openings", "8,liars_dice"], "--openings: expected a number, then GAME=N items"),
 ])
 def test_bad_options_are_a_one_line_error_naming_the_option(args, expected):
     result = _cli("--preset", "cpu", *args)

@@ -1,0 +1,137 @@
+"""liars_dice's opening bid, over every hand: what a model bids first, against the true-bids teacher.
+
+Against the validators' MCTS, which sees every die, liars_dice is decided by the first seat's opening
+bid: it wins only when it names the highest bid that holds (`experts.true_bid_choice`). There are 252
+sorted hands of five dice, so that decision can be checked whole:
+
+    python bench/liars_openings.py probe --adapter runs/x/sft/checkpoints/checkpoint-48
+    python bench/liars_openings.py data --output runs/liars-openings/openings.jsonl
+
+`probe` renders the env's first-seat opening prompt for every hand (the env's own text, only the dice
+line differs), lets the model answer greedily and prints one JSON document, every average weighted by
+the hand's probability: how often it bids what the teacher bids, the chance its opening wins against
+an opponent that answers with the highest bid that holds (the teacher's is the bound, 0.234), the
+share of legal bids and the distinct bids it made. `--adapter base` probes the base model.
+`data` writes the teacher's opening for every hand as SFT records (sft_warmstart.py --data), each
+conversation cut after that reply.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from ppo_affine.envs.openspiel_episode import Episode
+from ppo_affine.envs.tasks import game_task_id
+from ppo_affine.experts import LIAR, _true_bid_totals, dice_compositions, true_bid_choice
+
+HANDS = list(itertools.combinations_with_replacement(range(1, 7), 5))  # the order dice_compositions uses
+FIRST_SEAT_SEED = 0  # an even seed: the model moves first
+
+
+def opening_conversations() -> list[list[dict[str, str]]]:
+    """The env's system prompt and first-seat opening prompt for every hand in HANDS."""
+    episode = Episode(uuid.uuid4().hex, task_id=game_task_id("liars_dice", 0), seed=FIRST_SEAT_SEED, opponent="random",
+                      observation_format="evaluate", max_parse_attempts=3, mcts_simulations=None)
+    prompt = episode.start()["observation"]
+    dice_line = next(line for line in prompt.splitlines() if line.startswith("Your dice:"))
+    conversations = []
+    for hand in HANDS:
+        shown = ", ".join(map(str, hand))
+        conversations.append([{"role": "system", "content": episode.system_prompt},
+                              {"role": "user", "content": prompt.replace(dice_line,
+                                                                         f"Your dice: [{shown}] (showing: {shown})")}])
+    return conversations
+
+
+def teacher_openings() -> list[tuple[int, float]]:
+    """The true-bids teacher's opening and its chance to win for every hand in HANDS."""
+    return [true_bid_choice(list(hand), [], [a for a in range(LIAR)]) for hand in HANDS]
+
+
+def write_data(path: Path) -> None:
+    records = [{"step": 0, "env": "openspiel", "task_id": game_task_id("liars_dice", 0), "seed": FIRST_SEAT_SEED,
+                "game": "liars_dice", "score": None, "error": None, "max_replies": 1,
+                "messages": [*conversation, {"role": "assistant", "content": str(action)}],
+                "expert": "true_bids", "opponent": "mcts", "llm_player_id": 0, "explored_replies": []}
+               for conversation, (action, _) in zip(opening_conversations(), teacher_openings())]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    print(f"{len(records)} openings -> {path}")
+
+
+def score_openings(replies: list[str]) -> dict:
+    """Replies to the HANDS' opening prompts, scored against the teacher's openings (module docstring)."""
+    counts, weights = dice_compositions(5, 6)
+    agree = win = legal = 0.0
+    bids = collections.Counter(replies)
+    teacher = teacher_openings()
+    for hand, weight, reply, (expected, _) in zip(HANDS, weights, replies, teacher, strict=True):
+        action = int(reply) if reply.isdigit() else -1
+        _, highest = _true_bid_totals(np.bincount(np.array(hand) - 1, minlength=6), counts)
+        agree += weight * (action == expected)
+        win += weight * (float(weights[highest == action].sum()) if 0 <= action < LIAR else 0.0)
+        legal += weight * (0 <= action < LIAR)
+    return {"hands": len(HANDS), "agrees_with_teacher": round(float(agree), 4), "opening_win_chance": round(float(win), 4),
+            "teacher_opening_win_chance": round(float(sum(w * p for w, (_, p) in zip(weights, teacher))), 4),
+            "legal": round(float(legal), 4), "distinct_replies": len(bids), "most_common": bids.most_common(5)}
+
+
+def greedy_replies(policy, conversations: list[list[dict[str, str]]], batch: int, max_new_tokens: int,
+                   chat_template_kwargs: dict) -> list[str]:
+    """The policy's greedy reply to each conversation, stripped."""
+    import torch
+
+    tokenizer = policy.tokenizer
+    tokenizer.padding_side = "left"
+    prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
+               for c in conversations]
+    replies = []
+    for first in range(0, len(prompts), batch):
+        encoded = tokenizer(prompts[first:first + batch], return_tensors="pt", padding=True).to(policy.device)
+        with torch.no_grad():
+            out = policy.model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False)
+        replies += [tokenizer.decode(ids, skip_special_tokens=True).strip()
+                    for ids in out[:, encoded.input_ids.shape[1]:]]
+    return replies
+
+
+def probe(adapter: str, batch: int, max_new_tokens: int, overrides: list[str]) -> dict:
+    """Greedy openings of the cpu preset's model (with `overrides`) and `adapter` on every hand, scored."""
+    from ppo_affine.policy import load_policy, pick_device
+    from utils import load_config
+
+    config = load_config(presets=["cpu"], overrides=overrides).train
+    policy = load_policy(config.model, config.lora, pick_device(config.run.device))
+    if adapter != "base":
+        policy.load_adapter(Path(adapter) / "adapter" if (Path(adapter) / "adapter").is_dir() else Path(adapter))
+    started = time.perf_counter()
+    replies = greedy_replies(policy, opening_conversations(), batch, max_new_tokens, config.model.chat_template_kwargs)
+    return {"adapter": adapter, **score_openings(replies), "seconds": round(time.perf_counter() - started, 1)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    probing = commands.add_parser("probe", help="a model's greedy opening on every hand, against the teacher's")
+    probing.add_argument("--adapter", required=True, help="a checkpoint or adapter folder, or 'base'")
+    probing.add_argument("--batch", type=int, default=12, help="prompts per generate call")
+    probing.add_argument("--max-new-tokens", type=int, default=6)
+    probing.add_argument("--set", action="append", default=[], help="config overrides, e.g. run.device=cuda")
+    data = commands.add_parser("data", help="the teacher's opening on every hand, as SFT records")
+    data.add_argument("--output", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.command == "data":
+        write_data(args.output)
+    else:
+        print(json.dumps(probe(args.adapter, args.batch, args.max_new_tokens, args.set), indent=1))
+
+
+if __name__ == "__main__":
+    main()

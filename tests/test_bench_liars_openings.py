@@ -1,0 +1,41 @@
+"""bench/liars_openings.py: liars_dice's opening bid on every hand, scored against the true-bids teacher."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from ppo_affine.experts import highest_true_bid_guess_rate
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("bench_liars_openings", ROOT / "bench" / "liars_openings.py")
+liars_openings = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(liars_openings)
+
+
+def test_the_opening_probe_scores_the_teachers_own_bids_at_the_bound(tmp_path):
+    teacher = [str(action) for action, _ in liars_openings.teacher_openings()]
+    scored = liars_openings.score_openings(teacher)
+    assert scored["agrees_with_teacher"] == 1.0 and scored["legal"] == 1.0
+    assert scored["opening_win_chance"] == scored["teacher_opening_win_chance"] == round(highest_true_bid_guess_rate(5), 4)
+    # one bid for every hand (what the SFT student did): right only where the teacher bids it too
+    always = liars_openings.score_openings(["25"] * len(teacher))
+    assert always["distinct_replies"] == 1 and 0 < always["agrees_with_teacher"] < 0.2
+    assert always["opening_win_chance"] < scored["opening_win_chance"]
+    assert liars_openings.score_openings(["Liar"] * len(teacher))["legal"] == 0.0
+    with pytest.raises(ValueError):  # one reply per hand
+        liars_openings.score_openings(teacher[:-1])
+    liars_openings.write_data(tmp_path / "openings.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "openings.jsonl").read_text().splitlines()]
+    assert [r["messages"][-1]["content"] for r in records] == teacher
+    assert all(f"Your dice: [{', '.join(map(str, hand))}]" in r["messages"][1]["content"]
+               for r, hand in zip(records, liars_openings.HANDS))
+    assert {r["messages"][1]["content"].replace(r["messages"][1]["content"].splitlines()[1], "") for r in records} \
+        .__len__() == 1  # only the dice line differs
+
+
+def test_the_probe_asks_the_model_each_hands_opening_prompt(tiny_policy):
+    conversations = liars_openings.opening_conversations()
+    assert len(conversations) == 252 and conversations[0][1]["content"].startswith("Current State:\nYour dice: [1, 1")
+    replies = liars_openings.greedy_replies(tiny_policy, conversations[:3], 2, 3, {})
+    assert len(replies) == 3 and all(isinstance(r, str) for r in replies)
