@@ -25,11 +25,9 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
-
 from ppo_affine.envs.openspiel_episode import Episode
 from ppo_affine.envs.tasks import game_task_id
-from ppo_affine.experts import LIAR, _true_bid_totals, dice_compositions, true_bid_choice
+from ppo_affine.experts import LIAR, dice_compositions, true_bid_choice
 
 HANDS = list(itertools.combinations_with_replacement(range(1, 7), 5))  # the order dice_compositions uses
 FIRST_SEAT_SEED = 0  # an even seed: the model moves first
@@ -52,7 +50,7 @@ def opening_conversations() -> list[list[dict[str, str]]]:
 
 def teacher_openings() -> list[tuple[int, float]]:
     """The true-bids teacher's opening and its chance to win for every hand in HANDS."""
-    return [true_bid_choice(list(hand), [], [a for a in range(LIAR)]) for hand in HANDS]
+    return [true_bid_choice(list(hand), [], list(range(LIAR))) for hand in HANDS]
 
 
 def write_data(path: Path) -> None:
@@ -68,51 +66,63 @@ def write_data(path: Path) -> None:
 
 def score_openings(replies: list[str]) -> dict:
     """Replies to the HANDS' opening prompts, scored against the teacher's openings (module docstring)."""
-    counts, weights = dice_compositions(5, 6)
+    _, weights = dice_compositions(5, 6)
     agree = win = legal = 0.0
-    bids = collections.Counter(replies)
     teacher = teacher_openings()
     for hand, weight, reply, (expected, _) in zip(HANDS, weights, replies, teacher, strict=True):
         action = int(reply) if reply.isdigit() else -1
-        _, highest = _true_bid_totals(np.bincount(np.array(hand) - 1, minlength=6), counts)
+        if 0 <= action < LIAR:  # offered only this bid, the teacher returns its chance to win
+            legal += weight
+            win += weight * true_bid_choice(list(hand), [], [action])[1]
         agree += weight * (action == expected)
-        win += weight * (float(weights[highest == action].sum()) if 0 <= action < LIAR else 0.0)
-        legal += weight * (0 <= action < LIAR)
+    bids = collections.Counter(replies)
     return {"hands": len(HANDS), "agrees_with_teacher": round(float(agree), 4), "opening_win_chance": round(float(win), 4),
             "teacher_opening_win_chance": round(float(sum(w * p for w, (_, p) in zip(weights, teacher))), 4),
             "legal": round(float(legal), 4), "distinct_replies": len(bids), "most_common": bids.most_common(5)}
 
 
-def greedy_replies(policy, conversations: list[list[dict[str, str]]], batch: int, max_new_tokens: int,
-                   chat_template_kwargs: dict) -> list[str]:
-    """The policy's greedy reply to each conversation, stripped."""
+def greedy_replies(policy, builder, conversations: list[list[dict[str, str]]], batch: int,
+                   max_new_tokens: int) -> list[str]:
+    """The policy's greedy reply to each conversation, prompted with the ids a rollout would use
+    (`builder`: a PromptBuilder) and cut at the first EOS."""
     import torch
 
+    from ppo_affine.generation import cut_at_eos, eos_token_ids
+
     tokenizer = policy.tokenizer
-    tokenizer.padding_side = "left"
-    prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
-               for c in conversations]
+    eos_ids = eos_token_ids(tokenizer, policy.model.generation_config)
     replies = []
-    for first in range(0, len(prompts), batch):
-        encoded = tokenizer(prompts[first:first + batch], return_tensors="pt", padding=True).to(policy.device)
+    for first in range(0, len(conversations), batch):
+        prompts = [builder.encode(c) for c in conversations[first:first + batch]]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), tokenizer.pad_token_id)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):  # left-padded, so every reply starts at `width`
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
         with torch.no_grad():
-            out = policy.model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False)
-        replies += [tokenizer.decode(ids, skip_special_tokens=True).strip()
-                    for ids in out[:, encoded.input_ids.shape[1]:]]
+            out = policy.model.generate(input_ids=ids.to(policy.device), attention_mask=mask.to(policy.device),
+                                        max_new_tokens=max_new_tokens, do_sample=False,
+                                        pad_token_id=tokenizer.pad_token_id, eos_token_id=sorted(eos_ids))
+        replies += [tokenizer.decode(cut_at_eos(row, eos_ids), skip_special_tokens=True).strip()
+                    for row in out[:, width:].tolist()]
     return replies
 
 
 def probe(adapter: str, batch: int, max_new_tokens: int, overrides: list[str]) -> dict:
     """Greedy openings of the cpu preset's model (with `overrides`) and `adapter` on every hand, scored."""
-    from ppo_affine.policy import load_policy, pick_device
+    from ppo_affine.policy import adapter_folder, load_policy, pick_device
+    from ppo_affine.prompts import PromptBuilder
     from utils import load_config
 
     config = load_config(presets=["cpu"], overrides=overrides).train
+    adapter_dir = None if adapter == "base" else adapter_folder(Path(adapter))  # a wrong path fails before the load
     policy = load_policy(config.model, config.lora, pick_device(config.run.device))
-    if adapter != "base":
-        policy.load_adapter(Path(adapter) / "adapter" if (Path(adapter) / "adapter").is_dir() else Path(adapter))
+    if adapter_dir is not None:
+        policy.load_adapter(adapter_dir)
+    builder = PromptBuilder(policy.tokenizer, config.generation.max_prompt_tokens, config.model.chat_template_kwargs)
     started = time.perf_counter()
-    replies = greedy_replies(policy, opening_conversations(), batch, max_new_tokens, config.model.chat_template_kwargs)
+    replies = greedy_replies(policy, builder, opening_conversations(), batch, max_new_tokens)
     return {"adapter": adapter, **score_openings(replies), "seconds": round(time.perf_counter() - started, 1)}
 
 

@@ -30,12 +30,14 @@ def test_the_opening_probe_scores_the_teachers_own_bids_at_the_bound(tmp_path):
     assert [r["messages"][-1]["content"] for r in records] == teacher
     assert all(f"Your dice: [{', '.join(map(str, hand))}]" in r["messages"][1]["content"]
                for r, hand in zip(records, liars_openings.HANDS))
-    assert {r["messages"][1]["content"].replace(r["messages"][1]["content"].splitlines()[1], "") for r in records} \
-        .__len__() == 1  # only the dice line differs
+    # only the dice line differs
+    assert len({r["messages"][1]["content"].replace(r["messages"][1]["content"].splitlines()[1], "") for r in records}) == 1
 
 
 def test_the_probe_asks_the_model_each_hands_opening_prompt(tiny_policy):
+    from ppo_affine.prompts import PromptBuilder
+
     conversations = liars_openings.opening_conversations()
     assert len(conversations) == 252 and conversations[0][1]["content"].startswith("Current State:\nYour dice: [1, 1")
-    replies = liars_openings.greedy_replies(tiny_policy, conversations[:3], 2, 3, {})
+    replies = liars_openings.greedy_replies(tiny_policy, PromptBuilder(tiny_policy.tokenizer, 8192), conversations[:3], 2, 3)
     assert len(replies) == 3 and all(isinstance(r, str) for r in replies)
