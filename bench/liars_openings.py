@@ -5,7 +5,7 @@ bid: it wins only when it names the highest bid that holds (`experts.true_bid_ch
 sorted hands of five dice, so that decision can be checked whole:
 
     python bench/liars_openings.py probe --adapter runs/x/sft/checkpoints/checkpoint-48
-    python bench/liars_openings.py data --output runs/liars-openings/openings.jsonl
+    python bench/liars_openings.py data --output runs/liars-openings/openings.jsonl [--reason]
 
 `probe` renders the env's first-seat opening prompt for every hand (the env's own text, only the dice
 line differs), lets the model answer greedily and prints one JSON document, every average weighted by
@@ -13,7 +13,9 @@ the hand's probability: how often it bids what the teacher bids, the chance its 
 an opponent that answers with the highest bid that holds (the teacher's is the bound, 0.234), the
 share of legal bids and the distinct bids it made. `--adapter base` probes the base model.
 `data` writes the teacher's opening for every hand as SFT records (sft_warmstart.py --data), each
-conversation cut after that reply.
+conversation cut after that reply; with `--reason` the reply counts first (`opening_reason`), and a
+probe of such a model needs room for it (`--max-new-tokens 72`: the longest is 66 tokens): the score reads the reply
+think-stripped, as the env does.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import uuid
 from pathlib import Path
 
 from ppo_affine.envs.openspiel_episode import Episode
+from ppo_affine.envs.openspiel_text import strip_think
 from ppo_affine.envs.tasks import game_task_id
 from ppo_affine.experts import LIAR, dice_compositions, true_bid_choice
 
@@ -53,22 +56,40 @@ def teacher_openings() -> list[tuple[int, float]]:
     return [true_bid_choice(list(hand), [], list(range(LIAR))) for hand in HANDS]
 
 
-def write_data(path: Path) -> None:
+def opening_reason(hand: tuple[int, ...], action: int) -> str:
+    """The teacher's opening worked out in steps a small model can copy from the sorted dice line: the
+    sixes, each other face's count, the face bid on with the sixes added, then the bid's label, e.g.
+    [1, 3, 3, 6, 6] -> '6s: 2; 1s: 1; 3s: 2; best 3s: 2+2=4; bid 6-3' (the ID 32 follows the think block).
+    The teacher bids the commonest face (the highest of a tie; sixes only with nothing else) at two more
+    than it holds."""
+    quantity, face = action // 6 + 1, action % 6 + 1
+    sixes = hand.count(6)
+    steps = [f"6s: {sixes}"] + [f"{f}s: {hand.count(f)}" for f in sorted(set(hand) - {6})]
+    held = f"{sixes}" if face == 6 else f"{hand.count(face)}+{sixes}={hand.count(face) + sixes}"
+    return "; ".join([*steps, f"best {face}s: {held}", f"bid {quantity}-{face}"])
+
+
+def write_data(path: Path, with_reason: bool = False) -> None:
+    def reply(hand: tuple[int, ...], action: int) -> str:
+        return f"<think>{opening_reason(hand, action)}</think>{action}" if with_reason else str(action)
+
     records = [{"step": 0, "env": "openspiel", "task_id": game_task_id("liars_dice", 0), "seed": FIRST_SEAT_SEED,
                 "game": "liars_dice", "score": None, "error": None, "max_replies": 1,
-                "messages": [*conversation, {"role": "assistant", "content": str(action)}],
+                "messages": [*conversation, {"role": "assistant", "content": reply(hand, action)}],
                 "expert": "true_bids", "opponent": "mcts", "llm_player_id": 0, "explored_replies": []}
-               for conversation, (action, _) in zip(opening_conversations(), teacher_openings())]
+               for hand, conversation, (action, _) in zip(HANDS, opening_conversations(), teacher_openings())]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     print(f"{len(records)} openings -> {path}")
 
 
 def score_openings(replies: list[str]) -> dict:
-    """Replies to the HANDS' opening prompts, scored against the teacher's openings (module docstring)."""
+    """Replies to the HANDS' opening prompts, scored against the teacher's openings (module docstring);
+    a reply counts as the env reads it, its reasoning stripped."""
     _, weights = dice_compositions(5, 6)
     agree = win = legal = 0.0
     teacher = teacher_openings()
+    replies = [strip_think(reply).strip() for reply in replies]
     for hand, weight, reply, (expected, _) in zip(HANDS, weights, replies, teacher, strict=True):
         action = int(reply) if reply.isdigit() else -1
         if 0 <= action < LIAR:  # offered only this bid, the teacher returns its chance to win
@@ -136,9 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     probing.add_argument("--set", action="append", default=[], help="config overrides, e.g. run.device=cuda")
     data = commands.add_parser("data", help="the teacher's opening on every hand, as SFT records")
     data.add_argument("--output", type=Path, required=True)
+    data.add_argument("--reason", action="store_true", help="replies '<think>the count</think>ID' (opening_reason)")
     args = parser.parse_args(argv)
     if args.command == "data":
-        write_data(args.output)
+        write_data(args.output, args.reason)
     else:
         print(json.dumps(probe(args.adapter, args.batch, args.max_new_tokens, args.set), indent=1))
 

@@ -34,6 +34,23 @@ def test_the_opening_probe_scores_the_teachers_own_bids_at_the_bound(tmp_path):
     assert len({r["messages"][1]["content"].replace(r["messages"][1]["content"].splitlines()[1], "") for r in records}) == 1
 
 
+def test_reasoned_openings_count_the_dice_before_the_teachers_bid(tmp_path):
+    reason = liars_openings.opening_reason
+    assert reason((1, 3, 3, 6, 6), 32) == "6s: 2; 1s: 1; 3s: 2; best 3s: 2+2=4; bid 6-3"
+    assert reason((1, 2, 3, 4, 5), 16) == "6s: 0; 1s: 1; 2s: 1; 3s: 1; 4s: 1; 5s: 1; best 5s: 1+0=1; bid 3-5"
+    assert reason((6, 6, 6, 6, 6), 41) == "6s: 5; best 6s: 5; bid 7-6"
+    liars_openings.write_data(tmp_path / "reasoned.jsonl", with_reason=True)
+    records = [json.loads(line) for line in (tmp_path / "reasoned.jsonl").read_text().splitlines()]
+    replies = [r["messages"][-1]["content"] for r in records]
+    teacher = liars_openings.teacher_openings()
+    assert replies[100] == "<think>6s: 2; 1s: 1; 3s: 2; best 3s: 2+2=4; bid 6-3</think>32"
+    # every reason ends on the label of the ID it precedes, and the env reads the ID alone
+    assert all(r.startswith("<think>") and r.endswith(f"</think>{action}") and f"bid {action // 6 + 1}-{action % 6 + 1}<" in r
+               for r, (action, _) in zip(replies, teacher))
+    assert liars_openings.score_openings(replies)["agrees_with_teacher"] == 1.0
+    assert liars_openings.score_openings(["<think>6s: 2</think>"] * len(replies))["legal"] == 0.0
+
+
 def test_the_probe_asks_the_model_each_hands_opening_prompt(tiny_policy):
     from ppo_affine.prompts import PromptBuilder
 
