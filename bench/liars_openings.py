@@ -89,7 +89,7 @@ def score_openings(replies: list[str]) -> dict:
     _, weights = dice_compositions(5, 6)
     agree = win = legal = 0.0
     teacher = teacher_openings()
-    replies = [strip_think(reply).strip() for reply in replies]
+    replies = [strip_think(reply) for reply in replies]  # strip_think also trims whitespace
     for hand, weight, reply, (expected, _) in zip(HANDS, weights, replies, teacher, strict=True):
         action = int(reply) if reply.isdigit() else -1
         if 0 <= action < LIAR:  # offered only this bid, the teacher returns its chance to win
