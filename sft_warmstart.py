@@ -11,7 +11,8 @@ fine-tuning of the LoRA adapter on the expert's replies, written as a checkpoint
    games (a liars_dice opening bid) at the cost of one prompt each.
 2. Train: each conversation becomes token sequences exactly as a rollout builds them (the chat
    template, the configured context strategy, continued sequences); the loss is the mean negative
-   log-likelihood of the assistant tokens (EOS included), everything else masked.
+   log-likelihood of the assistant tokens (EOS included), everything else masked. `--init-adapter
+   CHECKPOINT` trains that adapter on (more epochs) instead of a fresh LoRA.
 3. Save `checkpoints/checkpoint-<optimizer steps>` (adapter + a zero value head).
 
 Run:  python sft_warmstart.py --preset cpu --games leduc_poker,goofspiel --episodes 200
@@ -291,6 +292,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "number then GAME=N items): the decision that decides short games, such as a liars_dice "
                         "opening bid, at one prompt each")
     parser.add_argument("--data", type=Path, help="train on this JSONL instead of generating episodes")
+    parser.add_argument("--init-adapter", type=Path, metavar="CHECKPOINT",
+                        help="go on training this adapter (an earlier SFT checkpoint, or an adapter folder) "
+                        "instead of a fresh LoRA, e.g. for more epochs")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes playing episodes")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
@@ -364,6 +368,10 @@ def check_args(args: argparse.Namespace) -> list[str]:
             except ExpertUnavailable as exc:
                 raise ConfigError(f"--games: {exc}.") from None
     args.reason_games = parse_reason_games(args.reason, games) if args.data is None else set()
+    if args.init_adapter is not None:
+        from ppo_affine.policy import adapter_folder
+
+        adapter_folder(args.init_adapter)  # a wrong path fails before experts play or the model loads
     for name in ("epochs", "batch_size", "workers", "cfr_iterations"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
@@ -422,7 +430,7 @@ def warm_start(config, records: list[dict[str, Any]], args: argparse.Namespace) 
     from ppo_affine.experience import build_sequences
     from ppo_affine.generation import eos_token_ids
     from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
-    from ppo_affine.policy import load_policy, pick_device
+    from ppo_affine.policy import adapter_folder, load_policy, pick_device
     from ppo_affine.prompts import PromptBuilder
 
     cfg = config.train
@@ -430,6 +438,9 @@ def warm_start(config, records: list[dict[str, Any]], args: argparse.Namespace) 
     return_freed_memory_to_the_os()
     torch.manual_seed(cfg.run.seed)
     policy = load_policy(cfg.model, cfg.lora, device)
+    if args.init_adapter is not None:
+        policy.load_adapter(adapter_folder(args.init_adapter))
+        console.print(f"SFT goes on from the adapter in {args.init_adapter}", highlight=False)
     builder = PromptBuilder(policy.tokenizer, cfg.generation.max_prompt_tokens, cfg.model.chat_template_kwargs)
     episodes = conversations_to_episodes(records, builder, cfg.generation.context_strategy,
                                          eos_token_ids(policy.tokenizer, policy.model.generation_config))

@@ -23,6 +23,7 @@ import argparse
 import collections
 import itertools
 import json
+import re
 import time
 import uuid
 from pathlib import Path
@@ -102,6 +103,28 @@ def score_openings(replies: list[str]) -> dict:
             "legal": round(float(legal), 4), "distinct_replies": len(bids), "most_common": bids.most_common(5)}
 
 
+def score_reasons(replies: list[str]) -> dict:
+    """Where a reasoned student goes wrong (`opening_reason`'s steps), each share weighted by the hand's
+    probability: the reason's dice counts (everything before 'best') as the teacher's, its bid label as
+    the teacher's, and, over the replies whose reason names a bid, the ID that label's action."""
+    _, weights = dice_compositions(5, 6)
+    counts = label = follows = labelled = 0.0
+    for hand, weight, reply, (expected, _) in zip(HANDS, weights, replies, teacher_openings(), strict=True):
+        match = re.search(r"<think>(.*?)</think>\s*(\S*)", reply, re.DOTALL)
+        if match is None:
+            continue
+        teacher_counts, _, teacher_label = opening_reason(hand, expected).rpartition("; best ")
+        reason, action = match.group(1).strip(), match.group(2)
+        counts += weight * (reason.partition("; best ")[0] == teacher_counts)
+        label += weight * reason.endswith(teacher_label.rpartition("; ")[2])
+        named = re.search(r"bid (\d+)-([1-6])$", reason)
+        if named:
+            labelled += weight
+            follows += weight * (action == str((int(named.group(1)) - 1) * 6 + int(named.group(2)) - 1))
+    return {"counts_like_teacher": round(float(counts), 4), "bid_label_like_teacher": round(float(label), 4),
+            "id_follows_own_label": round(float(follows / labelled), 4) if labelled else None}
+
+
 def greedy_replies(policy, builder, conversations: list[list[dict[str, str]]], batch: int,
                    max_new_tokens: int) -> list[str]:
     """The policy's greedy reply to each conversation, prompted with the ids a rollout would use
@@ -130,8 +153,9 @@ def greedy_replies(policy, builder, conversations: list[list[dict[str, str]]], b
     return replies
 
 
-def probe(adapter: str, batch: int, max_new_tokens: int, overrides: list[str]) -> dict:
-    """Greedy openings of the cpu preset's model (with `overrides`) and `adapter` on every hand, scored."""
+def probe(adapter: str, batch: int, max_new_tokens: int, overrides: list[str], replies_path: Path | None = None) -> dict:
+    """Greedy openings of the cpu preset's model (with `overrides`) and `adapter` on every hand, scored
+    (`score_reasons` too where the model reasons); `replies_path`: also each hand's reply, as JSON lines."""
     from ppo_affine.policy import adapter_folder, load_policy, pick_device
     from ppo_affine.prompts import PromptBuilder
     from utils import load_config
@@ -144,7 +168,14 @@ def probe(adapter: str, batch: int, max_new_tokens: int, overrides: list[str]) -
     builder = PromptBuilder(policy.tokenizer, config.generation.max_prompt_tokens, config.model.chat_template_kwargs)
     started = time.perf_counter()
     replies = greedy_replies(policy, builder, opening_conversations(), batch, max_new_tokens)
-    return {"adapter": adapter, **score_openings(replies), "seconds": round(time.perf_counter() - started, 1)}
+    seconds = round(time.perf_counter() - started, 1)
+    if replies_path is not None:
+        replies_path.parent.mkdir(parents=True, exist_ok=True)
+        replies_path.write_text("".join(json.dumps({"hand": hand, "reply": reply, "teacher": action}) + "\n"
+                                        for hand, reply, (action, _) in zip(HANDS, replies, teacher_openings())))
+    reasoned = any("<think>" in reply for reply in replies)
+    return {"adapter": adapter, **score_openings(replies), **(score_reasons(replies) if reasoned else {}),
+            "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     probing.add_argument("--batch", type=int, default=12, help="prompts per generate call")
     probing.add_argument("--max-new-tokens", type=int, default=6)
     probing.add_argument("--set", action="append", default=[], help="config overrides, e.g. run.device=cuda")
+    probing.add_argument("--replies", type=Path, help="also write each hand's reply and the teacher's ID here (JSON lines)")
     data = commands.add_parser("data", help="the teacher's opening on every hand, as SFT records")
     data.add_argument("--output", type=Path, required=True)
     data.add_argument("--reason", action="store_true", help="replies '<think>the count</think>ID' (opening_reason)")
@@ -162,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "data":
         write_data(args.output, args.reason)
     else:
-        print(json.dumps(probe(args.adapter, args.batch, args.max_new_tokens, args.set), indent=1))
+        print(json.dumps(probe(args.adapter, args.batch, args.max_new_tokens, args.set, args.replies), indent=1))
 
 
 if __name__ == "__main__":

@@ -58,3 +58,28 @@ def test_the_probe_asks_the_model_each_hands_opening_prompt(tiny_policy):
     assert len(conversations) == 252 and conversations[0][1]["content"].startswith("Current State:\nYour dice: [1, 1")
     replies = liars_openings.greedy_replies(tiny_policy, PromptBuilder(tiny_policy.tokenizer, 8192), conversations[:3], 2, 3)
     assert len(replies) == 3 and all(isinstance(r, str) for r in replies)
+
+
+def test_the_reason_score_says_which_step_a_reasoned_student_gets_wrong():
+    teacher = liars_openings.teacher_openings()
+    reasons = [liars_openings.opening_reason(hand, action) for hand, (action, _) in zip(liars_openings.HANDS, teacher)]
+    right = [f"<think>{reason}</think>{action}" for reason, (action, _) in zip(reasons, teacher)]
+    assert liars_openings.score_reasons(right) == {"counts_like_teacher": 1.0, "bid_label_like_teacher": 1.0,
+                                                   "id_follows_own_label": 1.0}
+    # the teacher's reasons with one ID for every hand: the counts and labels hold, the ID follows
+    # its own label only where the teacher bids that ID (the probability of those hands)
+    _, weights = liars_openings.dice_compositions(5, 6)
+    share_28 = round(float(sum(w for w, (action, _) in zip(weights, teacher) if action == 28)), 4)
+    always_28 = liars_openings.score_reasons([f"<think>{reason}</think>28" for reason in reasons])
+    assert always_28["counts_like_teacher"] == always_28["bid_label_like_teacher"] == 1.0
+    assert 0 < always_28["id_follows_own_label"] == share_28 < 1
+    # what the 1-epoch student wrote for five 1s: the faces but not their count, a wrong label, an ID
+    # that is not its label's (5-1 is 24)
+    first = "<think>6s: 0; 1s: 1; best 1s: 1+0=1; bid 5-1</think>34"
+    assert liars_openings.HANDS[0] == (1, 1, 1, 1, 1) and reasons[0] == "6s: 0; 1s: 5; best 1s: 5+0=5; bid 7-1"
+    scored = liars_openings.score_reasons([first] + right[1:])
+    assert scored["counts_like_teacher"] == scored["bid_label_like_teacher"] == round(1 - float(weights[0]), 4)
+    assert scored["id_follows_own_label"] == round(1 - float(weights[0]), 4)
+    # an ID alone has no reason to score: nothing counts
+    assert liars_openings.score_reasons([str(action) for action, _ in teacher]) == {
+        "counts_like_teacher": 0.0, "bid_label_like_teacher": 0.0, "id_follows_own_label": None}

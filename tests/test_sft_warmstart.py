@@ -254,6 +254,7 @@ def _cli(*args):
     (["--explore", "1.5"], "--explore must be in [0, 1)"),
     (["--openings", "-1"], "--openings must be at least 0"),
     (["--openings", "8,liars_dice"], "--openings: expected a number, then GAME=N items"),
+    (["--init-adapter", "runs/no-such-sft/checkpoint-9"], "runs/no-such-sft/checkpoint-9 is neither a checkpoint folder"),
 ])
 def test_bad_options_are_a_one_line_error_naming_the_option(args, expected):
     result = _cli("--preset", "cpu", *args)
@@ -271,13 +272,21 @@ def test_warm_start_checkpoint_starts_a_ppo_run(tiny_model_dir, tmp_path):
                                "--cfr-iterations", "20", "--epochs", "1", "--workers", "1",
                                "--output-dir", str(tmp_path / "sft"), *sets]) == 0
     [checkpoint] = (tmp_path / "sft" / "checkpoints").glob("checkpoint-*")
+    from safetensors.torch import load_file
+
     assert len((tmp_path / "sft" / "sft_data.jsonl").read_text().splitlines()) == 8
     run = tiny_args(tiny_model_dir, tmp_path / "ppo", "--max-steps", "1")
     assert train_ppo.main(run + ["--init-adapter", str(checkpoint)]) == 0
-    from safetensors.torch import load_file
-
     sft = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
     assert any(float(t.abs().max()) > 0 for k, t in sft.items() if "lora_B" in k)  # SFT moved the adapter
+    # more epochs on the same data go on from that adapter (a learning rate too small to move it shows where
+    # they start), not from a fresh LoRA whose B matrices are zero
+    assert sft_warmstart.main(["--data", str(tmp_path / "sft" / "sft_data.jsonl"), "--init-adapter", str(checkpoint),
+                               "--epochs", "1", "--learning-rate", "1e-12", "--output-dir", str(tmp_path / "more"),
+                               *sets]) == 0
+    [more] = (tmp_path / "more" / "checkpoints").glob("checkpoint-*")
+    continued = load_file(str(more / "adapter" / "adapter_model.safetensors"))
+    assert continued.keys() == sft.keys() and all(torch.allclose(continued[k], sft[k], atol=1e-6) for k in sft)
     # the KL anchor is the SFT adapter: the first rollout policy equals it, so its KL is 0
     [first] = [json.loads(line) for line in (tmp_path / "ppo" / "t" / "metrics.jsonl").read_text().splitlines()]
     assert first["reward/kl_per_token"] == pytest.approx(0.0, abs=1e-6)
