@@ -113,14 +113,14 @@ def score_reasons(replies: list[str]) -> dict:
         match = re.search(r"<think>(.*?)</think>\s*(\S*)", reply, re.DOTALL)
         if match is None:
             continue
-        teacher_counts, _, teacher_label = opening_reason(hand, expected).rpartition("; best ")
         reason, action = match.group(1).strip(), match.group(2)
-        counts += weight * (reason.partition("; best ")[0] == teacher_counts)
-        label += weight * reason.endswith(teacher_label.rpartition("; ")[2])
+        counts += weight * (reason.partition("; best ")[0] == opening_reason(hand, expected).partition("; best ")[0])
         named = re.search(r"bid (\d+)-([1-6])$", reason)
-        if named:
+        if named:  # bid q-f is action (q - 1) * 6 + f - 1
+            named_action = (int(named.group(1)) - 1) * 6 + int(named.group(2)) - 1
+            label += weight * (named_action == expected)
             labelled += weight
-            follows += weight * (action == str((int(named.group(1)) - 1) * 6 + int(named.group(2)) - 1))
+            follows += weight * (action == str(named_action))
     return {"counts_like_teacher": round(float(counts), 4), "bid_label_like_teacher": round(float(label), 4),
             "id_follows_own_label": round(float(follows / labelled), 4) if labelled else None}
 
