@@ -88,10 +88,11 @@ def count(per_game: dict[str, int], game: str) -> int:
     return per_game.get(game, per_game["*"])
 
 
-def eval_tasks(games: list[str], episodes: dict[str, int], opponent: str) -> list:
-    """evaluate.py's held-out tasks: `episodes` per game (both seats, seeds derived from EVAL_SEED)."""
-    return [t for game in games for t in evaluate.game_tasks(game, count(episodes, game), EVAL_SEED, opponent,
-                                                             "openspiel")]
+def eval_tasks(games: list[str], episodes: dict[str, int], opponent: str, skip: int = 0) -> list:
+    """evaluate.py's held-out tasks: `episodes` per game (both seats, seeds derived from EVAL_SEED), less each
+    game's first `skip` (an earlier run played those: the seeds of episode i do not depend on the count)."""
+    return [t for game in games
+            for t in evaluate.game_tasks(game, count(episodes, game), EVAL_SEED, opponent, "openspiel")[skip:]]
 
 
 def eval_variants(games: list[str], episodes: dict[str, int]) -> dict[str, list[int]]:
@@ -125,10 +126,10 @@ def train(games: list[str], steps: int, out: Path, overrides: list[str], init_ad
 
 
 def play(config, games: list[str], episodes: dict[str, int], opponent: str, adapter: Path | None, label: str,
-         with_base: bool, episodes_path: Path | None = None) -> list[dict]:
-    """evaluate.py's episodes (greedy, full context, held-out seeds, both seats) for one model (+ the base);
-    each record is also appended to `episodes_path`."""
-    tasks = eval_tasks(games, episodes, opponent)
+         with_base: bool, episodes_path: Path | None = None, skip: int = 0) -> list[dict]:
+    """evaluate.py's episodes (greedy, full context, held-out seeds, both seats) for one model (+ the base),
+    less each game's first `skip`; each record is also appended to `episodes_path`."""
+    tasks = eval_tasks(games, episodes, opponent, skip)
     specs = evaluate.eval_env_specs(config, {"openspiel"})
     adapter_dir = evaluate.adapter_folder(adapter) if adapter else None
     records = asyncio.run(evaluate.evaluate(config, tasks, specs, adapter_dir, with_base and adapter is not None,
@@ -143,14 +144,14 @@ def play(config, games: list[str], episodes: dict[str, int], opponent: str, adap
 
 def expert_records(games: list[str], episodes: dict[str, int], opponent: str,
                    simulations: int | dict[str, int] | None, workers: int, experts: dict[str, str],
-                   label: str = "expert") -> list[dict]:
+                   label: str = "expert", skip: int = 0) -> list[dict]:
     """The experts themselves on the same tasks and seeds, as evaluation records labelled `label`."""
     def budget(game: str) -> int | None:
         return simulations.get(game) if isinstance(simulations, dict) else simulations
 
     jobs = [sft_warmstart.expert_job(game_name_of(t.task_id), t.task_id, t.seed, opponent,
                                      opponent_simulations=budget(game_name_of(t.task_id)), experts=experts)
-            for t in eval_tasks(games, episodes, opponent)]
+            for t in eval_tasks(games, episodes, opponent, skip)]
     played = sft_warmstart.generate(jobs, workers, None)
     return [{"model": label, "game": r["game"], "task_id": r["task_id"], "seed": r["seed"], "score": r["score"],
              "outcome": "win" if r["score"] > 0.5 else "draw" if r["score"] == 0.5 else "loss",
@@ -269,6 +270,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--experts", help="GAME=KIND,...: teachers other than a game's default (sft_warmstart --expert)")
     parser.add_argument("--max-new-tokens", type=int, help="reply length (random: 40, room for a short reason)")
     parser.add_argument("--eval-episodes", help="per game and opponent, both seats: N, or N then GAME=M items")
+    parser.add_argument("--eval-skip", type=int, default=0, metavar="N",
+                        help="leave out each game's first N of those episodes: extends an earlier run's evaluation "
+                        "on new seeds (episode i's seed does not depend on the count)")
     parser.add_argument("--opponents", help="comma-separated evaluation opponents: random, mcts")
     parser.add_argument("--train-opponent", choices=["random", "mcts"],
                         help="the opponent PPO trains against and the SFT data's expert games meet")
@@ -341,6 +345,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.model_rows if m not in allowed]
     if unknown:
         parser.error(f"--models: {unknown} are not rows of this run; expected some of {','.join(allowed)}")
+    too_few = [g for g in games if count(args.eval_counts, g) <= args.eval_skip]
+    if args.eval_skip < 0 or too_few:
+        parser.error(f"--eval-skip must be at least 0 and below each game's --eval-episodes, got {args.eval_skip} "
+                     f"(games with no episodes left: {too_few})")
     if not 0 <= args.sft_explore < 1:
         parser.error(f"--sft-explore must be in [0, 1), got {args.sft_explore}")
     if args.sft_checkpoint is not None and not (args.warm_start and (args.sft_checkpoint / "adapter").is_dir()):
@@ -413,18 +421,18 @@ def main(argv: list[str] | None = None) -> None:
         started = time.perf_counter()
         if trained_label in models:
             records += play(config, played, args.eval_counts, opponent, trained, trained_label,
-                            with_base="base" in models, episodes_path=episodes_path)
+                            with_base="base" in models, episodes_path=episodes_path, skip=args.eval_skip)
         elif "base" in models:
             records += play(config, played, args.eval_counts, opponent, None, "base", with_base=False,
-                            episodes_path=episodes_path)
+                            episodes_path=episodes_path, skip=args.eval_skip)
         if sft_checkpoint is not None and "sft" in models:
             records += play(config, played, args.eval_counts, opponent, sft_checkpoint, "sft", with_base=False,
-                            episodes_path=episodes_path)
+                            episodes_path=episodes_path, skip=args.eval_skip)
         timings["eval_seconds"] += time.perf_counter() - started
         started = time.perf_counter()
         if args.warm_start and "expert" in models:
             records += expert_records(played, args.eval_counts, opponent, args.mcts_simulations, args.workers,
-                                      args.expert_choices)
+                                      args.expert_choices, skip=args.eval_skip)
         table_models = list(models)
         if opponent == "mcts":
             records += ceiling_records(played, args, records)
@@ -444,7 +452,8 @@ def main(argv: list[str] | None = None) -> None:
                       "train_episodes": args.steps * config.train.ppo.batch_size, "max_new_tokens": args.max_new_tokens,
                       "ppo_presets": ["cpu", WARM_START_PRESET] if args.warm_start else ["cpu"],
                       "ppo_overrides": overrides, "extra_overrides": args.set,
-                      "eval_episodes_per_game": args.eval_counts, "mcts_simulations": args.mcts_simulations,
+                      "eval_episodes_per_game": args.eval_counts, "eval_skip": args.eval_skip,
+                      "mcts_simulations": args.mcts_simulations,
                       "experts": {g: expert_kind(g, args.expert_choices) for g in games if has_expert(g)},
                       "sft": ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
                               {"episodes_per_game": args.sft_counts, "epochs": args.sft_epochs,
@@ -474,7 +483,7 @@ def ceiling_records(games: list[str], args: argparse.Namespace, records: list[di
             ceiling += [{**r, "model": "ceiling"} for r in records if r["model"] == "expert" and r["game"] == game]
         else:
             ceiling += expert_records([game], args.eval_counts, "mcts", args.mcts_simulations, args.workers,
-                                      {game: kind}, label="ceiling")
+                                      {game: kind}, label="ceiling", skip=args.eval_skip)
     return ceiling
 
 

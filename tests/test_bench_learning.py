@@ -67,6 +67,19 @@ def test_rows_not_in_this_run_are_refused():
         learning.parse_args(["--sft-explore", "1"])
 
 
+def test_eval_skip_plays_the_later_episodes_of_a_longer_evaluation_on_the_same_seeds():
+    first = learning.eval_tasks(["goofspiel", "leduc_poker"], {"*": 4}, "mcts")
+    longer = learning.eval_tasks(["goofspiel", "leduc_poker"], {"*": 10}, "mcts")
+    extension = learning.eval_tasks(["goofspiel", "leduc_poker"], {"*": 10}, "mcts", skip=4)
+    # per game: the first run's 4 tasks, then the extension's 6; together the longer run, task for task
+    assert first + extension == longer[:4] + longer[10:14] + longer[4:10] + longer[14:] and len(extension) == 12
+    assert not {(t.task_id, t.seed) for t in first} & {(t.task_id, t.seed) for t in extension}
+    assert learning.parse_args(["--eval-episodes", "48", "--eval-skip", "16"]).eval_skip == 16
+    for skip in ("-1", "48"):  # nothing left to play, or a negative count
+        with pytest.raises(SystemExit):
+            learning.parse_args(["--eval-episodes", "48", "--eval-skip", skip])
+
+
 def record(model, seed, score):
     return {"model": model, "game": "leduc_poker", "task_id": 300000000, "seed": seed, "score": score,
             "outcome": "win" if score > 0.5 else "loss", "turns": 2, "illegal_moves": 0, "parse_failed_game": False,
