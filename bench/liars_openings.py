@@ -5,7 +5,7 @@ bid: it wins only when it names the highest bid that holds (`experts.true_bid_ch
 sorted hands of five dice, so that decision can be checked whole:
 
     python bench/liars_openings.py probe --adapter runs/x/sft/checkpoints/checkpoint-48
-    python bench/liars_openings.py data --output runs/liars-openings/openings.jsonl [--reason]
+    python bench/liars_openings.py data --output runs/liars-openings/openings.jsonl [--reason [--id-steps]]
 
 `probe` renders the env's first-seat opening prompt for every hand (the env's own text, only the dice
 line differs), lets the model answer greedily and prints one JSON document, every average weighted by
@@ -14,8 +14,8 @@ an opponent that answers with the highest bid that holds (the teacher's is the b
 share of legal bids and the distinct bids it made. `--adapter base` probes the base model.
 `data` writes the teacher's opening for every hand as SFT records (sft_warmstart.py --data), each
 conversation cut after that reply; with `--reason` the reply counts first (`opening_reason`), and a
-probe of such a model needs room for it (`--max-new-tokens 72`: the longest is 66 tokens): the score reads the reply
-think-stripped, as the env does.
+probe of such a model needs room for it (`--max-new-tokens 72`: the longest is 66 tokens; 112 with
+`--id-steps`, whose longest is 106): the score reads the reply think-stripped, as the env does.
 """
 from __future__ import annotations
 
@@ -57,22 +57,28 @@ def teacher_openings() -> list[tuple[int, float]]:
     return [true_bid_choice(list(hand), [], list(range(LIAR))) for hand in HANDS]
 
 
-def opening_reason(hand: tuple[int, ...], action: int) -> str:
+def opening_reason(hand: tuple[int, ...], action: int, id_steps: bool = False) -> str:
     """The teacher's opening worked out in steps a small model can copy from the sorted dice line: the
     sixes, each other face's count, the face bid on with the sixes added, then the bid's label, e.g.
     [1, 3, 3, 6, 6] -> '6s: 2; 1s: 1; 3s: 2; best 3s: 2+2=4; bid 6-3' (the ID 32 follows the think block).
     The teacher bids the commonest face (the highest of a tie; sixes only with nothing else) at two more
-    than it holds."""
+    than it holds. `id_steps`: the label then leads to its ID forwards, counting the quantity's IDs up
+    from its first face ('bid 6-3: 6-1 30, 6-2 31, 6-3 32'); the prompt's list gives 'ID -> label',
+    which a student would otherwise have to read backwards."""
     quantity, face = action // 6 + 1, action % 6 + 1
     sixes = hand.count(6)
     steps = [f"6s: {sixes}"] + [f"{f}s: {hand.count(f)}" for f in sorted(set(hand) - {6})]
     held = f"{sixes}" if face == 6 else f"{hand.count(face)}+{sixes}={hand.count(face) + sixes}"
-    return "; ".join([*steps, f"best {face}s: {held}", f"bid {quantity}-{face}"])
+    label = f"bid {quantity}-{face}"
+    if id_steps:
+        first_id = action - face + 1
+        label += ": " + ", ".join(f"{quantity}-{f} {first_id + f - 1}" for f in range(1, face + 1))
+    return "; ".join([*steps, f"best {face}s: {held}", label])
 
 
-def write_data(path: Path, with_reason: bool = False) -> None:
+def write_data(path: Path, with_reason: bool = False, id_steps: bool = False) -> None:
     def reply(hand: tuple[int, ...], action: int) -> str:
-        return f"<think>{opening_reason(hand, action)}</think>{action}" if with_reason else str(action)
+        return f"<think>{opening_reason(hand, action, id_steps)}</think>{action}" if with_reason else str(action)
 
     records = [{"step": 0, "env": "openspiel", "task_id": game_task_id("liars_dice", 0), "seed": FIRST_SEAT_SEED,
                 "game": "liars_dice", "score": None, "error": None, "max_replies": 1,
@@ -115,7 +121,7 @@ def score_reasons(replies: list[str]) -> dict:
             continue
         reason, action = match.group(1).strip(), match.group(2)
         counts += weight * (reason.partition("; best ")[0] == opening_reason(hand, expected).partition("; best ")[0])
-        named = re.search(r"bid (\d+)-([1-6])$", reason)
+        named = re.search(r"bid (\d+)-([1-6])(?::|$)", reason)  # with or without the ID steps after it
         if named:  # bid q-f is action (q - 1) * 6 + f - 1
             named_action = (int(named.group(1)) - 1) * 6 + int(named.group(2)) - 1
             label += weight * (named_action == expected)
@@ -190,9 +196,13 @@ def main(argv: list[str] | None = None) -> None:
     data = commands.add_parser("data", help="the teacher's opening on every hand, as SFT records")
     data.add_argument("--output", type=Path, required=True)
     data.add_argument("--reason", action="store_true", help="replies '<think>the count</think>ID' (opening_reason)")
+    data.add_argument("--id-steps", action="store_true",
+                      help="with --reason: the reason goes on from the bid's label to its ID (opening_reason)")
     args = parser.parse_args(argv)
     if args.command == "data":
-        write_data(args.output, args.reason)
+        if args.id_steps and not args.reason:
+            parser.error("--id-steps adds to the reason: it needs --reason")
+        write_data(args.output, args.reason, args.id_steps)
     else:
         print(json.dumps(probe(args.adapter, args.batch, args.max_new_tokens, args.set, args.replies), indent=1))
 

@@ -51,6 +51,27 @@ def test_reasoned_openings_count_the_dice_before_the_teachers_bid(tmp_path):
     assert liars_openings.score_openings(["<think>6s: 2</think>"] * len(replies))["legal"] == 0.0
 
 
+def test_id_steps_count_from_the_bids_first_face_up_to_its_id(tmp_path):
+    reason = liars_openings.opening_reason
+    assert reason((1, 3, 3, 6, 6), 32, id_steps=True) == "6s: 2; 1s: 1; 3s: 2; best 3s: 2+2=4; bid 6-3: 6-1 30, 6-2 31, 6-3 32"
+    assert reason((6, 6, 6, 6, 6), 41, id_steps=True).endswith("bid 7-6: 7-1 36, 7-2 37, 7-3 38, 7-4 39, 7-5 40, 7-6 41")
+    liars_openings.write_data(tmp_path / "ids.jsonl", with_reason=True, id_steps=True)
+    replies = [json.loads(line)["messages"][-1]["content"] for line in (tmp_path / "ids.jsonl").read_text().splitlines()]
+    teacher = liars_openings.teacher_openings()
+    # the last step names the ID the reply gives, and the steps before it are the label's quantity from face 1
+    for reply, (action, _) in zip(replies, teacher, strict=True):
+        steps = reply.removesuffix(f"</think>{action}").rpartition(": ")[2].split(", ")
+        assert steps == [f"{action // 6 + 1}-{f} {action - action % 6 + f - 1}" for f in range(1, action % 6 + 2)]
+    assert liars_openings.score_reasons(replies) == {"counts_like_teacher": 1.0, "bid_label_like_teacher": 1.0,
+                                                     "id_follows_own_label": 1.0}
+    # a student that counts up but writes another ID: the label still scores, the ID does not follow it
+    strays = [reply.rpartition("</think>")[0] + "</think>59" for reply in replies]
+    assert liars_openings.score_reasons(strays)["bid_label_like_teacher"] == 1.0
+    assert liars_openings.score_reasons(strays)["id_follows_own_label"] == 0.0
+    with pytest.raises(SystemExit):  # the ID steps extend a reason
+        liars_openings.main(["data", "--output", str(tmp_path / "x.jsonl"), "--id-steps"])
+
+
 def test_the_probe_asks_the_model_each_hands_opening_prompt(tiny_policy):
     from ppo_affine.prompts import PromptBuilder
 
