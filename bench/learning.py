@@ -35,7 +35,9 @@ and PPO (`train_ppo.py`: the cpu and warm_start presets + the overrides below, K
 SFT adapter) starts from that adapter. Against MCTS the table also has a `ceiling` row for
 leduc_poker: the best response to the opponent (experts.py `best_response`), the most any player scores. Evaluation is `evaluate.py`'s (greedy, full
 conversation, seeds derived from EVAL_SEED that training never draws); every played episode goes to
-`<output-dir>/eval-<opponent>.jsonl`, the PPO run's curves to `<output-dir>/plots/`. Intervals are
+`<output-dir>/eval-<opponent>.jsonl`, the PPO run's curves to `<output-dir>/plots/`; `--eval-episodes 48
+--eval-skip 16` plays seeds 17–48 of a game whose first 16 an earlier run played (episode i's seed does
+not depend on the count), so two runs' files together are the 48-seed evaluation. Intervals are
 `report.py`'s: Wilson for the legal-move rate over replies, Student t for mean scores and paired
 differences. `signal` in the JSON is how PPO's updates moved each reply's log-probability against
 its advantage (logging.signal_check_every; a healthy update has a clearly positive correlation).
