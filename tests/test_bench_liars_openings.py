@@ -65,9 +65,8 @@ def test_id_steps_count_from_the_bids_first_face_up_to_its_id(tmp_path):
     assert liars_openings.score_reasons(replies) == {"counts_like_teacher": 1.0, "bid_label_like_teacher": 1.0,
                                                      "id_follows_own_label": 1.0}
     # a student that counts up but writes another ID: the label still scores, the ID does not follow it
-    strays = [reply.rpartition("</think>")[0] + "</think>59" for reply in replies]
-    assert liars_openings.score_reasons(strays)["bid_label_like_teacher"] == 1.0
-    assert liars_openings.score_reasons(strays)["id_follows_own_label"] == 0.0
+    strays = liars_openings.score_reasons([reply.rpartition("</think>")[0] + "</think>59" for reply in replies])
+    assert strays["bid_label_like_teacher"] == 1.0 and strays["id_follows_own_label"] == 0.0
     with pytest.raises(SystemExit):  # the ID steps extend a reason
         liars_openings.main(["data", "--output", str(tmp_path / "x.jsonl"), "--id-steps"])
 
