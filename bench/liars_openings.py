@@ -5,7 +5,7 @@ bid: it wins only when it names the highest bid that holds (`experts.true_bid_ch
 sorted hands of five dice, so that decision can be checked whole:
 
     python bench/liars_openings.py probe --adapter runs/x/sft/checkpoints/checkpoint-48
-    python bench/liars_openings.py data --output runs/liars-openings/openings.jsonl [--reason [--id-steps]]
+    python bench/liars_openings.py data --output runs/liars-openings/openings.jsonl [--reason [--id-steps] [--games N]]
 
 `probe` renders the env's first-seat opening prompt for every hand (the env's own text, only the dice
 line differs), lets the model answer greedily and prints one JSON document, every average weighted by
@@ -76,7 +76,8 @@ def opening_reason(hand: tuple[int, ...], action: int, id_steps: bool = False) -
     return "; ".join([*steps, f"best {face}s: {held}", label])
 
 
-def write_data(path: Path, with_reason: bool = False, id_steps: bool = False) -> None:
+def write_data(path: Path, with_reason: bool = False, id_steps: bool = False, games: list[dict] = ()) -> None:
+    """Every hand's opening as a record, then `games` (`game_records`)."""
     def reply(hand: tuple[int, ...], action: int) -> str:
         return f"<think>{opening_reason(hand, action, id_steps)}</think>{action}" if with_reason else str(action)
 
@@ -86,8 +87,32 @@ def write_data(path: Path, with_reason: bool = False, id_steps: bool = False) ->
                 "expert": "true_bids", "opponent": "mcts", "llm_player_id": 0, "explored_replies": []}
                for hand, conversation, (action, _) in zip(HANDS, opening_conversations(), teacher_openings())]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    print(f"{len(records)} openings -> {path}")
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*records, *games]))
+    print(f"{len(records)} openings" + (f" and {len(games)} games" if games else "") + f" -> {path}")
+
+
+def game_records(games: int, workers: int, seed: int, id_steps: bool = False) -> list[dict]:
+    """`games` whole expert games (the true-bids teacher against the validators' MCTS at its full budget,
+    seats alternating, sft_warmstart's seeds: none is an evaluation seed), each first-seat game's opening
+    rewritten as the reasoned reply (`opening_reason`); the later replies (a Liar call or a raise, and
+    every second-seat reply) stay ID-only. The openings data alone never shows the turn after the
+    opening, where a true opening wins only by calling Liar on the opponent's forced false raise."""
+    import sft_warmstart
+
+    jobs = sft_warmstart.plan_jobs(["liars_dice"], games, seed, "mcts", [0], None, 300, (),
+                                   experts={"liars_dice": "true_bids"})
+    records = sft_warmstart.generate(jobs, workers, None)
+    for record in records:
+        if record["llm_player_id"] != 0:
+            continue
+        opening = next(m for m in record["messages"] if m["role"] == "assistant")
+        dice = re.search(r"Your dice: \[([1-6, ]+)\]", record["messages"][1]["content"])
+        hand = tuple(sorted(int(d) for d in dice.group(1).split(",")))
+        action = int(opening["content"])
+        if action != true_bid_choice(list(hand), [], list(range(LIAR)))[0]:  # the teacher's opening depends on the dice alone
+            raise AssertionError(f"seed {record['seed']}: the game opened {action}, the openings data has another bid")
+        opening["content"] = f"<think>{opening_reason(hand, action, id_steps)}</think>{action}"
+    return records
 
 
 def score_openings(replies: list[str]) -> dict:
@@ -198,11 +223,19 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--reason", action="store_true", help="replies '<think>the count</think>ID' (opening_reason)")
     data.add_argument("--id-steps", action="store_true",
                       help="with --reason: the reason goes on from the bid's label to its ID (opening_reason)")
+    data.add_argument("--games", type=int, default=0,
+                      help="also this many whole expert games against the validators' MCTS, first-seat openings "
+                      "reasoned as the rest (game_records)")
+    data.add_argument("--workers", type=int, default=2, help="processes playing --games")
+    data.add_argument("--seed", type=int, default=0, help="--games' seeds derive from it")
     args = parser.parse_args(argv)
     if args.command == "data":
         if args.id_steps and not args.reason:
             parser.error("--id-steps adds to the reason: it needs --reason")
-        write_data(args.output, args.reason, args.id_steps)
+        if args.games < 0 or (args.games and not args.reason):
+            parser.error("--games takes a count >= 0 and needs --reason (its openings are rewritten as reasons)")
+        games = game_records(args.games, args.workers, args.seed, args.id_steps) if args.games else []
+        write_data(args.output, args.reason, args.id_steps, games)
     else:
         print(json.dumps(probe(args.adapter, args.batch, args.max_new_tokens, args.set, args.replies), indent=1))
 

@@ -71,6 +71,29 @@ def test_id_steps_count_from_the_bids_first_face_up_to_its_id(tmp_path):
         liars_openings.main(["data", "--output", str(tmp_path / "x.jsonl"), "--id-steps"])
 
 
+def test_whole_games_keep_the_teachers_moves_with_the_opening_reasoned(tmp_path):
+    from ppo_affine.envs.openspiel_text import strip_think
+
+    games = liars_openings.game_records(4, 1, 0, id_steps=True)  # the validators' MCTS, seats alternating
+    assert [r["llm_player_id"] for r in games] == [0, 1, 0, 1] and all(r["score"] is not None for r in games)
+    for record in games:
+        replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+        if record["llm_player_id"] == 0:  # the opening reasons up to the teacher's ID, the later replies do not
+            dice = record["messages"][1]["content"].split("Your dice: [")[1].split("]")[0]
+            hand = tuple(sorted(int(d) for d in dice.split(", ")))
+            action = liars_openings.true_bid_choice(list(hand), [], list(range(liars_openings.LIAR)))[0]
+            assert replies[0] == f"<think>{liars_openings.opening_reason(hand, action, True)}</think>{action}"
+            assert strip_think(replies[0]) == str(action)
+            replies = replies[1:]
+        assert all(reply.isdigit() for reply in replies)
+    liars_openings.write_data(tmp_path / "both.jsonl", with_reason=True, id_steps=True, games=games)
+    written = [json.loads(line) for line in (tmp_path / "both.jsonl").read_text().splitlines()]
+    assert len(written) == 252 + 4 and written[252:] == games
+    for wrong in (["--games", "2"], ["--reason", "--games", "-1"]):  # the games' openings are reasons
+        with pytest.raises(SystemExit):
+            liars_openings.main(["data", "--output", str(tmp_path / "x.jsonl"), *wrong])
+
+
 def test_the_probe_asks_the_model_each_hands_opening_prompt(tiny_policy):
     from ppo_affine.prompts import PromptBuilder
 
