@@ -114,7 +114,9 @@ def test_identical_rows_run_once(tiny_policy, monkeypatch):
                         or __f(*a, **k))
     scored = tiny_policy.score(same, None, same_mask, with_values=False)
     assert calls == [(1, same.shape[1])]
-    assert torch.equal(scored.logprobs[0], scored.logprobs[1])
+    # the head runs on each row of the expanded hidden states: equal up to the last bits of the matmul
+    # kernel, which on some CPUs rounds rows of one batch differently
+    torch.testing.assert_close(scored.logprobs[0], scored.logprobs[1], rtol=1e-6, atol=1e-6)
 
 
 def test_reference_equals_base_model_and_differs_after_an_update(tiny_policy, tiny_model_dir):
