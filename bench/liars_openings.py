@@ -99,8 +99,8 @@ def game_records(games: int, workers: int, seed: int, id_steps: bool = False) ->
     opening, where a true opening wins only by calling Liar on the opponent's forced false raise."""
     import sft_warmstart
 
-    jobs = sft_warmstart.plan_jobs(["liars_dice"], games, seed, "mcts", [0], None, 300, (),
-                                   experts={"liars_dice": "true_bids"})
+    jobs = sft_warmstart.plan_jobs(["liars_dice"], games, seed, "mcts", config_ids=[0], budget=None,
+                                   cfr_iterations=300, reason_games=(), experts={"liars_dice": "true_bids"})
     records = sft_warmstart.generate(jobs, workers, None)
     for record in records:
         if record["llm_player_id"] != 0:
