@@ -20,7 +20,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ppo_affine.envs.tasks import AVAILABLE_GAMES, GAME_ID_STRIDE, TRACE_LEVELS, game_task_id, trace_level_range
+from ppo_affine.envs.tasks import (
+    AVAILABLE_GAMES, GAME_ID_STRIDE, TRACE_LEVELS, game_name_of, game_task_id, players_of, trace_level_range,
+)
 
 VALIDATOR_GAMES = ["goofspiel", "liars_dice", "leduc_poker", "gin_rummy"]
 SEED_LIMIT = 2**32 - 1  # seeds are drawn from [0, SEED_LIMIT)
@@ -52,6 +54,12 @@ class TaskSource(BaseModel):
         None, min_length=1, description=f"Trace difficulty levels from {TRACE_LEVELS}, drawn uniformly."
     )
     opponent: Opponent | None = Field(None, description="Overrides the stage's opponent for this source.")
+    seat: Literal[0, 1] | None = Field(
+        None,
+        description="With games: the model's seat (0 = moves first) in every episode. Seeds are drawn with "
+        "seed mod the game's players = seat, which puts the model there in both the openenv (seed mod players) "
+        "and the evaluate ((seed mod 2) mod players) conversation. None = any seat.",
+    )
 
     @field_validator("games")
     @classmethod
@@ -95,6 +103,12 @@ class TaskSource(BaseModel):
             )
         if self.config_ids is not None and self.games is None:
             raise ValueError("'config_ids' only applies together with 'games'")
+        if self.seat is not None:
+            if self.games is None:
+                raise ValueError("'seat' only applies together with 'games'")
+            too_few = [g for g in self.games if self.seat >= players_of(g)]
+            if too_few:
+                raise ValueError(f"seat {self.seat} does not exist in {too_few} (seats are 0 .. players - 1)")
         if self.opponent is not None and self.trace_difficulty is not None:
             raise ValueError("'opponent' does not apply to a 'trace_difficulty' source (trace tasks have none)")
         return self
@@ -268,6 +282,11 @@ class Curriculum:
             )
         opponent = None if source.trace_difficulty is not None else (source.opponent or stage.opponent)
         seed = int(self._rng.integers(0, SEED_LIMIT))
+        if source.seat is not None:  # the drawn seed's block of `players` seeds, at the asked-for seat
+            players = players_of(game_name_of(task_id))
+            seed = seed - seed % players + source.seat
+            if seed >= SEED_LIMIT:
+                seed -= players
         return Task(env=source.env, task_id=task_id, seed=seed, opponent=opponent, stage=stage.name, replay=False)
 
     def _draw_task_id(self, source: TaskSource) -> int:

@@ -105,12 +105,13 @@ def eval_variants(games: list[str], episodes: dict[str, int]) -> dict[str, list[
 
 def train(games: list[str], steps: int, out: Path, overrides: list[str], init_adapter: Path | None,
           opponent: str = "random", variants: dict[str, list[int]] | None = None,
-          weights: dict[str, float] | None = None) -> Path:
+          weights: dict[str, float] | None = None, seat: int | None = None) -> Path:
     """The real train_ppo loop; returns the final checkpoint (a stopped run is an error, not a result).
-    `variants`: game -> config ids to train on; `weights`: game -> sampling weight (1 for the others)."""
+    `variants`: game -> config ids to train on; `weights`: game -> sampling weight (1 for the others);
+    `seat`: the model's seat in every training episode (None: either)."""
     # one source per game, so that a game's share of the episodes is its weight over the sum
     sources = [{"env": "openspiel", "games": [game], "config_ids": (variants or {}).get(game, [0]),
-                "weight": (weights or {}).get(game, 1.0)} for game in games]
+                "weight": (weights or {}).get(game, 1.0), "seat": seat} for game in games]
     stages = json.dumps([{"name": "bench", "opponent": opponent, "min_episodes": 10**6, "tasks": sources}])
     presets = ["--preset", "cpu"] + (["--preset", WARM_START_PRESET] if init_adapter is not None else [])
     args = [*presets, "--output-dir", str(out), "--max-steps", str(steps), "--set", "run.name=ppo",
@@ -278,6 +279,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--opponents", help="comma-separated evaluation opponents: random, mcts")
     parser.add_argument("--train-opponent", choices=["random", "mcts"],
                         help="the opponent PPO trains against and the SFT data's expert games meet")
+    parser.add_argument("--train-seat", type=int, choices=[0, 1],
+                        help="PPO plays only this seat (0 = moves first); evaluation still plays both")
     parser.add_argument("--mcts-simulations", type=parse_simulations,
                         help="the MCTS opponent's simulations in SFT data, training and evaluation: a number, or "
                         "'game=N,...' for the games named (the others keep the validators' budget)")
@@ -404,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps:
         started = time.perf_counter()
         trained = train(games, args.steps, args.output_dir, overrides, sft_checkpoint, args.train_opponent, variants,
-                        args.weights)
+                        args.weights, args.train_seat)
         timings["ppo_seconds"] = time.perf_counter() - started
         curves = [str(path) for path in visualize.plot_run(metrics_path, args.output_dir / "plots")]
 
@@ -449,7 +452,8 @@ def main(argv: list[str] | None = None) -> None:
     if "leduc_poker" in games and "random" in opponents:
         ceilings["leduc_poker_best_mean_score_vs_random"] = round(leduc_best_response_vs_random(), 4)
     print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "profile": args.profile, "games": games,
-                      "ppo_steps": args.steps, "train_opponent": args.train_opponent, "variants": variants,
+                      "ppo_steps": args.steps, "train_opponent": args.train_opponent, "train_seat": args.train_seat,
+                      "variants": variants,
                       "game_weights": args.weights,
                       "train_episodes": args.steps * config.train.ppo.batch_size, "max_new_tokens": args.max_new_tokens,
                       "ppo_presets": ["cpu", WARM_START_PRESET] if args.warm_start else ["cpu"],

@@ -55,6 +55,19 @@ def test_a_profiles_per_game_defaults_follow_the_games_of_the_run():
         "leduc_poker": "best_response"}
 
 
+def test_train_seat_puts_ppo_in_one_seat_only(monkeypatch, tmp_path):
+    args = learning.parse_args(["--profile", "validator", "--games", "liars_dice", "--train-seat", "0"])
+    assert args.train_seat == 0 and learning.parse_args([]).train_seat is None
+    seen = []
+    monkeypatch.setattr(learning.train_ppo, "main", lambda argv: seen.append(argv) or 1)
+    with pytest.raises(SystemExit, match="training failed"):
+        learning.train(["liars_dice"], 2, tmp_path, [], None, "mcts", seat=args.train_seat)
+    stages = json.loads(next(a for a in seen[0] if a.startswith("curriculum.stages="))[len("curriculum.stages="):])
+    assert [source["seat"] for source in stages[0]["tasks"]] == [0]
+    from curriculum import CurriculumConfig
+    CurriculumConfig.model_validate({"stages": stages})  # the loop's own config accepts it
+
+
 def test_rows_not_in_this_run_are_refused():
     with pytest.raises(SystemExit):
         learning.parse_args(["--no-warm-start", "--models", "sft"])

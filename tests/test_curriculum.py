@@ -149,6 +149,28 @@ def test_games_without_config_ids_draw_any_variant():
     assert all(200_000_000 <= i < 300_000_000 for i in ids) and len(set(ids)) == 50
 
 
+def test_seat_fixes_the_models_seat_in_every_game_of_the_source():
+    # hearts has 4 players, liars_dice 2: the env seats the model at seed mod players (evaluate: (seed mod 2) mod it)
+    for seat in (0, 1):
+        config = make_config([{"name": "s", "tasks": [
+            {"env": "openspiel", "games": ["liars_dice", "hearts"], "config_ids": [0], "seat": seat}]}])
+        tasks = Curriculum(config, seed=5).sample(200)
+        players = {100_000_000: 2, 800_000_000: 4}
+        assert {t.task_id for t in tasks} == set(players)
+        assert all(t.seed % players[t.task_id] == seat and (t.seed % 2) % players[t.task_id] == seat for t in tasks)
+        assert len({t.seed for t in tasks}) == 200  # still fresh random seeds
+
+
+def test_seat_without_games_or_beyond_the_players_is_rejected():
+    trace = {"env": "trace", "trace_difficulty": [1], "seat": 0}
+    assert "'seat' only applies together with 'games'" in validation_error({"stages": [{"name": "a", "tasks": [trace]}]})
+    one_player = {"env": "openspiel", "games": ["liars_dice", "blackjack"], "seat": 1}
+    message = validation_error({"stages": [{"name": "a", "tasks": [one_player]}]})
+    assert "seat 1 does not exist in ['blackjack']" in message
+    third = {"env": "openspiel", "games": ["hearts"], "seat": 2}
+    assert "stages.0.tasks.0.seat" in validation_error({"stages": [{"name": "a", "tasks": [third]}]})
+
+
 def test_trace_difficulty_maps_to_level_ranges():
     # level 1 = [0, 1_000_000), level 3 = [2_000_000, 3_000_000); trace tasks have no opponent
     config = make_config([{"name": "s", "tasks": [{"env": "trace", "trace_difficulty": [1, 3]}]}])

@@ -19,7 +19,7 @@ from ppo_affine.envs.games import GAMES, describe_blackjack, describe_leduc
 from ppo_affine.envs.openspiel_env import OpenSpielEnv, decode_task_id, is_playable
 from ppo_affine.envs.openspiel_episode import AffineRolloutEvaluator, build_bots, compute_score, load_game
 from ppo_affine.envs.openspiel_text import parse_evaluate_action, parse_openenv_action, strip_think
-from ppo_affine.envs.tasks import AVAILABLE_GAMES, game_task_id
+from ppo_affine.envs.tasks import AVAILABLE_GAMES, game_task_id, players_of
 
 FORMATS = ("evaluate", "openenv")
 INFO_KEYS = {
@@ -101,6 +101,14 @@ def test_only_bridge_variants_1_and_2_are_unplayable():
     unplayable = [t for g in AVAILABLE_GAMES for c in range(12) if not is_playable(t := game_task_id(g, c))]
     assert unplayable == [1900000001, 1900000002, 1900000004, 1900000005, 1900000007, 1900000008,
                           1900000010, 1900000011]
+
+
+def test_players_of_matches_every_playable_variant():
+    # curriculum seats (TaskSource.seat) are drawn from this table, so it must say what open_spiel loads
+    for game in AVAILABLE_GAMES:
+        counts = {load_game(game, tuple(sorted(decode_task_id(t)["game_params"].items()))).num_players()
+                  for c in range(12) if is_playable(t := game_task_id(game, c))}
+        assert counts == {players_of(game)}, game
 
 
 def test_oware_loads_with_the_repaired_parameter_name():

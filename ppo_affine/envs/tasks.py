@@ -11,6 +11,10 @@ AVAILABLE_GAMES: list[str] = [
 ]
 GAME_ID_STRIDE = 100_000_000
 
+# Players per game where it is not two (the same for every variant; tests/test_tasks.py loads each game to check).
+# The env seats the model at seed mod this number (evaluate(): (seed mod 2) mod it).
+OTHER_PLAYER_COUNTS: dict[str, int] = {"hearts": 4, "euchre": 4, "bridge": 4, "blackjack": 1, "2048": 1, "solitaire": 1}
+
 # Embedded trace tasks: difficulty level L (1 = easy .. 3 = hard) owns ids [(L-1)*R, L*R).
 TRACE_LEVEL_STRIDE = 1_000_000
 TRACE_LEVELS = (1, 2, 3)
@@ -23,6 +27,10 @@ def game_task_id(game_name: str, config_id: int = 0) -> int:
     if not 0 <= config_id < GAME_ID_STRIDE:
         raise ValueError(f"config_id must be in [0, {GAME_ID_STRIDE}), got {config_id}")
     return AVAILABLE_GAMES.index(game_name) * GAME_ID_STRIDE + config_id
+
+
+def players_of(game_name: str) -> int:
+    return OTHER_PLAYER_COUNTS.get(game_name, 2)
 
 
 def game_name_of(task_id: int) -> str:
