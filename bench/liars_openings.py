@@ -5,6 +5,7 @@ bid: it wins only when it names the highest bid that holds (`experts.true_bid_ch
 sorted hands of five dice, so that decision can be checked whole:
 
     python bench/liars_openings.py probe --adapter runs/x/sft/checkpoints/checkpoint-48
+    python bench/liars_openings.py compare BEFORE.jsonl AFTER.jsonl   (two probes' --replies files)
     python bench/liars_openings.py data --output runs/liars-openings/openings.jsonl [--reason [--id-steps] [--games N]]
 
 `probe` renders the env's first-seat opening prompt for every hand (the env's own text, only the dice
@@ -115,6 +116,37 @@ def game_records(games: int, workers: int, seed: int, id_steps: bool = False) ->
     return records
 
 
+def opening_chance(hand: tuple[int, ...], reply: str) -> tuple[int, float]:
+    """The bid a reply makes as the env reads it (reasoning stripped; -1 if no bid) and its chance to win."""
+    reply = strip_think(reply)  # strip_think also trims whitespace
+    action = int(reply) if reply.isdigit() else -1
+    if not 0 <= action < LIAR:
+        return -1, 0.0
+    return action, true_bid_choice(list(hand), [], [action])[1]  # offered only this bid, the teacher scores it
+
+
+def compare_replies(before: Path, after: Path) -> dict:
+    """Two probes' `--replies` files, hand by hand: the opening win chance of each (weighted by the
+    hand's probability), their difference, and every hand whose bid changed. Both are greedy policies
+    scored exactly over the opponent's dice, so the difference has no sampling error to put an interval on."""
+    _, weights = dice_compositions(5, 6)
+    rows = [[json.loads(line) for line in path.read_text().splitlines()] for path in (before, after)]
+    if [tuple(r["hand"]) for r in rows[0]] != HANDS or [tuple(r["hand"]) for r in rows[1]] != HANDS:
+        raise SystemExit(f"{before} and {after} must each hold one reply per hand, in HANDS order (probe --replies)")
+    totals, changes = [0.0, 0.0], []
+    for hand, weight, first, second in zip(HANDS, weights, *rows, strict=True):
+        (bid_a, win_a), (bid_b, win_b) = opening_chance(hand, first["reply"]), opening_chance(hand, second["reply"])
+        totals[0] += weight * win_a
+        totals[1] += weight * win_b
+        if bid_a != bid_b:
+            changes.append({"hand": list(hand), "weight": round(float(weight), 5), "bids": [bid_a, bid_b],
+                            "win_chance": [round(win_a, 4), round(win_b, 4)], "teacher": first["teacher"]})
+    changes.sort(key=lambda change: -change["weight"])
+    return {"win_chance": [round(totals[0], 4), round(totals[1], 4)], "difference": round(totals[1] - totals[0], 4),
+            "hands_changed": len(changes), "mass_changed": round(float(sum(c["weight"] for c in changes)), 4),
+            "changes": changes}
+
+
 def score_openings(replies: list[str]) -> dict:
     """Replies to the HANDS' opening prompts, scored against the teacher's openings (module docstring);
     a reply counts as the env reads it, its reasoning stripped."""
@@ -123,10 +155,9 @@ def score_openings(replies: list[str]) -> dict:
     teacher = teacher_openings()
     replies = [strip_think(reply) for reply in replies]  # strip_think also trims whitespace
     for hand, weight, reply, (expected, _) in zip(HANDS, weights, replies, teacher, strict=True):
-        action = int(reply) if reply.isdigit() else -1
-        if 0 <= action < LIAR:  # offered only this bid, the teacher returns its chance to win
-            legal += weight
-            win += weight * true_bid_choice(list(hand), [], [action])[1]
+        action, chance = opening_chance(hand, reply)
+        legal += weight * (action >= 0)
+        win += weight * chance
         agree += weight * (action == expected)
     bids = collections.Counter(replies)
     return {"hands": len(HANDS), "agrees_with_teacher": round(float(agree), 4), "opening_win_chance": round(float(win), 4),
@@ -218,6 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     probing.add_argument("--max-new-tokens", type=int, default=6)
     probing.add_argument("--set", action="append", default=[], help="config overrides, e.g. run.device=cuda")
     probing.add_argument("--replies", type=Path, help="also write each hand's reply and the teacher's ID here (JSON lines)")
+    comparing = commands.add_parser("compare", help="two probes' --replies files, hand by hand")
+    comparing.add_argument("before", type=Path)
+    comparing.add_argument("after", type=Path)
     data = commands.add_parser("data", help="the teacher's opening on every hand, as SFT records")
     data.add_argument("--output", type=Path, required=True)
     data.add_argument("--reason", action="store_true", help="replies '<think>the count</think>ID' (opening_reason)")
@@ -236,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--games takes a count >= 0 and needs --reason (its openings are rewritten as reasons)")
         games = game_records(args.games, args.workers, args.seed, args.id_steps) if args.games else []
         write_data(args.output, args.reason, args.id_steps, games)
+    elif args.command == "compare":
+        print(json.dumps(compare_replies(args.before, args.after), indent=1))
     else:
         print(json.dumps(probe(args.adapter, args.batch, args.max_new_tokens, args.set, args.replies), indent=1))
 

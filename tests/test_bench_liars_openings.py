@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ppo_affine.experts import highest_true_bid_guess_rate
+from ppo_affine.experts import dice_compositions, highest_true_bid_guess_rate, true_bid_choice
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("bench_liars_openings", ROOT / "bench" / "liars_openings.py")
@@ -126,3 +126,24 @@ def test_the_reason_score_says_which_step_a_reasoned_student_gets_wrong():
     # an ID alone has no reason to score: nothing counts
     assert liars_openings.score_reasons([str(action) for action, _ in teacher]) == {
         "counts_like_teacher": 0.0, "bid_label_like_teacher": 0.0, "id_follows_own_label": None}
+
+
+def test_compare_reads_two_probes_hand_by_hand(tmp_path):
+    teacher = liars_openings.teacher_openings()
+    hand_index = liars_openings.HANDS.index((2, 2, 2, 4, 6))  # the teacher bids 31 (6-2) there
+    _, weights = dice_compositions(5, 6)
+    changed = ["<think>counting</think>25" if i == hand_index else str(a) for i, (a, _) in enumerate(teacher)]
+    files = []
+    for name, replies in (("before", [str(a) for a, _ in teacher]), ("after", changed)):
+        files.append(tmp_path / f"{name}.jsonl")
+        files[-1].write_text("".join(json.dumps({"hand": hand, "reply": reply, "teacher": action}) + "\n"
+                                     for hand, reply, (action, _) in zip(liars_openings.HANDS, replies, teacher)))
+    result = liars_openings.compare_replies(*files)
+    lost = true_bid_choice([2, 2, 2, 4, 6], [], [31])[1] - true_bid_choice([2, 2, 2, 4, 6], [], [25])[1]
+    assert result["win_chance"][0] == round(highest_true_bid_guess_rate(5), 4)
+    assert result["difference"] == pytest.approx(-weights[hand_index] * lost, abs=1e-4) and lost > 0
+    assert result["hands_changed"] == 1 and result["changes"][0]["bids"] == [31, 25]
+    assert result["changes"][0]["teacher"] == 31
+    files[1].write_text(files[1].read_text().splitlines()[0] + "\n")
+    with pytest.raises(SystemExit, match="one reply per hand"):
+        liars_openings.compare_replies(*files)
