@@ -11,7 +11,7 @@ AVAILABLE_GAMES: list[str] = [
 ]
 GAME_ID_STRIDE = 100_000_000
 
-# Players per game where it is not two (the same for every variant; tests/test_tasks.py loads each game to check).
+# Players per game where it is not two (the same for every variant; tests/test_openspiel_env.py loads each to check).
 # The env seats the model at seed mod this number (evaluate(): (seed mod 2) mod it).
 OTHER_PLAYER_COUNTS: dict[str, int] = {"hearts": 4, "euchre": 4, "bridge": 4, "blackjack": 1, "2048": 1, "solitaire": 1}
 
