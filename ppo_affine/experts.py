@@ -12,8 +12,8 @@
 - `true_bids` (liars_dice): aimed at an opponent that sees every die, which answers a bid by raising
   to the highest bid that holds (nothing true is left above it) and calls Liar on a false one. So a
   raise wins only if it is itself the highest bid that holds: over the opponent hands under which
-  its earlier bids hold, it takes the bid most likely to be that, or Liar when the standing bid is
-  more likely to fail (`true_bid_choice`).
+  its bids hold (it bids false only when no true raise is left), it takes the bid most likely to be
+  that, or Liar when the standing bid is more likely to fail (`true_bid_choice`).
 - `simple_gin` (gin_rummy): open_spiel's SimpleGinRummyBot, a rule player that knocks as soon as it
   may, takes the upcard when it completes a meld and discards its highest deadwood; microseconds a
   move, where a search of gin_rummy costs seconds.
@@ -236,18 +236,38 @@ def highest_true_bid_guess_rate(dice: int) -> float:
     return float(rate)
 
 
-def true_bid_choice(my_dice: list[int], bids: list[tuple[int, int]], legal: list[int]) -> tuple[int, float]:
-    """liars_dice against an opponent that sees every die: it raises to the highest bid that holds,
-    which leaves no true raise, so a raise wins only if it is itself the highest bid that holds, and a
-    challenge only if the standing bid fails. Over the opponent's possible hands (those under which its
-    earlier bids hold), take the action most likely to win; returns it with that probability."""
+# Weight of an opponent hand under which the opponent's bid breaks the model below (a true raise was left
+# but it bid false, or the reverse): the real MCTS is a noisy search, so such hands keep a little weight.
+# 600 paired second-seat games against the validators' MCTS: 0.198 at 0.002, 0.200 at 0.02, 0.172 at 0.1.
+OFF_MODEL_WEIGHT = 0.01
+
+
+def opponent_hand_posterior(my_dice: list[int], bids: list[tuple[int, int]]
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Over the opponent's possible hands, given our dice and the bids so far (alternating seats, the last
+    one the opponent's when any): each hand's dice per face [K, 6], highest bid that holds [K] and
+    probability [K]. The opponent sees every die, so it bids true whenever a true raise is left: its
+    opening always, a raise of ours below the highest bid that holds always; only above our highest true
+    bid is its raise false. Measured: the validators' MCTS opened with a true bid in 400 of 400 deals."""
     mine = np.bincount(np.array(my_dice) - 1, minlength=6)
     counts, weights = dice_compositions(len(my_dice), 6)
     totals, highest = _true_bid_totals(mine, counts)
-    # bids alternate seats and the last one (if any) is the opponent's: its earlier ones are every other
-    for quantity, face in bids[-3::-2]:
-        weights = weights * (totals[:, face - 1] >= quantity)
-    weights = weights / weights.sum()
+    actions = [(quantity - 1) * 6 + face - 1 for quantity, face in bids]
+    for i in range(len(bids) - 1, -1, -2):  # the opponent's bids, the last first
+        quantity, face = bids[i]
+        holds = totals[:, face - 1] >= quantity
+        true_raise_left = np.ones_like(holds) if i == 0 else actions[i - 1] < highest
+        weights = weights * np.where(holds == true_raise_left, 1.0, OFF_MODEL_WEIGHT)
+    return totals, highest, weights / weights.sum()
+
+
+def true_bid_choice(my_dice: list[int], bids: list[tuple[int, int]], legal: list[int]) -> tuple[int, float]:
+    """liars_dice against an opponent that sees every die: it raises to the highest bid that holds,
+    which leaves no true raise, so a raise wins only if it is itself the highest bid that holds, and a
+    challenge only if the standing bid fails. Over the opponent's possible hands weighted by how such an
+    opponent would have bid (`opponent_hand_posterior`), take the action most likely to win; returns it
+    with that probability."""
+    totals, highest, weights = opponent_hand_posterior(my_dice, bids)
     p_challenge = 0.0
     if bids:
         quantity, face = bids[-1]

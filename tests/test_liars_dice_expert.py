@@ -3,7 +3,8 @@ import itertools
 
 import pytest
 
-from ppo_affine.experts import LIAR, highest_true_bid_guess_rate, true_bid_choice
+from ppo_affine.experts import (LIAR, OFF_MODEL_WEIGHT, highest_true_bid_guess_rate, opponent_hand_posterior,
+                                true_bid_choice)
 
 
 def _matching(dice: tuple[int, ...], face: int) -> int:
@@ -41,7 +42,54 @@ def test_true_bids_opens_with_the_likeliest_highest_bid_and_challenges_what_cann
     # k ~ Binomial(5, 1/3): k = 1 and k = 2 both 80/243 (six 2s: action 31, seven 2s: action 37)
     action, p_win = true_bid_choice([2, 2, 2, 2, 2], [], list(range(60)))
     assert action in (31, 37) and p_win == pytest.approx(80 / 243)
-    # five 1s stand only if all five of the opponent's dice are 1s or 6s
+    # five 1s stand only if all five of the opponent's dice are 1s or 6s (1/243); an opponent that sees
+    # every die opens true, so the other 242/243 keep only the off-model weight
+    off = 242 * OFF_MODEL_WEIGHT
     assert true_bid_choice([2, 2, 2, 2, 2], [(5, 1)], list(range(24, 60)) + [LIAR]) == (
-        LIAR, pytest.approx(1 - 1 / 243))
+        LIAR, pytest.approx(off / (1 + off)))
     assert true_bid_choice([2, 2, 2, 2, 2], [(10, 1)], [LIAR]) == (LIAR, pytest.approx(1.0))
+
+
+def test_the_opening_is_taken_as_true_so_a_likely_false_one_is_raised_not_challenged():
+    # three 1s hold when at least three of the opponent's five dice are 1s or 6s: P(Bin(5, 1/3) >= 3) =
+    # (10 * 4 + 5 * 2 + 1) / 243 = 51/243. Taken at face value it fails 192/243 of the time, but an
+    # opponent that sees every die opens only with a true bid (the validators' MCTS: 400 of 400).
+    totals, _, weights = opponent_hand_posterior([2, 2, 2, 2, 2], [(3, 1)])
+    p_fails = float(weights @ (totals[:, 0] < 3))
+    off = 192 * OFF_MODEL_WEIGHT
+    assert p_fails == pytest.approx(off / (51 + off))
+    action, p_win = true_bid_choice([2, 2, 2, 2, 2], [(3, 1)], list(range(13, 60)) + [LIAR])
+    assert action != LIAR and p_win > p_fails
+
+
+def _posterior_by_brute_force(mine: tuple[int, ...], bids: list[tuple[int, int]]) -> dict[tuple[int, ...], float]:
+    """Every ordered opponent hand, weighted 1 when each of its bids is true exactly when a true raise
+    was left over the bid it answered (always for the opening), else OFF_MODEL_WEIGHT."""
+    weights = {}
+    for theirs in itertools.product(range(1, 7), repeat=len(mine)):
+        highest = _highest_true_bid(mine + theirs)
+        weight = 1.0
+        for i in range(len(bids) - 1, -1, -2):
+            quantity, face = bids[i]
+            holds = _matching(mine + theirs, face) >= quantity
+            raise_left = i == 0 or (bids[i - 1][0] - 1) * 6 + bids[i - 1][1] - 1 < highest
+            weight *= 1.0 if holds == raise_left else OFF_MODEL_WEIGHT
+        weights[theirs] = weight
+    total = sum(weights.values())
+    return {hand: weight / total for hand, weight in weights.items()}
+
+
+@pytest.mark.parametrize("mine, bids", [
+    ((2, 5), [(1, 3)]),                  # the opponent opened
+    ((1, 6), [(2, 1), (3, 1)]),          # we opened, it raised
+    ((3, 3), [(1, 2), (2, 3), (3, 3)]),  # it opened, we raised, it raised again
+])
+def test_the_opponent_hand_posterior_matches_brute_force(mine, bids):
+    expected = _posterior_by_brute_force(mine, bids)
+    totals, highest, weights = opponent_hand_posterior(list(mine), bids)
+    quantity, face = bids[-1]
+    p_fails = sum(w for hand, w in expected.items() if _matching(mine + hand, face) < quantity)
+    assert float(weights @ (totals[:, face - 1] < quantity)) == pytest.approx(p_fails, abs=1e-12)
+    for bid in set(highest.tolist()):
+        p_highest = sum(w for hand, w in expected.items() if _highest_true_bid(mine + hand) == bid)
+        assert float(weights[highest == bid].sum()) == pytest.approx(p_highest, abs=1e-12)
