@@ -9,12 +9,17 @@ the real MCTS is measured against.
 
     python bench/teacher_score.py --game liars_dice --games-played 200
     python bench/teacher_score.py --game leduc_poker --expert cfr --games-played 200
+
+`--records FILE` keeps the games (sft_warmstart's JSONL); `--paired-with FILE` reads an earlier run's
+records and adds the paired difference on the games both played (same seeds: the deals and the
+opponent's streams are the same, so only the teacher differs), e.g. a teacher before and after a change.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from pathlib import Path
 
 import sft_warmstart
 from ppo_affine import report
@@ -31,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--games-played", type=int, default=200, help="games, seats alternating")
     parser.add_argument("--config-ids", default="0", help="comma-separated game variants to cycle through")
     parser.add_argument("--workers", type=int, default=2, help="processes playing games")
+    parser.add_argument("--records", type=Path, help="write the games here (JSONL)")
+    parser.add_argument("--paired-with", type=Path, help="an earlier run's --records: report the paired difference")
     args = parser.parse_args(argv)
     chosen = {args.game: args.expert} if args.expert else {}
     try:
@@ -39,23 +46,39 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--expert: {exc}")
     if args.games_played < 2:
         parser.error(f"--games-played must be at least 2 (one a seat), got {args.games_played}")
+    earlier = None
+    if args.paired_with:
+        try:
+            earlier = {(r["task_id"], r["seed"]): r["score"]
+                       for r in map(json.loads, args.paired_with.read_text().splitlines())}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--paired-with {args.paired_with}: expected a teacher_score --records file ({exc})")
 
     started = time.perf_counter()
     jobs = sft_warmstart.plan_jobs([args.game], args.games_played, SEED, "mcts",
                                    [int(c) for c in args.config_ids.split(",")], None, 300, (), experts=chosen)
-    records = sft_warmstart.generate(jobs, args.workers, None)
+    records = sft_warmstart.generate(jobs, args.workers, args.records)
     scores = {seat: [r["score"] for r in records if r["llm_player_id"] == seat] for seat in (0, 1)}
 
-    def summary(values: list[float]) -> dict:
-        mean, interval = report.mean_interval(values, 0.0, 1.0)
-        return {"games": len(values), "mean_score": round(mean, 4),
+    def summary(values: list[float], low: float = 0.0, key: str = "mean_score") -> dict:
+        mean, interval = report.mean_interval(values, low, 1.0)
+        return {"games": len(values), key: round(mean, 4),
                 "ci95": [round(x, 4) for x in interval] if interval else None}
 
-    result = {"game": args.game, "expert": kind, "opponent": "mcts",
-              "opponent_budget": list(GAMES[args.game].mcts), "config_ids": args.config_ids,
+    budget = GAMES[args.game].mcts  # None where the env's "mcts" opponent is uniform random (goofspiel)
+    result = {"game": args.game, "expert": kind, "opponent": "mcts" if budget else "random",
+              "opponent_budget": list(budget) if budget else None, "config_ids": args.config_ids,
               "both_seats": summary(scores[0] + scores[1]),
               "by_seat": {str(seat): summary(values) for seat, values in scores.items() if values},
               "minutes": round((time.perf_counter() - started) / 60, 1)}
+    if earlier is not None:
+        diffs = {seat: [r["score"] - earlier[(r["task_id"], r["seed"])] for r in records
+                        if r["llm_player_id"] == seat and (r["task_id"], r["seed"]) in earlier] for seat in (0, 1)}
+        if not diffs[0] + diffs[1]:
+            parser.error(f"--paired-with {args.paired_with}: no game shares a seed with this run")
+        result["minus_earlier"] = {"both_seats": summary(diffs[0] + diffs[1], -1.0, "score_diff"),
+                                   "by_seat": {str(seat): summary(values, -1.0, "score_diff")
+                                               for seat, values in diffs.items() if values}}
     if args.game == "liars_dice":
         dice = GAMES["liars_dice"].params(0)["numdice"]
         first = highest_true_bid_guess_rate(dice)
