@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     jobs = sft_warmstart.plan_jobs([args.game], args.games_played, SEED, "mcts",
                                    [int(c) for c in args.config_ids.split(",")], None, 300, (), experts=chosen)
+    if earlier is not None and not any((job.task_id, job.seed) in earlier for job in jobs):
+        parser.error(f"--paired-with {args.paired_with}: no game shares a seed with this run")
     records = sft_warmstart.generate(jobs, args.workers, args.records)
     scores = {seat: [r["score"] for r in records if r["llm_player_id"] == seat] for seat in (0, 1)}
 
@@ -74,8 +76,6 @@ def main(argv: list[str] | None = None) -> None:
     if earlier is not None:
         diffs = {seat: [r["score"] - earlier[(r["task_id"], r["seed"])] for r in records
                         if r["llm_player_id"] == seat and (r["task_id"], r["seed"]) in earlier] for seat in (0, 1)}
-        if not diffs[0] + diffs[1]:
-            parser.error(f"--paired-with {args.paired_with}: no game shares a seed with this run")
         result["minus_earlier"] = {"both_seats": summary(diffs[0] + diffs[1], -1.0, "score_diff"),
                                    "by_seat": {str(seat): summary(values, -1.0, "score_diff")
                                                for seat, values in diffs.items() if values}}
