@@ -61,7 +61,8 @@ class ExpertJob:
 
 
 # MCTS simulations / playouts per bid / unused (the other experts)
-DEFAULT_BUDGET = {"mcts": 300, "montecarlo": 20, "cfr": 0, "best_response": 0, "true_bids": 0, "prize": 0, "simple_gin": 0}
+DEFAULT_BUDGET = {"mcts": 300, "montecarlo": 20, "cfr": 0, "best_response": 0, "true_bids": 0, "count_bids": 0,
+                  "prize": 0, "simple_gin": 0}
 
 
 def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | None = None,

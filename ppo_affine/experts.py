@@ -14,6 +14,11 @@
   raise wins only if it is itself the highest bid that holds: over the opponent hands under which
   its bids hold (it bids false only when no true raise is left), it takes the bid most likely to be
   that, or Liar when the standing bid is more likely to fail (`true_bid_choice`).
+- `count_bids` (liars_dice): `true_bids` cut to what a small model can work out in a few written steps
+  (`counting_bid`): its first bid, in either seat, is the commonest face of its dice at two more than it
+  holds (raised above a standing bid), which is exactly `true_bids`' opening; every later turn it calls
+  Liar, since against that opponent a raise over its bid is false exactly when its bid was the highest
+  that holds, and otherwise the game is lost whatever it does.
 - `simple_gin` (gin_rummy): open_spiel's SimpleGinRummyBot, a rule player that knocks as soon as it
   may, takes the upcard when it completes a meld and discards its highest deadwood; microseconds a
   move, where a search of gin_rummy costs seconds.
@@ -40,11 +45,11 @@ from ppo_affine import opponent_model
 from ppo_affine.envs.games import GAMES
 from ppo_affine.envs.openspiel_episode import mcts_bot
 
-KINDS = ("cfr", "best_response", "mcts", "true_bids", "montecarlo", "prize", "simple_gin")
+KINDS = ("cfr", "best_response", "mcts", "true_bids", "count_bids", "montecarlo", "prize", "simple_gin")
 # game -> the experts that play it, the default first; other games with an MCTS opponent: ("mcts",)
 CHOICES = {
     "leduc_poker": ("cfr", "best_response"),
-    "liars_dice": ("mcts", "true_bids"),
+    "liars_dice": ("mcts", "true_bids", "count_bids"),
     "goofspiel": ("prize", "montecarlo"),
     "gin_rummy": ("simple_gin", "mcts"),
 }
@@ -142,6 +147,12 @@ class Expert:
             return action, f"Searching ahead, {labels[action]} leads to the best outcomes."
         if self.kind == "true_bids":
             return self._true_bid(state, labels)
+        if self.kind == "count_bids":
+            dice, *history = state.information_state_string(self.player).split()
+            if len(history) >= 2:  # our own bid stands in the history
+                return LIAR, "my bid is made: Liar"
+            standing = tuple(map(int, history[0].split("-"))) if history else None
+            return counting_bid([int(d) for d in dice], standing)
         if self.kind == "simple_gin":
             action = int(self.bot.step(state))
             return action, f"I keep my melds and shed deadwood: {labels[action]}."
@@ -223,6 +234,12 @@ def _true_bid_totals(mine: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, 
     return totals, np.max(np.where(totals > 0, (totals - 1) * 6 + np.arange(6), -1), axis=1)
 
 
+def highest_true_bid(dice: list[int], other_dice: list[int]) -> int:
+    """The highest bid that holds over both hands, as an action id."""
+    counts = [np.bincount(np.array(hand) - 1, minlength=6) for hand in (dice, other_dice)]
+    return int(_true_bid_totals(counts[0], counts[1][None])[1][0])
+
+
 def highest_true_bid_guess_rate(dice: int) -> float:
     """liars_dice with `dice` dice each, moving first against an opponent that sees every die and
     answers with the highest bid that holds: the first bid wins only if it is that highest bid. The
@@ -261,6 +278,48 @@ def opponent_hand_posterior(my_dice: list[int], bids: list[tuple[int, int]]
         true_raise_left = np.ones_like(holds) if i == 0 else actions[i - 1] < highest
         weights = weights * np.where(holds == true_raise_left, 1.0, OFF_MODEL_WEIGHT)
     return totals, highest, weights / weights.sum()
+
+
+def counting_steps(hand: list[int], face: int) -> list[str]:
+    """The counts a bid on `face` rests on, read off the sorted dice line: the sixes, each other face's
+    count, then the face with the sixes added, e.g. [1, 3, 3, 6, 6], 3 -> ['6s: 2', '1s: 1', '3s: 2',
+    'best 3s: 2+2=4']."""
+    sixes = hand.count(6)
+    steps = [f"6s: {sixes}"] + [f"{f}s: {hand.count(f)}" for f in sorted(set(hand) - {6})]
+    held = f"{sixes}" if face == 6 else f"{hand.count(face)}+{sixes}={hand.count(face) + sixes}"
+    return [*steps, f"best {face}s: {held}"]
+
+
+def bid_label(action: int, id_steps: bool) -> str:
+    """'bid q-f' for a bid action, with `id_steps` its ID counted up from the quantity's first face
+    ('bid 6-3: 6-1 30, 6-2 31, 6-3 32'): the prompt lists 'ID -> label', which a student would
+    otherwise have to read backwards."""
+    quantity, face = action // 6 + 1, action % 6 + 1
+    label = f"bid {quantity}-{face}"
+    if id_steps:
+        label += ": " + ", ".join(f"{quantity}-{f} {action - face + f}" for f in range(1, face + 1))
+    return label
+
+
+def counting_bid(hand: list[int], standing: tuple[int, int] | None = None, id_steps: bool = True) -> tuple[int, str]:
+    """`count_bids`' bid and the steps that reach it (`counting_steps`): the commonest face other than six
+    (the highest of a tie; five when every die is a six) at two more than the dice that count for it,
+    raised above a standing bid (quantity, face) to the lowest quantity that ranks above it, e.g.
+    [1, 3, 3, 6, 6] -> '6s: 2; 1s: 1; 3s: 2; best 3s: 2+2=4; bid 6-3: 6-1 30, 6-2 31, 6-3 32' (action 32),
+    or over '6-4': '...; best 3s: 2+2=4; 6-3 not above 6-4; bid 7-3: 7-1 36, ...'. Opening, it wins against
+    an opponent that sees every die exactly as often as `true_bid_choice`'s opening, for every hand of
+    five (the same bid but for three ties). Liar when no bid is left above the standing one."""
+    hand = sorted(hand)
+    face = max((f for f in range(1, 6) if f in hand), key=lambda f: (hand.count(f), f), default=5)
+    steps = counting_steps(hand, face)
+    quantity = hand.count(face) + hand.count(6) + 2
+    if standing is not None and (quantity, face) <= standing:  # bids rank by quantity, then face
+        steps.append(f"{quantity}-{face} not above {standing[0]}-{standing[1]}")
+        quantity = standing[0] + (face <= standing[1])
+    action = (quantity - 1) * 6 + face - 1
+    if action >= LIAR:
+        return LIAR, "; ".join([*steps, "none left: Liar"])
+    return action, "; ".join([*steps, bid_label(action, id_steps)])
 
 
 def true_bid_choice(my_dice: list[int], bids: list[tuple[int, int]], legal: list[int]) -> tuple[int, float]:

@@ -1,10 +1,10 @@
-"""experts.py's liars_dice arithmetic against brute force over explicit dice."""
+"""experts.py's liars_dice arithmetic against brute force over explicit dice, and the counting teacher's rule."""
 import itertools
 
 import pytest
 
-from ppo_affine.experts import (LIAR, OFF_MODEL_WEIGHT, highest_true_bid_guess_rate, opponent_hand_posterior,
-                                true_bid_choice)
+from ppo_affine.experts import (LIAR, OFF_MODEL_WEIGHT, counting_bid, highest_true_bid, highest_true_bid_guess_rate,
+                                opponent_hand_posterior, true_bid_choice)
 
 
 def _matching(dice: tuple[int, ...], face: int) -> int:
@@ -93,3 +93,55 @@ def test_the_opponent_hand_posterior_matches_brute_force(mine, bids):
     for bid in set(highest.tolist()):
         p_highest = sum(w for hand, w in expected.items() if _highest_true_bid(mine + hand) == bid)
         assert float(weights[highest == bid].sum()) == pytest.approx(p_highest, abs=1e-12)
+
+
+def test_counting_bid_opens_at_two_more_than_the_commonest_face_holds():
+    assert counting_bid([1, 3, 3, 6, 6]) == (32, "6s: 2; 1s: 1; 3s: 2; best 3s: 2+2=4; bid 6-3: 6-1 30, 6-2 31, 6-3 32")
+    assert counting_bid([1, 3, 3, 6, 6], id_steps=False) == (32, "6s: 2; 1s: 1; 3s: 2; best 3s: 2+2=4; bid 6-3")
+    # a tie between 1s and 4s goes to the higher face; five sixes bid on fives, which the sixes count for
+    assert counting_bid([1, 1, 2, 4, 4], id_steps=False) == (21, "6s: 0; 1s: 2; 2s: 1; 4s: 2; best 4s: 2+0=2; bid 4-4")
+    assert counting_bid([6, 6, 6, 6, 6], id_steps=False) == (40, "6s: 5; best 5s: 0+5=5; bid 7-5")
+
+
+def test_counting_bid_raises_its_bid_above_a_standing_one_to_the_lowest_quantity_that_ranks_above():
+    steps = "6s: 2; 1s: 1; 3s: 2; best 3s: 2+2=4"
+    assert counting_bid([1, 3, 3, 6, 6], (6, 2), id_steps=False) == (32, f"{steps}; bid 6-3")  # 6-3 already ranks above
+    assert counting_bid([1, 3, 3, 6, 6], (6, 3), id_steps=False) == (38, f"{steps}; 6-3 not above 6-3; bid 7-3")
+    assert counting_bid([1, 3, 3, 6, 6], (7, 1)) == (38, f"{steps}; 6-3 not above 7-1; bid 7-3: 7-1 36, 7-2 37, 7-3 38")
+    assert counting_bid([1, 3, 3, 6, 6], (7, 4), id_steps=False) == (44, f"{steps}; 6-3 not above 7-4; bid 8-3")
+    assert counting_bid([6, 6, 6, 6, 6], (10, 5)) == (LIAR,
+                                                      "6s: 5; best 5s: 0+5=5; 7-5 not above 10-5; none left: Liar")
+
+
+def test_counting_bid_opens_as_well_as_true_bids_for_every_hand():
+    differ = []
+    for hand in itertools.combinations_with_replacement(range(1, 7), 5):
+        counted, _ = counting_bid(list(hand))
+        best, chance = true_bid_choice(list(hand), [], list(range(LIAR)))
+        assert true_bid_choice(list(hand), [], [counted])[1] == pytest.approx(chance, abs=1e-12), hand
+        if counted != best:
+            differ.append(hand)
+    assert differ == [(4, 4, 4, 4, 4), (5, 5, 5, 5, 5), (5, 5, 5, 5, 6)]  # equal chances, another bid of the tie
+
+
+def test_the_count_bids_expert_bids_once_by_counting_then_calls_liar():
+    import pyspiel
+
+    from ppo_affine.experts import Expert
+
+    game = pyspiel.load_game("liars_dice", {"players": 2, "numdice": 5})
+    state = game.new_initial_state()
+    for die in [1, 3, 3, 6, 6] + [2, 2, 2, 2, 2]:  # player 0's dice, then player 1's
+        state.apply_action(die - 1)
+    first, second = (Expert("count_bids", game, player, 0, 0, 0) for player in (0, 1))
+    assert first.choose(state, {}) == counting_bid([1, 3, 3, 6, 6])
+    state.apply_action(32)  # 6-3
+    assert second.choose(state, {}) == counting_bid([2, 2, 2, 2, 2], (6, 3))  # 7-2
+    state.apply_action(37)
+    assert first.choose(state, {}) == (LIAR, "my bid is made: Liar")
+
+
+@pytest.mark.parametrize("mine, theirs", [((1, 3, 3, 6, 6), (2, 2, 2, 2, 2)), ((6, 6, 6, 6, 6), (1, 1, 1, 1, 1)),
+                                          ((1, 2, 3, 4, 5), (1, 2, 3, 4, 5))])
+def test_the_highest_true_bid_over_two_hands_matches_brute_force(mine, theirs):
+    assert highest_true_bid(list(mine), list(theirs)) == _highest_true_bid(mine + theirs)
