@@ -5,6 +5,7 @@ bid: it wins only when it names the highest bid that holds (`experts.true_bid_ch
 sorted hands of five dice, so that decision can be checked whole:
 
     python bench/liars_openings.py probe --adapter runs/x/sft/checkpoints/checkpoint-48
+    python bench/liars_openings.py probe --seat second --deals 400 --adapter CHECKPOINT
     python bench/liars_openings.py compare BEFORE.jsonl AFTER.jsonl   (two probes' --replies files)
     python bench/liars_openings.py data --output runs/liars-openings/openings.jsonl [--reason [--id-steps] [--games N]]
 
@@ -13,6 +14,11 @@ line differs), lets the model answer greedily and prints one JSON document, ever
 the hand's probability: how often it bids what the teacher bids, the chance its opening wins against
 an opponent that answers with the highest bid that holds (the teacher's is the bound, 0.234), the
 share of legal bids and the distinct bids it made. `--adapter base` probes the base model.
+`probe --seat second` asks for the second seat's bid instead, on `--deals` deals (seeds of their own,
+none an evaluation or SFT seed) after the validators' MCTS opened at its full budget: the second mover
+wins against an opponent that sees every die exactly when its bid is the highest that holds (and it
+calls Liar on the forced raise), so each reply is scored by that, beside the `count_bids` and
+`true_bids` teachers' bids on the same deals, with a paired interval for model minus `count_bids`.
 `data` writes the teacher's opening for every hand as SFT records (sft_warmstart.py --data), each
 conversation cut after that reply; with `--reason` the reply counts first (`opening_reason`), and a
 probe of such a model needs room for it (`--max-new-tokens 72`: the longest is 66 tokens; 112 with
@@ -32,10 +38,14 @@ from pathlib import Path
 from ppo_affine.envs.openspiel_episode import Episode
 from ppo_affine.envs.openspiel_text import strip_think
 from ppo_affine.envs.tasks import game_task_id
-from ppo_affine.experts import LIAR, dice_compositions, true_bid_choice
+from ppo_affine.experts import (LIAR, bid_label, counting_bid, counting_steps, dice_compositions, highest_true_bid,
+                                true_bid_choice)
+from ppo_affine.report import mean_interval
+from utils import derive_seed
 
 HANDS = list(itertools.combinations_with_replacement(range(1, 7), 5))  # the order dice_compositions uses
 FIRST_SEAT_SEED = 0  # an even seed: the model moves first
+SECOND_SEAT_STREAM = "liars-second-seat-probe"  # derive_seed's stream for `second_seat_deal`
 
 
 def opening_conversations() -> list[list[dict[str, str]]]:
@@ -53,28 +63,64 @@ def opening_conversations() -> list[list[dict[str, str]]]:
     return conversations
 
 
+def second_seat_deal(index: int) -> dict:
+    """Deal `index` with the model in the second seat: the env's conversation after the validators' MCTS
+    (full budget, fast search) opened, the model's sorted dice, the opening, and the highest bid that holds."""
+    seed = derive_seed(SECOND_SEAT_STREAM, index) | 1  # an odd seed: the model moves second
+    episode = Episode(uuid.uuid4().hex, task_id=game_task_id("liars_dice", 0), seed=seed, opponent="mcts",
+                      observation_format="evaluate", max_parse_attempts=3, mcts_simulations=None)
+    prompt = episode.start()["observation"]
+    state = episode.state
+    hand, theirs = ([int(d) for d in state.information_state_string(p).split()[0]] for p in (1, 0))
+    return {"seed": seed, "hand": sorted(hand), "opening": state.history()[-1], "legal": episode.legal,
+            "highest": highest_true_bid(hand, theirs),
+            "conversation": [{"role": "system", "content": episode.system_prompt}, {"role": "user", "content": prompt}]}
+
+
+def second_seat_deals(count: int, workers: int) -> list[dict]:
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(second_seat_deal, range(count)))
+
+
+def score_second_seat(deals: list[dict], replies: list[str]) -> dict:
+    """Second-seat replies scored by whether each bid is the highest that holds (`probe --seat second`),
+    with the two teachers' bids on the same deals and the share that bid as `count_bids` does."""
+    hits, counted_hits, true_hits, agree, legal = [], [], [], [], []
+    for deal, reply in zip(deals, replies, strict=True):
+        text = strip_think(reply)
+        action = int(text) if text.isdigit() else -1
+        opening = (deal["opening"] // 6 + 1, deal["opening"] % 6 + 1)
+        counted = counting_bid(deal["hand"], opening)[0]
+        hits.append(float(action == deal["highest"]))
+        counted_hits.append(float(counted == deal["highest"]))
+        true_hits.append(float(true_bid_choice(deal["hand"], [opening], deal["legal"])[0] == deal["highest"]))
+        agree.append(float(action == counted))
+        legal.append(float(action in deal["legal"]))
+
+    def rate(values: list[float], low: float = 0.0) -> dict:
+        mean, interval = mean_interval(values, low, 1.0)
+        return {"mean": round(mean, 4), "ci95": [round(v, 4) for v in interval] if interval else None}
+
+    return {"deals": len(deals), "bids_the_highest_that_holds": rate(hits), "count_bids": rate(counted_hits),
+            "true_bids": rate(true_hits), "minus_count_bids": rate([a - b for a, b in zip(hits, counted_hits)], -1.0),
+            "agrees_with_count_bids": round(sum(agree) / len(agree), 4), "legal": round(sum(legal) / len(legal), 4),
+            "liar_calls": sum(1 for reply in replies if strip_think(reply) == str(LIAR))}
+
+
 def teacher_openings() -> list[tuple[int, float]]:
     """The true-bids teacher's opening and its chance to win for every hand in HANDS."""
     return [true_bid_choice(list(hand), [], list(range(LIAR))) for hand in HANDS]
 
 
 def opening_reason(hand: tuple[int, ...], action: int, id_steps: bool = False) -> str:
-    """The teacher's opening worked out in steps a small model can copy from the sorted dice line: the
-    sixes, each other face's count, the face bid on with the sixes added, then the bid's label, e.g.
-    [1, 3, 3, 6, 6] -> '6s: 2; 1s: 1; 3s: 2; best 3s: 2+2=4; bid 6-3' (the ID 32 follows the think block).
-    The teacher bids the commonest face (the highest of a tie; sixes only with nothing else) at two more
-    than it holds. `id_steps`: the label then leads to its ID forwards, counting the quantity's IDs up
-    from its first face ('bid 6-3: 6-1 30, 6-2 31, 6-3 32'); the prompt's list gives 'ID -> label',
-    which a student would otherwise have to read backwards."""
-    quantity, face = action // 6 + 1, action % 6 + 1
-    sixes = hand.count(6)
-    steps = [f"6s: {sixes}"] + [f"{f}s: {hand.count(f)}" for f in sorted(set(hand) - {6})]
-    held = f"{sixes}" if face == 6 else f"{hand.count(face)}+{sixes}={hand.count(face) + sixes}"
-    label = f"bid {quantity}-{face}"
-    if id_steps:
-        first_id = action - face + 1
-        label += ": " + ", ".join(f"{quantity}-{f} {first_id + f - 1}" for f in range(1, face + 1))
-    return "; ".join([*steps, f"best {face}s: {held}", label])
+    """The teacher's opening worked out in steps a small model can copy from the sorted dice line
+    (`experts.counting_steps`, then `experts.bid_label`), e.g. [1, 3, 3, 6, 6] -> '6s: 2; 1s: 1; 3s: 2;
+    best 3s: 2+2=4; bid 6-3' (the ID 32 follows the think block); with `id_steps` the label leads on to
+    the ID ('bid 6-3: 6-1 30, 6-2 31, 6-3 32'). The teacher bids the commonest face (the highest of a tie)
+    at two more than it holds (`experts.counting_bid`)."""
+    return "; ".join([*counting_steps(list(hand), action % 6 + 1), bid_label(action, id_steps)])
 
 
 def write_data(path: Path, with_reason: bool = False, id_steps: bool = False, games: list[dict] = ()) -> None:
@@ -215,29 +261,39 @@ def greedy_replies(policy, builder, conversations: list[list[dict[str, str]]], b
     return replies
 
 
-def probe(adapter: str, batch: int, max_new_tokens: int, overrides: list[str], replies_path: Path | None = None) -> dict:
+def probe(adapter: str, batch: int, max_new_tokens: int, overrides: list[str], replies_path: Path | None = None,
+          seat: str = "first", deals: int = 400, workers: int = 2) -> dict:
     """Greedy openings of the cpu preset's model (with `overrides`) and `adapter` on every hand, scored
-    (`score_reasons` too where the model reasons); `replies_path`: also each hand's reply, as JSON lines."""
+    (`score_reasons` too where the model reasons), or with `seat` "second" its bids after the MCTS's
+    opening on `deals` deals (`score_second_seat`); `replies_path`: also each reply, as JSON lines."""
     from ppo_affine.policy import adapter_folder, load_policy, pick_device
     from ppo_affine.prompts import PromptBuilder
     from utils import load_config
 
     config = load_config(presets=["cpu"], overrides=overrides).train
     adapter_dir = None if adapter == "base" else adapter_folder(Path(adapter))  # a wrong path fails before the load
+    second = second_seat_deals(deals, workers) if seat == "second" else []
     policy = load_policy(config.model, config.lora, pick_device(config.run.device))
     if adapter_dir is not None:
         policy.load_adapter(adapter_dir)
     builder = PromptBuilder(policy.tokenizer, config.generation.max_prompt_tokens, config.model.chat_template_kwargs)
     started = time.perf_counter()
-    replies = greedy_replies(policy, builder, opening_conversations(), batch, max_new_tokens)
+    conversations = [deal["conversation"] for deal in second] if second else opening_conversations()
+    replies = greedy_replies(policy, builder, conversations, batch, max_new_tokens)
     seconds = round(time.perf_counter() - started, 1)
+    if second:
+        rows = [{"seed": deal["seed"], "hand": deal["hand"], "opening": deal["opening"], "highest": deal["highest"],
+                 "reply": reply} for deal, reply in zip(second, replies)]
+        result = score_second_seat(second, replies)
+    else:
+        rows = [{"hand": hand, "reply": reply, "teacher": action}
+                for hand, reply, (action, _) in zip(HANDS, replies, teacher_openings())]
+        reasoned = any("<think>" in reply for reply in replies)
+        result = {**score_openings(replies), **(score_reasons(replies) if reasoned else {})}
     if replies_path is not None:
         replies_path.parent.mkdir(parents=True, exist_ok=True)
-        replies_path.write_text("".join(json.dumps({"hand": hand, "reply": reply, "teacher": action}) + "\n"
-                                        for hand, reply, (action, _) in zip(HANDS, replies, teacher_openings())))
-    reasoned = any("<think>" in reply for reply in replies)
-    return {"adapter": adapter, **score_openings(replies), **(score_reasons(replies) if reasoned else {}),
-            "seconds": seconds}
+        replies_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {"adapter": adapter, "seat": seat, **result, "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -249,6 +305,10 @@ def main(argv: list[str] | None = None) -> None:
     probing.add_argument("--max-new-tokens", type=int, default=6)
     probing.add_argument("--set", action="append", default=[], help="config overrides, e.g. run.device=cuda")
     probing.add_argument("--replies", type=Path, help="also write each hand's reply and the teacher's ID here (JSON lines)")
+    probing.add_argument("--seat", choices=["first", "second"], default="first",
+                         help="second: the bid after the validators' MCTS opened, on --deals deals")
+    probing.add_argument("--deals", type=int, default=400, help="with --seat second: how many deals")
+    probing.add_argument("--workers", type=int, default=2, help="with --seat second: processes dealing (MCTS openings)")
     comparing = commands.add_parser("compare", help="two probes' --replies files, hand by hand")
     comparing.add_argument("before", type=Path)
     comparing.add_argument("after", type=Path)
@@ -273,7 +333,10 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "compare":
         print(json.dumps(compare_replies(args.before, args.after), indent=1))
     else:
-        print(json.dumps(probe(args.adapter, args.batch, args.max_new_tokens, args.set, args.replies), indent=1))
+        if args.deals < 1:
+            parser.error("--deals takes a count >= 1")
+        print(json.dumps(probe(args.adapter, args.batch, args.max_new_tokens, args.set, args.replies, args.seat,
+                               args.deals, args.workers), indent=1))
 
 
 if __name__ == "__main__":

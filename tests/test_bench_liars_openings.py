@@ -147,3 +147,34 @@ def test_compare_reads_two_probes_hand_by_hand(tmp_path):
     files[1].write_text(files[1].read_text().splitlines()[0] + "\n")
     with pytest.raises(SystemExit, match="one reply per hand"):
         liars_openings.compare_replies(*files)
+
+
+def test_the_second_seat_probe_scores_bids_by_whether_they_are_the_highest_that_holds():
+    deals = [liars_openings.second_seat_deal(i) for i in range(3)]
+    again = liars_openings.second_seat_deal(1)
+    assert {k: v for k, v in again.items() if k != "conversation"} == {k: v for k, v in deals[1].items()
+                                                                       if k != "conversation"}
+    assert again["conversation"] == deals[1]["conversation"]  # the same MCTS opening from the same seed
+    for deal in deals:
+        prompt = deal["conversation"][1]["content"]
+        quantity, face = deal["opening"] // 6 + 1, deal["opening"] % 6 + 1
+        assert deal["seed"] % 2 == 1 and f'Current bid: "{quantity}-{face}"' in prompt
+        assert f"Your dice: [{', '.join(map(str, deal['hand']))}]" in prompt
+        assert deal["legal"] == list(range(deal["opening"] + 1, 61)) and deal["highest"] >= deal["opening"]
+    counted = [liars_openings.counting_bid(d["hand"], (d["opening"] // 6 + 1, d["opening"] % 6 + 1))[0] for d in deals]
+    teacher = liars_openings.score_second_seat(deals, [f"<think>steps</think>{a}" for a in counted])
+    assert teacher["agrees_with_count_bids"] == teacher["legal"] == 1.0
+    assert teacher["bids_the_highest_that_holds"] == teacher["count_bids"]
+    assert teacher["minus_count_bids"]["mean"] == 0.0
+    # hand-made deals: the highest bid that holds is 34; a reply naming it scores, Liar and nonsense do not
+    made = [{**deals[0], "opening": 20, "legal": list(range(21, 61)), "highest": 34} for _ in range(4)]
+    scored = liars_openings.score_second_seat(made, ["34", "<think>x</think> 34", "60", "bid 5-5"])
+    assert scored["bids_the_highest_that_holds"]["mean"] == 0.5
+    assert scored["legal"] == 0.75 and scored["liar_calls"] == 1
+    with pytest.raises(ValueError):  # one reply per deal
+        liars_openings.score_second_seat(made, ["34"])
+
+
+def test_the_probe_refuses_no_deals():
+    with pytest.raises(SystemExit):
+        liars_openings.main(["probe", "--adapter", "base", "--seat", "second", "--deals", "0"])
