@@ -16,9 +16,9 @@
   that, or Liar when the standing bid is more likely to fail (`true_bid_choice`).
 - `count_bids` (liars_dice): `true_bids` cut to what a small model can work out in a few written steps
   (`counting_bid`): its first bid, in either seat, is the commonest face of its dice at two more than it
-  holds (raised above a standing bid), which is exactly `true_bids`' opening; every later turn it calls
-  Liar, since against that opponent a raise over its bid is false exactly when its bid was the highest
-  that holds, and otherwise the game is lost whatever it does.
+  holds (raised above a standing bid), `true_bids`' opening on 249 of the 252 hands and a tie of it on
+  the other 3; every later turn it calls Liar, since against that opponent a raise over its bid is
+  false exactly when its bid was the highest that holds, and otherwise the game is lost whatever it does.
 - `simple_gin` (gin_rummy): open_spiel's SimpleGinRummyBot, a rule player that knocks as soon as it
   may, takes the upcard when it completes a meld and discards its highest deadwood; microseconds a
   move, where a search of gin_rummy costs seconds.
