@@ -89,8 +89,7 @@ def score_second_seat(deals: list[dict], replies: list[str]) -> dict:
     with the two teachers' bids on the same deals and the share that bid as `count_bids` does."""
     hits, counted_hits, true_hits, agree, legal = [], [], [], [], []
     for deal, reply in zip(deals, replies, strict=True):
-        text = strip_think(reply)
-        action = int(text) if text.isdigit() else -1
+        action = reply_action(reply)
         opening = (deal["opening"] // 6 + 1, deal["opening"] % 6 + 1)
         counted = counting_bid(deal["hand"], opening)[0]
         hits.append(float(action == deal["highest"]))
@@ -106,7 +105,7 @@ def score_second_seat(deals: list[dict], replies: list[str]) -> dict:
     return {"deals": len(deals), "bids_the_highest_that_holds": rate(hits), "count_bids": rate(counted_hits),
             "true_bids": rate(true_hits), "minus_count_bids": rate([a - b for a, b in zip(hits, counted_hits)], -1.0),
             "agrees_with_count_bids": round(sum(agree) / len(agree), 4), "legal": round(sum(legal) / len(legal), 4),
-            "liar_calls": sum(1 for reply in replies if strip_think(reply) == str(LIAR))}
+            "liar_calls": sum(1 for reply in replies if reply_action(reply) == LIAR)}
 
 
 def teacher_openings() -> list[tuple[int, float]]:
@@ -162,10 +161,15 @@ def game_records(games: int, workers: int, seed: int, id_steps: bool = False) ->
     return records
 
 
+def reply_action(reply: str) -> int:
+    """The action ID a reply names as the env reads it (reasoning stripped), or -1 when it names none."""
+    reply = strip_think(reply)  # strip_think also trims whitespace
+    return int(reply) if reply.isdigit() else -1
+
+
 def opening_chance(hand: tuple[int, ...], reply: str) -> tuple[int, float]:
     """The bid a reply makes as the env reads it (reasoning stripped; -1 if no bid) and its chance to win."""
-    reply = strip_think(reply)  # strip_think also trims whitespace
-    action = int(reply) if reply.isdigit() else -1
+    action = reply_action(reply)
     if not 0 <= action < LIAR:
         return -1, 0.0
     return action, true_bid_choice(list(hand), [], [action])[1]  # offered only this bid, the teacher scores it

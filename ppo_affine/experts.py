@@ -148,11 +148,10 @@ class Expert:
         if self.kind == "true_bids":
             return self._true_bid(state, labels)
         if self.kind == "count_bids":
-            dice, *history = state.information_state_string(self.player).split()
-            if len(history) >= 2:  # our own bid stands in the history
+            dice, bids = self._dice_and_bids(state)
+            if len(bids) >= 2:  # our own bid stands in the history
                 return LIAR, "my bid is made: Liar"
-            standing = tuple(map(int, history[0].split("-"))) if history else None
-            return counting_bid([int(d) for d in dice], standing)
+            return counting_bid(dice, bids[0] if bids else None)
         if self.kind == "simple_gin":
             action = int(self.bot.step(state))
             return action, f"I keep my melds and shed deadwood: {labels[action]}."
@@ -160,12 +159,17 @@ class Expert:
             return self._prize_bid(state)
         return self._best_bid(state, labels)
 
-    def _true_bid(self, state: pyspiel.State, labels: dict[int, str]) -> tuple[int, str]:
+    def _dice_and_bids(self, state: pyspiel.State) -> tuple[list[int], list[tuple[int, int]]]:
+        """liars_dice: our dice and the bids so far as (quantity, face), from our information state."""
         dice, *history = state.information_state_string(self.player).split()
-        bids = [tuple(map(int, bid.split("-"))) for bid in history]
-        action, chance = true_bid_choice([int(d) for d in dice], bids, state.legal_actions(self.player))
+        return [int(d) for d in dice], [tuple(map(int, bid.split("-"))) for bid in history]
+
+    def _true_bid(self, state: pyspiel.State, labels: dict[int, str]) -> tuple[int, str]:
+        dice, bids = self._dice_and_bids(state)
+        action, chance = true_bid_choice(dice, bids, state.legal_actions(self.player))
         if action == LIAR:
-            return action, f"Given my dice, the bid {history[-1]} fails with probability {chance:.2f}: Liar."
+            quantity, face = bids[-1]
+            return action, f"Given my dice, the bid {quantity}-{face} fails with probability {chance:.2f}: Liar."
         return action, f"Given my dice, {labels[action]} is the highest bid that holds with probability {chance:.2f}."
 
     def _prize_bid(self, state: pyspiel.State) -> tuple[int, str]:
