@@ -30,19 +30,10 @@ import torch
 
 from ppo_affine import prefixes
 from ppo_affine.envs.base import EpisodeLost
+from ppo_affine.policy import kv_cache_keyword
 from utils import GenerationConfig, derive_seed
 
 log = logging.getLogger(__name__)
-
-
-def _generate_cache_name() -> str:
-    """The name generate() takes the KV cache under and returns it as: transformers 5.2x renamed
-    `past_key_values` to `cache` (the old name still works but warns, and goes in 6.0)."""
-    from dataclasses import fields
-
-    from transformers.generation.utils import GenerateDecoderOnlyOutput
-
-    return "cache" if "cache" in {f.name for f in fields(GenerateDecoderOnlyOutput)} else "past_key_values"
 
 
 @dataclass
@@ -94,7 +85,7 @@ class LocalGenerator:
         self.tokenizer = policy.tokenizer
         self.eos_ids = eos_token_ids(self.tokenizer, policy.model.generation_config)
         self.reuse_cache = gen_cfg.reuse_kv_cache and cache_reuse_supported(policy.model)
-        self._cache_name = _generate_cache_name()
+        self._cache_name = kv_cache_keyword()
         self.seed_base = derive_seed(seed, "generate", 0)
         self.live_episodes = 0
         self._pending: list[tuple[int, list[int], asyncio.Future]] = []

@@ -8,6 +8,7 @@ through the LM head, so a full-vocabulary tensor is never built for prompt token
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -328,9 +329,10 @@ class Policy(nn.Module):
         hidden = prefix.last_hidden_state.expand(batch, -1, -1)  # gradients of the rows add up in the prefix
         if shared == width:
             return hidden
-        cache = prefix.cache
+        keyword = kv_cache_keyword()
+        cache = getattr(prefix, keyword)
         cache.batch_repeat_interleave(batch)
-        rest = decoder(input_ids=input_ids[:, shared:], cache=cache, use_cache=True).last_hidden_state
+        rest = decoder(input_ids=input_ids[:, shared:], use_cache=True, **{keyword: cache}).last_hidden_state
         return torch.cat([hidden, rest], dim=1)
 
     def shares_prefixes_with_gradients(self) -> bool:
@@ -380,6 +382,18 @@ class Policy(nn.Module):
         if getattr(result, "unexpected_keys", None):
             raise ConfigError(f"The adapter in {adapter_dir} does not fit this model: unexpected keys "
                               f"{result.unexpected_keys[:3]}")
+
+
+@functools.cache
+def kv_cache_keyword() -> str:
+    """The name a model's forward and generate() take the KV cache under and return it as: transformers 5.2x
+    renamed `past_key_values` to `cache` (the old name still works there but warns, and goes in 6.0), and
+    5.1x outputs have no `cache` at all."""
+    from dataclasses import fields
+
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    return "cache" if "cache" in {f.name for f in fields(GenerateDecoderOnlyOutput)} else "past_key_values"
 
 
 def adapter_folder(path: Path) -> Path:

@@ -78,9 +78,14 @@ def _scored_with_gradients(policy, ids, mask):
     return scored, grads
 
 
-def test_rows_with_a_common_prefix_score_and_train_as_if_run_whole(tiny_policy, monkeypatch):
+# "past_key_values": the KV cache's name before transformers 5.2x (5.17 has no other), still taken by newer ones
+@pytest.mark.parametrize("cache_keyword", [None, "past_key_values"])
+def test_rows_with_a_common_prefix_score_and_train_as_if_run_whole(tiny_policy, monkeypatch, cache_keyword):
     from ppo_affine import policy as policy_module
     from ppo_affine import prefixes
+
+    if cache_keyword is not None:
+        monkeypatch.setattr(policy_module, "kv_cache_keyword", lambda: cache_keyword)
 
     ids, mask = _rows_sharing_a_prefix(tiny_policy)
     assert policy_module.common_prefix_length(ids) > prefixes.MIN_SHARED_PREFIX
