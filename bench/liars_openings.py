@@ -38,8 +38,8 @@ from pathlib import Path
 from ppo_affine.envs.openspiel_episode import Episode
 from ppo_affine.envs.openspiel_text import strip_think
 from ppo_affine.envs.tasks import game_task_id
-from ppo_affine.experts import (LIAR, bid_label, counting_bid, counting_steps, dice_compositions, highest_true_bid,
-                                true_bid_choice)
+from ppo_affine.experts import (LIAR, action_bid, bid_action, bid_label, counting_bid, counting_steps,
+                                dice_compositions, highest_true_bid, true_bid_choice)
 from ppo_affine.report import mean_interval
 from utils import derive_seed
 
@@ -90,7 +90,7 @@ def score_second_seat(deals: list[dict], replies: list[str]) -> dict:
     hits, counted_hits, true_hits, agree, legal = [], [], [], [], []
     for deal, reply in zip(deals, replies, strict=True):
         action = reply_action(reply)
-        opening = (deal["opening"] // 6 + 1, deal["opening"] % 6 + 1)
+        opening = action_bid(deal["opening"])
         counted = counting_bid(deal["hand"], opening)[0]
         hits.append(float(action == deal["highest"]))
         counted_hits.append(float(counted == deal["highest"]))
@@ -119,7 +119,7 @@ def opening_reason(hand: tuple[int, ...], action: int, id_steps: bool = False) -
     best 3s: 2+2=4; bid 6-3' (the ID 32 follows the think block); with `id_steps` the label leads on to
     the ID ('bid 6-3: 6-1 30, 6-2 31, 6-3 32'). The teacher bids the commonest face (the highest of a tie)
     at two more than it holds (`experts.counting_bid`)."""
-    return "; ".join([*counting_steps(list(hand), action % 6 + 1), bid_label(action, id_steps)])
+    return "; ".join([*counting_steps(list(hand), action_bid(action)[1]), bid_label(action, id_steps)])
 
 
 def write_data(path: Path, with_reason: bool = False, id_steps: bool = False, games: list[dict] = ()) -> None:
@@ -228,8 +228,8 @@ def score_reasons(replies: list[str]) -> dict:
         reason, action = match.group(1).strip(), match.group(2)
         counts += weight * (reason.partition("; best ")[0] == opening_reason(hand, expected).partition("; best ")[0])
         named = re.search(r"bid (\d+)-([1-6])(?::|$)", reason)  # with or without the ID steps after it
-        if named:  # bid q-f is action (q - 1) * 6 + f - 1
-            named_action = (int(named.group(1)) - 1) * 6 + int(named.group(2)) - 1
+        if named:
+            named_action = bid_action(int(named.group(1)), int(named.group(2)))
             label += weight * (named_action == expected)
             labelled += weight
             follows += weight * (action == str(named_action))

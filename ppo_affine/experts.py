@@ -215,6 +215,16 @@ class Expert:
 LIAR = 60  # liars_dice's challenge action; bid (q, f) is action (q - 1) * 6 + f - 1
 
 
+def bid_action(quantity: int, face: int) -> int:
+    """liars_dice's action ID for the bid 'quantity-face' (faces 1-6)."""
+    return (quantity - 1) * 6 + face - 1
+
+
+def action_bid(action: int) -> tuple[int, int]:
+    """The bid (quantity, face) that liars_dice's action ID names."""
+    return action // 6 + 1, action % 6 + 1
+
+
 @functools.lru_cache(maxsize=None)
 def dice_compositions(dice: int, sides: int) -> tuple[np.ndarray, np.ndarray]:
     """Every multiset of `dice` dice as face counts [K, sides] with its probability [K]."""
@@ -275,7 +285,7 @@ def opponent_hand_posterior(my_dice: list[int], bids: list[tuple[int, int]]
     mine = np.bincount(np.array(my_dice) - 1, minlength=6)
     counts, weights = dice_compositions(len(my_dice), 6)
     totals, highest = _true_bid_totals(mine, counts)
-    actions = [(quantity - 1) * 6 + face - 1 for quantity, face in bids]
+    actions = [bid_action(quantity, face) for quantity, face in bids]
     for i in range(len(bids) - 1, -1, -2):  # the opponent's bids, the last first
         quantity, face = bids[i]
         holds = totals[:, face - 1] >= quantity
@@ -298,7 +308,7 @@ def bid_label(action: int, id_steps: bool) -> str:
     """'bid q-f' for a bid action, with `id_steps` its ID counted up from the quantity's first face
     ('bid 6-3: 6-1 30, 6-2 31, 6-3 32'): the prompt lists 'ID -> label', which a student would
     otherwise have to read backwards."""
-    quantity, face = action // 6 + 1, action % 6 + 1
+    quantity, face = action_bid(action)
     label = f"bid {quantity}-{face}"
     if id_steps:
         label += ": " + ", ".join(f"{quantity}-{f} {action - face + f}" for f in range(1, face + 1))
@@ -320,7 +330,7 @@ def counting_bid(hand: list[int], standing: tuple[int, int] | None = None, id_st
     if standing is not None and (quantity, face) <= standing:  # bids rank by quantity, then face
         steps.append(f"{quantity}-{face} not above {standing[0]}-{standing[1]}")
         quantity = standing[0] + (face <= standing[1])
-    action = (quantity - 1) * 6 + face - 1
+    action = bid_action(quantity, face)
     if action >= LIAR:
         return LIAR, "; ".join([*steps, "none left: Liar"])
     return action, "; ".join([*steps, bid_label(action, id_steps)])

@@ -3,8 +3,8 @@ import itertools
 
 import pytest
 
-from ppo_affine.experts import (LIAR, OFF_MODEL_WEIGHT, counting_bid, highest_true_bid, highest_true_bid_guess_rate,
-                                opponent_hand_posterior, true_bid_choice)
+from ppo_affine.experts import (LIAR, OFF_MODEL_WEIGHT, action_bid, bid_action, counting_bid, highest_true_bid,
+                                highest_true_bid_guess_rate, opponent_hand_posterior, true_bid_choice)
 
 
 def _matching(dice: tuple[int, ...], face: int) -> int:
@@ -122,6 +122,20 @@ def test_counting_bid_opens_as_well_as_true_bids_for_every_hand():
         if counted != best:
             differ.append(hand)
     assert differ == [(4, 4, 4, 4, 4), (5, 5, 5, 5, 5), (5, 5, 5, 5, 6)]  # equal chances, another bid of the tie
+
+
+def test_bid_action_and_action_bid_name_the_bids_as_open_spiel_does():
+    import pyspiel
+
+    game = pyspiel.load_game("liars_dice", {"players": 2, "numdice": 5})
+    state = game.new_initial_state()
+    for die in [1, 3, 3, 6, 6] + [2, 2, 2, 2, 2]:
+        state.apply_action(die - 1)
+    bids = [action for action in state.legal_actions() if action != LIAR]
+    assert len(bids) == 60 and bids == [bid_action(*action_bid(action)) for action in bids]
+    for action in bids:  # open_spiel writes bid q-f as "q-f"
+        assert state.action_to_string(0, action) == "{}-{}".format(*action_bid(action))
+    assert bid_action(6, 3) == 32 and action_bid(37) == (7, 2)
 
 
 def test_the_count_bids_expert_bids_once_by_counting_then_calls_liar():
