@@ -9,6 +9,7 @@ rate and the mean score with 95 % intervals, and the paired score differences to
     python bench/learning.py --no-warm-start            # PPO alone from the base model
     python bench/learning.py --profile validator --sft-checkpoint runs/x/sft/checkpoints/checkpoint-64 \
         --models sft,sft+ppo --set ppo.learning_rate=1e-4   # an ablation row: PPO only, two rows
+    python bench/learning.py --tables-from runs/a/eval-mcts.jsonl runs/b/eval-mcts.jsonl   # two runs, one table
 
 Profiles set the defaults every flag can still override:
 - `random` (default): goofspiel + leduc_poker against the env's random opponent; SFT replies carry a
@@ -37,9 +38,12 @@ leduc_poker: the best response to the opponent (experts.py `best_response`), the
 conversation, seeds derived from EVAL_SEED that training never draws); every played episode goes to
 `<output-dir>/eval-<opponent>.jsonl`, the PPO run's curves to `<output-dir>/plots/`; `--eval-episodes 48
 --eval-skip 16` plays seeds 17–48 of a game whose first 16 an earlier run played (episode i's seed does
-not depend on the count), so two runs' files together are the 48-seed evaluation. Intervals are
-`report.py`'s: Wilson for the legal-move rate over replies, Student t for mean scores and paired
-differences. `signal` in the JSON is how PPO's updates moved each reply's log-probability against
+not depend on the count), so two runs' files together are the 48-seed evaluation: `--tables-from A B`
+prints their table (`B:sft=sft+ppo` when B's run evaluated a PPO adapter through --sft-checkpoint). The
+teachers' and the ceiling's episodes are in those files too. Intervals are `report.py`'s: Wilson for
+the legal-move rate over replies, Student t for mean scores and paired differences; under the table each
+paired difference says how many pairs scored differently and how many pairs with the same mean and
+spread would put 0 outside its interval, the size an evaluation needs to decide it. `signal` in the JSON is how PPO's updates moved each reply's log-probability against
 its advantage (logging.signal_check_every; a healthy update has a clearly positive correlation).
 """
 from __future__ import annotations
@@ -140,9 +144,66 @@ def play(config, games: list[str], episodes: dict[str, int], opponent: str, adap
     for record in records:
         record["model"] = record["model"] if record["model"] == "base" else label
     if episodes_path is not None:
-        with open(episodes_path, "a") as sink:
-            sink.writelines(json.dumps(record) + "\n" for record in records)
+        append_records(episodes_path, records)
     return records
+
+
+def append_records(path: Path, records: list[dict]) -> None:
+    with open(path, "a") as sink:
+        sink.writelines(json.dumps(record) + "\n" for record in records)
+
+
+def merged_records(sources: list[str]) -> list[dict]:
+    """The episode records of earlier runs' eval-<opponent>.jsonl files, FILE or FILE:OLD=NEW (model OLD
+    relabelled NEW); a later file's record of the same model, game, task, seed and opponent replaces an earlier's."""
+    merged: dict[tuple, dict] = {}
+    for source in sources:
+        path, _, rename = source.partition(":")
+        old, _, new = rename.partition("=")
+        opponent = Path(path).stem.removeprefix("eval-")  # records from before 'opponent' was in each of them
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                record.setdefault("opponent", opponent)
+                if rename and record["model"] == old:
+                    record["model"] = new
+                key = (record["model"], record["game"], record["task_id"], record["seed"], record["opponent"])
+                merged[key] = record
+    return list(merged.values())
+
+
+def print_tables_from(sources: list[str]) -> None:
+    """`--tables-from`: one table over earlier runs' recorded episodes (e.g. a model's first 64 seeds and a
+    later --eval-skip 64 run of the rest), with each model's paired differences sized."""
+    records = merged_records(sources)
+    results, rows = {}, []
+    for opponent in sorted({r["opponent"] for r in records}):
+        played = [r for r in records if r["opponent"] == opponent]
+        present, known = {r["model"] for r in played}, (*MODELS, "ppo", "ceiling")
+        models = [m for m in known if m in present] + sorted(present - set(known))
+        results[opponent], opponent_rows = table(played, opponent, models)
+        rows += opponent_rows
+    print(json.dumps({"sources": sources, "results": results}, indent=1))
+    print_table(rows, results)
+
+
+def print_table(rows: list[str], results: dict) -> None:
+    """The markdown table, then per paired difference: how many pairs differ, and how many would decide it."""
+    print("\n| game | opponent | model | legal-move rate [95% CI] | mean score [95% CI] | score - base [95% CI] "
+          "| score - SFT [95% CI] |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    for opponent, games in results.items():
+        for game, by_model in games.items():
+            for model, row in by_model.items():
+                for baseline in ("base", "sft"):
+                    pairs = row.get(f"score_minus_{baseline}_pairs")
+                    if pairs:
+                        needed = row[f"score_minus_{baseline}_pairs_to_decide"]
+                        print(f"{game} vs {opponent}, {model} - {baseline}: {row[f'score_minus_{baseline}_changed']} "
+                              f"of {pairs} pairs scored differently; "
+                              + (f"{needed} pairs with this mean and spread decide it" if needed else
+                                 "a mean difference of 0: no number of pairs decides it"))
 
 
 def expert_records(games: list[str], episodes: dict[str, int], opponent: str,
@@ -156,7 +217,8 @@ def expert_records(games: list[str], episodes: dict[str, int], opponent: str,
                                      opponent_simulations=budget(game_name_of(t.task_id)), experts=experts)
             for t in eval_tasks(games, episodes, opponent, skip)]
     played = sft_warmstart.generate(jobs, workers, None)
-    return [{"model": label, "game": r["game"], "task_id": r["task_id"], "seed": r["seed"], "score": r["score"],
+    return [{"model": label, "game": r["game"], "task_id": r["task_id"], "seed": r["seed"], "opponent": opponent,
+             "score": r["score"],
              "outcome": "win" if r["score"] > 0.5 else "draw" if r["score"] == 0.5 else "loss",
              "turns": sum(m["role"] == "assistant" for m in r["messages"]), "illegal_moves": 0,
              "parse_failed_game": False, "generated_tokens": 0, "error": None} for r in played]
@@ -185,6 +247,10 @@ def table(records: list[dict], opponent: str, models: list[str]) -> tuple[dict, 
                 "score_minus_base_ci95": base_pair and base_pair["score_diff_ci95"],
                 "score_minus_sft": sft_pair and sft_pair["score_diff"],
                 "score_minus_sft_ci95": sft_pair and sft_pair["score_diff_ci95"],
+                **{f"score_minus_{name}_{key}": pair and pair[source]
+                   for name, pair in (("base", base_pair), ("sft", sft_pair))
+                   for key, source in (("pairs", "pairs"), ("changed", "changed"),
+                                       ("pairs_to_decide", "pairs_to_decide"))},
             }
             cells = [_ci(pair and pair["score_diff"], pair and pair["score_diff_ci95"], signed=True)
                      for pair in (base_pair, sft_pair)]
@@ -312,7 +378,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"))
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
+    parser.add_argument("--tables-from", nargs="+", metavar="FILE[:OLD=NEW]",
+                        help="train and play nothing: print the table of earlier runs' eval-<opponent>.jsonl files "
+                        "together (a later file's episode replaces an earlier one's); :OLD=NEW relabels model OLD")
     args = parser.parse_args(argv)
+    for source in args.tables_from or []:
+        path, _, rename = source.partition(":")
+        if not Path(path).is_file() or (rename and not all(rename.partition("=")[::2])):
+            parser.error(f"--tables-from: expected FILE or FILE:OLD=NEW with an existing FILE, got {source!r}")
     games = (args.games or PROFILES[args.profile]["games"]).split(",")
     tokens_given = args.max_new_tokens is not None
     for name, value in PROFILES[args.profile].items():
@@ -376,6 +449,9 @@ def run_overrides(args: argparse.Namespace, games: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.tables_from:
+        print_tables_from(args.tables_from)
+        return
     games = args.games.split(",")
     opponents = args.opponents.split(",")
     overrides = run_overrides(args, games)
@@ -436,11 +512,15 @@ def main(argv: list[str] | None = None) -> None:
         timings["eval_seconds"] += time.perf_counter() - started
         started = time.perf_counter()
         if args.warm_start and "expert" in models:
-            records += expert_records(played, args.eval_counts, opponent, args.mcts_simulations, args.workers,
-                                      args.expert_choices, skip=args.eval_skip)
+            experts_played = expert_records(played, args.eval_counts, opponent, args.mcts_simulations, args.workers,
+                                            args.expert_choices, skip=args.eval_skip)
+            append_records(episodes_path, experts_played)
+            records += experts_played
         table_models = list(models)
         if opponent == "mcts":
-            records += ceiling_records(played, args, records)
+            ceiling = ceiling_records(played, args, records)
+            append_records(episodes_path, ceiling)
+            records += ceiling
             table_models += sorted({r["model"] for r in records if r["model"] == "ceiling"})
         timings["teacher_seconds"] += time.perf_counter() - started
         results[opponent], opponent_rows = table(records, opponent, table_models)
@@ -472,10 +552,7 @@ def main(argv: list[str] | None = None) -> None:
                       "total_minutes": round(sum(timings.values()) / 60, 1),
                       "signal": training_signal(metrics_path) if trained else None, "curves": curves,
                       "ceilings": ceilings, "results": results}, indent=1))
-    print("\n| game | opponent | model | legal-move rate [95% CI] | mean score [95% CI] | score - base [95% CI] "
-          "| score - SFT [95% CI] |")
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    print_table(rows, results)
 
 
 def ceiling_records(games: list[str], args: argparse.Namespace, records: list[dict]) -> list[dict]:

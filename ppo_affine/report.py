@@ -11,7 +11,9 @@ Statistics (all 95 %):
   deviation s, clipped to [0, 1]. Scores are bounded and mostly 0 / 0.5 / 1, so for small n this is
   approximate, and it has zero width when every score is equal; read it next to the Wilson interval.
 - `--compare-base` pairs adapter and base episodes on (game, task_id, seed) and gives the same
-  t interval for the mean paired difference; pairing removes the task-to-task variance.
+  t interval for the mean paired difference; pairing removes the task-to-task variance. Each
+  difference also says how many of its pairs changed and how many pairs the same mean and spread
+  would need before the interval leaves 0 out: the size an evaluation must have to decide it.
 Episodes with an `error` (env failure, cut off by max_turns, prompt too long) are counted apart and
 left out of every rate and mean, the way validators set errored samples apart from genuine zeros.
 """
@@ -154,8 +156,25 @@ def paired_differences(records: list[dict[str, Any]], model: str = "adapter", ba
     result = {}
     for game, values in diffs.items():
         mean, interval = mean_interval(values, -1.0, 1.0)
-        result[game] = {"pairs": len(values), "score_diff": mean, "score_diff_ci95": interval}
+        result[game] = {"pairs": len(values), "score_diff": mean, "score_diff_ci95": interval,
+                        "changed": sum(v != 0 for v in values), "pairs_to_decide": pairs_to_decide(values)}
     return result
+
+
+def pairs_to_decide(differences: Sequence[float]) -> int | None:
+    """How many pairs, with these differences' mean and spread, a 95 % t interval needs to leave 0 out:
+    the smallest n with t(n-1)·s/√n < |mean|. None when the mean is 0 (no number of pairs decides)."""
+    n = len(differences)
+    if n < 2:
+        return None
+    mean = sum(differences) / n
+    if mean == 0:
+        return None
+    std = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
+    needed = max(2, math.ceil((Z_975 * std / abs(mean)) ** 2))  # the normal quantile's answer: a lower bound
+    while t_quantile_975(needed - 1) * std / math.sqrt(needed) >= abs(mean):
+        needed += 1
+    return needed
 
 
 # ---------------------------------------------------------------------- console tables
@@ -240,4 +259,6 @@ def _signed(pair: dict[str, Any]) -> str:
     if pair["score_diff_ci95"] is not None:
         low, high = pair["score_diff_ci95"]
         text += f" ({low:+.2f} to {high:+.2f})"
-    return f"{text} n={pair['pairs']}"
+    needed = pair.get("pairs_to_decide")
+    # an interval that still holds 0 says how large an evaluation would settle it
+    return f"{text} n={pair['pairs']}" + (f", needs {needed}" if needed and needed > pair["pairs"] else "")

@@ -176,3 +176,42 @@ def test_zero_steps_measure_the_sft_rows_alone(tiny_model_dir, tmp_path, capsys)
     assert report["sft"]["explore"] == 0.3 and not (tmp_path / "bench" / "ppo").exists()
     data = [json.loads(line) for line in (tmp_path / "bench" / "sft" / "sft_data.jsonl").read_text().splitlines()]
     assert any(record["explored_replies"] for record in data)
+
+
+def write_records(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_tables_from_joins_runs_relabels_a_model_and_sizes_its_difference(tmp_path, capsys):
+    """An adapter's first seeds from one run, the rest from a later --eval-skip run where it played as `sft`."""
+    first = write_records(tmp_path / "eval-mcts.jsonl", [record("sft", 0, 0.0), record("sft", 1, 0.0),
+                                                         record("sft+ppo", 0, 1.0), record("sft+ppo", 1, 0.0)])
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "ppo").mkdir()
+    later_sft = write_records(tmp_path / "sft" / "eval-mcts.jsonl", [record("sft", 2, 1.0), record("sft", 3, 0.0)])
+    later_ppo = write_records(tmp_path / "ppo" / "eval-mcts.jsonl", [record("sft", 2, 1.0), record("sft", 3, 0.0)])
+    learning.main(["--tables-from", str(first), str(later_sft), f"{later_ppo}:sft=sft+ppo"])
+    printed = capsys.readouterr().out
+    rows = json.loads(printed[:printed.index("\n| game |")])["results"]["mcts"]["leduc_poker"]
+    # sft 0, 0, 1, 0 and sft+ppo 1, 0, 1, 0: differences 1, 0, 0, 0, mean 0.25, s = 0.5; t(17) * 0.5 / sqrt(18)
+    # = 0.2487 is the first half width under 0.25 (t(16) * 0.5 / sqrt(17) = 0.2571)
+    assert rows["sft"]["episodes"] == rows["sft+ppo"]["episodes"] == 4
+    assert rows["sft+ppo"]["score_minus_sft"] == pytest.approx(0.25)
+    assert (rows["sft+ppo"]["score_minus_sft_pairs"], rows["sft+ppo"]["score_minus_sft_changed"],
+            rows["sft+ppo"]["score_minus_sft_pairs_to_decide"]) == (4, 1, 18)
+    assert "leduc_poker vs mcts, sft+ppo - sft: 1 of 4 pairs scored differently; 18 pairs" in printed
+
+
+def test_a_later_file_replaces_an_earlier_files_episode_and_old_files_get_their_opponent_from_the_name(tmp_path):
+    old = write_records(tmp_path / "eval-random.jsonl", [record("sft", 0, 0.0)])
+    redo = write_records(tmp_path / "redo.jsonl", [{**record("sft", 0, 1.0), "opponent": "random"}])
+    merged = learning.merged_records([str(old), str(redo)])
+    assert [(r["opponent"], r["score"]) for r in merged] == [("random", 1.0)]
+
+
+@pytest.mark.parametrize("source", ["missing.jsonl", "eval-mcts.jsonl:sft", "eval-mcts.jsonl:=sft+ppo"])
+def test_tables_from_rejects_a_missing_file_or_a_half_relabel(tmp_path, source):
+    write_records(tmp_path / "eval-mcts.jsonl", [record("sft", 0, 0.0)])
+    with pytest.raises(SystemExit):
+        learning.parse_args(["--tables-from", str(tmp_path / source)])

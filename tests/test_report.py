@@ -145,6 +145,18 @@ def test_paired_differences_match_task_and_seed_and_skip_errors():
     assert pairs["pairs"] == 3
     assert pairs["score_diff"] == pytest.approx(0.5)
     assert pairs["score_diff_ci95"] == pytest.approx([-0.742070, 1.0], abs=1e-5)
+    # two pairs changed; t(n-1) * 0.5 / sqrt(n) first falls below 0.5 at n = 7 (2.4469 * 0.5 / 2.6458 = 0.462;
+    # n = 6 gives 2.5706 * 0.5 / 2.4495 = 0.525)
+    assert pairs["changed"] == 2 and pairs["pairs_to_decide"] == 7
+
+
+def test_pairs_to_decide_is_the_evaluation_size_whose_interval_leaves_zero_out():
+    # one win gained in 8 pairs: mean 0.125, s = sqrt(0.125) = 0.35355; t(32) * s / sqrt(33) = 2.0369 * 0.06155
+    # = 0.12536 still holds 0, t(33) * s / sqrt(34) = 2.0345 * 0.06063 = 0.12336 does not
+    assert report.pairs_to_decide([1, 0, 0, 0, 0, 0, 0, 0]) == 34
+    assert report.pairs_to_decide([0.25, 0.25, 0.25]) == 2  # no spread: two pairs decide
+    assert report.pairs_to_decide([1, -1]) is None  # a mean of 0: no size decides
+    assert report.pairs_to_decide([1]) is None  # one pair has no spread to size from
 
 
 def render(table) -> str:
@@ -164,6 +176,14 @@ def test_game_table_shows_rates_with_their_intervals():
     assert "24%" in adapter_row  # illegal 9/38
     assert "+0.550" in adapter_row and "n=10" in adapter_row  # paired difference to base
     assert report.trace_table(summary) is None  # no trace episodes, no trace table
+
+
+def test_an_undecided_difference_says_how_many_pairs_would_decide_it():
+    records = [scored("adapter", float(i == 0), 1, i) for i in range(4)] + [scored("base", 0.0, 1, i) for i in range(4)]
+    text = render(report.game_table(report.summarize(records), report.paired_differences(records)))
+    adapter_row = next(line for line in text.splitlines() if "adapter" in line)
+    # differences 1, 0, 0, 0 (test_bench_learning); the df-3 quantile is 0.4 % short of 3.1824: -0.54, not -0.55
+    assert "+0.250 (-0.54 to +1.00) n=4, needs 18" in adapter_row
 
 
 def test_trace_table_shows_accuracy():
