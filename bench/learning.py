@@ -40,7 +40,8 @@ conversation, seeds derived from EVAL_SEED that training never draws); every pla
 --eval-skip 16` plays seeds 17–48 of a game whose first 16 an earlier run played (episode i's seed does
 not depend on the count), so two runs' files together are the 48-seed evaluation: `--tables-from A B`
 prints their table (`B:sft=sft+ppo` when B's run evaluated a PPO adapter through --sft-checkpoint). The
-teachers' and the ceiling's episodes are in those files too. Intervals are `report.py`'s: Wilson for
+teachers' and the ceiling's episodes are in those files too; each row's JSON has its mean score per seat
+(`score_by_seat`, seat 0 moves first). Intervals are `report.py`'s: Wilson for
 the legal-move rate over replies, Student t for mean scores and paired differences; under the table each
 paired difference says how many pairs scored differently and how many pairs with the same mean and
 spread would put 0 outside its interval, the size an evaluation needs to decide it. `signal` in the JSON is how PPO's updates moved each reply's log-probability against
@@ -218,7 +219,7 @@ def expert_records(games: list[str], episodes: dict[str, int], opponent: str,
             for t in eval_tasks(games, episodes, opponent, skip)]
     played = sft_warmstart.generate(jobs, workers, None)
     return [{"model": label, "game": r["game"], "task_id": r["task_id"], "seed": r["seed"], "opponent": opponent,
-             "score": r["score"],
+             "llm_player_id": r["llm_player_id"], "score": r["score"],
              "outcome": "win" if r["score"] > 0.5 else "draw" if r["score"] == 0.5 else "loss",
              "turns": sum(m["role"] == "assistant" for m in r["messages"]), "illegal_moves": 0,
              "parse_failed_game": False, "generated_tokens": 0, "error": None} for r in played]
@@ -230,6 +231,10 @@ def table(records: list[dict], opponent: str, models: list[str]) -> tuple[dict, 
     to_base = {m: report.paired_differences(records, m, "base") for m in models if m != "base"}
     to_sft = {m: report.paired_differences(records, m, "sft") for m in models if m not in ("base", "sft")}
     rows, result = [], {}
+    seat_scores: dict[tuple, list[float]] = {}  # (model, game, seat) -> scores; seat 0 moves first
+    for r in records:
+        if not r["error"] and r.get("llm_player_id") is not None:
+            seat_scores.setdefault((r["model"], r["game"], r["llm_player_id"]), []).append(r["score"])
     for game in sorted({r["game"] for r in records}):
         for model in models:
             s = summary.get(model, {}).get(game)
@@ -240,9 +245,13 @@ def table(records: list[dict], opponent: str, models: list[str]) -> tuple[dict, 
             legal = None if s["illegal_rate"] is None else 1 - s["illegal_rate"]
             legal_ci = None if s["illegal_rate_ci95"] is None else [1 - s["illegal_rate_ci95"][1],
                                                                     1 - s["illegal_rate_ci95"][0]]
+            seats = sorted(seat for m, g, seat in seat_scores if (m, g) == (model, game))
             result.setdefault(game, {})[model] = {
                 "episodes": s["episodes"], "errors": s["errors"], "legal_move_rate": legal, "legal_ci95": legal_ci,
                 "mean_score": s["mean_score"], "score_ci95": s["score_ci95"],
+                "score_by_seat": {seat: sum(seat_scores[model, game, seat]) / len(seat_scores[model, game, seat])
+                                  for seat in seats},
+                "episodes_by_seat": {seat: len(seat_scores[model, game, seat]) for seat in seats},
                 "score_minus_base": base_pair and base_pair["score_diff"],
                 "score_minus_base_ci95": base_pair and base_pair["score_diff_ci95"],
                 "score_minus_sft": sft_pair and sft_pair["score_diff"],

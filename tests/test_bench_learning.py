@@ -96,7 +96,7 @@ def test_eval_skip_plays_the_later_episodes_of_a_longer_evaluation_on_the_same_s
 def record(model, seed, score):
     return {"model": model, "game": "leduc_poker", "task_id": 300000000, "seed": seed, "score": score,
             "outcome": "win" if score > 0.5 else "loss", "turns": 2, "illegal_moves": 0, "parse_failed_game": False,
-            "generated_tokens": 4, "error": None}
+            "generated_tokens": 4, "error": None, "llm_player_id": seed % 2}
 
 
 def test_the_trained_row_carries_its_paired_difference_to_sft():
@@ -201,6 +201,10 @@ def test_tables_from_joins_runs_relabels_a_model_and_sizes_its_difference(tmp_pa
     assert (rows["sft+ppo"]["score_minus_sft_pairs"], rows["sft+ppo"]["score_minus_sft_changed"],
             rows["sft+ppo"]["score_minus_sft_pairs_to_decide"]) == (4, 1, 18)
     assert "leduc_poker vs mcts, sft+ppo - sft: 1 of 4 pairs scored differently; 18 pairs" in printed
+    # even seeds moved first: sft won seed 2 there, sft+ppo seeds 0 and 2
+    assert rows["sft"]["score_by_seat"] == {"0": 0.5, "1": 0.0}
+    assert rows["sft+ppo"]["score_by_seat"] == {"0": 1.0, "1": 0.0}
+    assert rows["sft+ppo"]["episodes_by_seat"] == {"0": 2, "1": 2}
 
 
 def test_a_later_file_replaces_an_earlier_files_episode_and_old_files_get_their_opponent_from_the_name(tmp_path):
