@@ -41,11 +41,12 @@ conversation, seeds derived from EVAL_SEED that training never draws); every pla
 not depend on the count), so two runs' files together are the 48-seed evaluation: `--tables-from A B`
 prints their table (`B:sft=sft+ppo` when B's run evaluated a PPO adapter through --sft-checkpoint). The
 teachers' and the ceiling's episodes are in those files too; each row's JSON has its mean score per seat
-(`score_by_seat`, seat 0 moves first). Intervals are `report.py`'s: Wilson for
-the legal-move rate over replies, Student t for mean scores and paired differences; under the table each
-paired difference says how many pairs scored differently and how many pairs with the same mean and
-spread would put 0 outside its interval, the size an evaluation needs to decide it. `signal` in the JSON is how PPO's updates moved each reply's log-probability against
-its advantage (logging.signal_check_every; a healthy update has a clearly positive correlation).
+(`score_by_seat`, seat 0 moves first). Intervals are `report.py`'s: Wilson for the legal-move rate over
+replies, Student t for mean scores and paired differences; under the table each paired difference says
+how many pairs scored differently and how many pairs with the same mean and spread would put 0 outside
+its interval, the size an evaluation needs to decide it. `signal` in the JSON is how PPO's updates moved
+each reply's log-probability against its advantage (logging.signal_check_every; a healthy update has a
+clearly positive correlation).
 """
 from __future__ import annotations
 
@@ -256,10 +257,9 @@ def table(records: list[dict], opponent: str, models: list[str]) -> tuple[dict, 
                 "score_minus_base_ci95": base_pair and base_pair["score_diff_ci95"],
                 "score_minus_sft": sft_pair and sft_pair["score_diff"],
                 "score_minus_sft_ci95": sft_pair and sft_pair["score_diff_ci95"],
-                **{f"score_minus_{name}_{key}": pair and pair[source]
+                **{f"score_minus_{name}_{key}": pair and pair[key]
                    for name, pair in (("base", base_pair), ("sft", sft_pair))
-                   for key, source in (("pairs", "pairs"), ("changed", "changed"),
-                                       ("pairs_to_decide", "pairs_to_decide"))},
+                   for key in ("pairs", "changed", "pairs_to_decide")},
             }
             cells = [_ci(pair and pair["score_diff"], pair and pair["score_diff_ci95"], signed=True)
                      for pair in (base_pair, sft_pair)]
