@@ -64,12 +64,17 @@ def mean_interval(values: Sequence[float], low: float = -math.inf, high: float =
     n = len(values)
     if n == 0:
         return None, None
-    mean = sum(values) / n
     if n < 2:
-        return mean, None
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+        return sum(values) / n, None
+    mean, std = mean_and_std(values)
     half = t_quantile_975(n - 1) * std / math.sqrt(n)
     return mean, [max(low, mean - half), min(high, mean + half)]
+
+
+def mean_and_std(values: Sequence[float]) -> tuple[float, float]:
+    """The mean and the sample standard deviation (n - 1 in the denominator) of two or more values."""
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def _rate(count: int, total: int) -> float | None:
@@ -164,13 +169,11 @@ def paired_differences(records: list[dict[str, Any]], model: str = "adapter", ba
 def pairs_to_decide(differences: Sequence[float]) -> int | None:
     """How many pairs, with these differences' mean and spread, a 95 % t interval needs to leave 0 out:
     the smallest n with t(n-1)·s/√n < |mean|. None when the mean is 0 (no number of pairs decides)."""
-    n = len(differences)
-    if n < 2:
+    if len(differences) < 2:
         return None
-    mean = sum(differences) / n
+    mean, std = mean_and_std(differences)
     if mean == 0:
         return None
-    std = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
     needed = max(2, math.ceil((Z_975 * std / abs(mean)) ** 2))  # the normal quantile's answer: a lower bound
     while t_quantile_975(needed - 1) * std / math.sqrt(needed) >= abs(mean):
         needed += 1
