@@ -118,6 +118,11 @@ class PPOConfig(Strict):
                                    "values per update (clipped value loss).")
     vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the total loss.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus; 0 computes no entropy in the update.")
+    entropy_cap: float | None = Field(
+        None, gt=0, description="Nats: the bonus counts each reply token's entropy up to this and pushes no token "
+        "past it (uncapped, a bonus over the whole vocabulary can spread probability onto tokens that are no "
+        "move); null = uncapped."
+    )
     credit: Literal["turn", "token"] = Field(
         "turn", description="gae only: turn = one value per turn, GAE over turns, the turn's advantage on all "
         "its tokens; token = GAE over reply tokens."

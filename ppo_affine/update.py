@@ -191,7 +191,10 @@ def micro_batch_loss(policy: Policy, batch: dict[str, torch.Tensor], cfg: PPOCon
         terms["policy/loss"] = pg_loss.item()
         means.update({f"policy/{k}": float(v) for k, v in pg_stats.items()})
         if scored.entropy is not None:
-            entropy = weighted_mean(scored.entropy, batch["token_weights"], weights.policy)
+            token_entropy = scored.entropy
+            if cfg.entropy_cap is not None:  # a token at or past the cap gets no gradient from the bonus
+                token_entropy = token_entropy.clamp(max=cfg.entropy_cap)
+            entropy = weighted_mean(token_entropy, batch["token_weights"], weights.policy)
             loss = loss - cfg.entropy_coef * entropy
             terms["policy/entropy_bonus"] = entropy.item()
         if not use_critic and kl_coef > 0:  # group mode keeps the reference close through the loss

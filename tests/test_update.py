@@ -85,6 +85,34 @@ def test_no_entropy_is_computed_in_the_update_when_its_coefficient_is_zero(tiny_
     assert stats["policy/entropy_bonus"] > 0
 
 
+def adapter_gradients(policy, cfg, sequences):
+    """One micro-batch's loss terms and the gradient it puts on every LoRA parameter."""
+    batch = collate(sequences, policy.tokenizer.pad_token_id, policy.device)
+    weights = MinibatchWeights.of(sequences, use_critic=True, ranks=ONE_PROCESS)
+    policy.zero_grad(set_to_none=True)
+    result = micro_batch_loss(policy, batch, cfg, 0.0, 1.0, False, weights)
+    result.loss.backward()
+    return result.terms, {n: p.grad.clone() for n, p in policy.named_parameters() if "lora_" in n}
+
+
+def test_an_entropy_cap_below_every_token_leaves_the_bonus_without_gradient(tiny_policy):
+    # the tiny random model's tokens carry several nats; capped at 0.01 nats the bonus is a constant
+    plain = PPOConfig(entropy_coef=0.0)
+    sequences = prepared(tiny_policy, plain)
+    assert min(s.entropy.min().item() for s in sequences) > 0.01
+    _, without_bonus = adapter_gradients(tiny_policy, plain, sequences)
+    capped = plain.model_copy(update={"entropy_coef": 0.5, "entropy_cap": 0.01})
+    terms, with_capped_bonus = adapter_gradients(tiny_policy, capped, sequences)
+    assert terms["policy/entropy_bonus"] == pytest.approx(0.01)  # every token counted at the cap
+    for name, grad in without_bonus.items():
+        torch.testing.assert_close(with_capped_bonus[name], grad, rtol=1e-4, atol=1e-7)
+    # a cap above every token is no cap: the same bonus changes the gradient
+    loose = plain.model_copy(update={"entropy_coef": 0.5, "entropy_cap": 1e3})
+    terms, with_loose_bonus = adapter_gradients(tiny_policy, loose, sequences)
+    assert terms["policy/entropy_bonus"] > 1.0
+    assert max((with_loose_bonus[n] - without_bonus[n]).abs().max().item() for n in without_bonus) > 1e-4
+
+
 # ---------------------------------------------------------------- the training signal's direction
 def two_turn_episodes(policy, scores):
     """Two-turn games held in one sequence each, with a different pair of replies per episode."""
