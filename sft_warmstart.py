@@ -8,7 +8,9 @@ fine-tuning of the LoRA adapter on the expert's replies, written as a checkpoint
    `--explore P` makes a P share of the turns random legal moves, which stay in the conversation
    untrained: the expert's later replies show how to recover from a slip. `--openings N` adds N
    episodes per game cut after the expert's first reply: more of the decision that decides short
-   games (a liars_dice opening bid) at the cost of one prompt each.
+   games (a liars_dice opening bid) at the cost of one prompt each. `--relabel FILE` adds DAgger data:
+   games a model played (evaluate.py's episodes.jsonl) replayed with the expert answering at every turn,
+   so SFT also sees the expert's move at the states the student's own play reaches.
 2. Train: each conversation becomes token sequences exactly as a rollout builds them (the chat
    template, the configured context strategy, continued sequences); the loss is the mean negative
    log-likelihood of the assistant tokens (EOS included), everything else masked. `--init-adapter
@@ -40,6 +42,7 @@ log = logging.getLogger("sft_warmstart")
 
 DEFAULT_GAMES = "leduc_poker,liars_dice,goofspiel"
 DATA_FILE = "sft_data.jsonl"
+RELABEL_FILE = "relabelled.jsonl"  # --relabel's records
 SFT_STATE_KIND = "sft-warmstart"
 
 
@@ -157,6 +160,82 @@ def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
     return record
 
 
+@dataclass(frozen=True)
+class RelabelJob:
+    """One game a model played (an evaluate.py / bench episode record) to replay with an expert answering."""
+    played: dict[str, Any]
+    kind: str  # experts.KINDS
+    budget: int
+    cfr_iterations: int
+    with_reason: bool
+    opponent_simulations: int | None
+    opponent_search: str
+    cache_dir: str
+    source: str  # "FILE line N", for errors
+
+
+class ReplayMismatch(ValueError):
+    """A played game does not replay to the same conversation (another opponent budget or search)."""
+
+
+def relabel_played_episode(job: RelabelJob) -> list[dict[str, Any]]:
+    """The expert's answers at the states a model's own game reached (DAgger's data): the game is replayed
+    move by move (same task, seed and opponent, so the same deal and opponent moves), and at every model
+    turn the expert says what it would play.
+
+    A turn where the model played the expert's move stays trained in the whole game's record (with the
+    expert's reply text); a turn where it did not becomes a record of its own, cut after the expert's
+    answer (its earlier replies context only: the game's record trains them), and stays in the game's record
+    as untrained context (`explored_replies`), as the model's move is what the game went on from. Each turn
+    is trained once. Raises ReplayMismatch when a replayed observation differs from the one
+    recorded."""
+    from ppo_affine.envs.openspiel_episode import Episode
+    from ppo_affine.envs.openspiel_text import parse_evaluate_action, strip_think
+    from ppo_affine.experts import Expert
+
+    played = job.played
+    recorded = played.get("conversation") or played.get("messages")
+    episode = Episode(uuid.uuid4().hex, task_id=played["task_id"], seed=played["seed"], opponent=played["opponent"],
+                      observation_format="evaluate", max_parse_attempts=3, mcts_simulations=job.opponent_simulations,
+                      opponent_search=job.opponent_search)
+    expert = Expert(job.kind, episode.game, episode.player, played["seed"], job.budget, job.cfr_iterations,
+                    job.cache_dir, job.opponent_simulations)
+    result = episode.start()
+    messages = [{"role": "system", "content": episode.system_prompt},
+                {"role": "user", "content": result["observation"]}]
+    base = {"step": 0, "env": "openspiel", "task_id": played["task_id"], "seed": played["seed"],
+            "game": episode.game_name, "error": None, "expert": expert.kind, "opponent": played["opponent"],
+            "llm_player_id": episode.player, "relabelled": True}
+    records, explored = [], []
+    # the replay grows `messages` in step with the recorded conversation: message i is the recorded message i
+    for position, message in enumerate(recorded):
+        if message["role"] != "assistant":
+            if position >= len(messages) or messages[position]["content"] != message["content"]:
+                raise ReplayMismatch(f"{job.source}: the replayed game differs from the recorded one at message "
+                                     f"{position} (was it played against another opponent budget or search?)")
+            continue
+        if result["done"]:
+            raise ReplayMismatch(f"{job.source}: the replayed game ended before the recorded reply {position}")
+        action, reason = expert.choose(episode.state, dict(zip(episode.legal, episode.labels)))
+        answer = f"<think>{reason}</think>{action}" if job.with_reason else str(action)
+        replies = sum(m["role"] == "assistant" for m in messages)
+        chosen = parse_evaluate_action(strip_think(message["content"]), episode.legal, episode.labels)
+        if chosen == action:
+            messages.append({"role": "assistant", "content": answer})
+        else:
+            records.append({**base, "score": None, "messages": [*messages, {"role": "assistant", "content": answer}],
+                            "explored_replies": list(range(replies)), "max_replies": replies + 1})
+            messages.append({"role": "assistant", "content": message["content"]})
+            explored.append(replies)
+        result = episode.step(message["content"])
+        if not result["done"]:
+            messages.append({"role": "user", "content": result["observation"]})
+    if sum(m["role"] == "assistant" for m in messages) > len(explored):  # some move of the model's was the expert's
+        records.append({**base, "score": episode.score if result["done"] else None, "messages": messages,
+                        "explored_replies": explored})
+    return records
+
+
 def generate(jobs: list[ExpertJob], workers: int, path: Path | None) -> list[dict[str, Any]]:
     """Play every job on `workers` processes; records in job order, also written to `path` as JSONL."""
     records: list[dict[str, Any] | None] = [None] * len(jobs)
@@ -171,6 +250,83 @@ def generate(jobs: list[ExpertJob], workers: int, path: Path | None) -> list[dic
         staging.write_text("".join(json.dumps(r) + "\n" for r in records))
         os.replace(staging, path)
     return [r for r in records if r is not None]
+
+
+def read_played(source: str, default_opponent: str) -> list[dict[str, Any]]:
+    """`--relabel FILE[:MODEL]`: the finished games in an evaluate.py episodes.jsonl or a bench eval-*.jsonl
+    (all of them, or MODEL's), each with a `source` naming its line. Trace records and games that ended in
+    an error (cut off, unfinished) are left out."""
+    path_text, _, model = source.partition(":")
+    path = Path(path_text)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"--relabel {source}: cannot read played games ({exc}).") from None
+    played = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            usable = isinstance(record, dict) and {"task_id", "seed"} <= record.keys()
+        except ValueError:
+            usable = False
+        if not usable:
+            raise ConfigError(f"--relabel {path} line {number}: expected an episode record with 'task_id', 'seed' "
+                              "and a 'conversation' (evaluate.py's episodes.jsonl, bench/learning.py's eval-*.jsonl).")
+        conversation = record.get("conversation") or record.get("messages")
+        # a teacher's records in a bench file carry no conversation: nothing the model played
+        if (record.get("error") or record.get("game") == "trace" or not isinstance(conversation, list)
+                or (model and record.get("model") != model)):
+            continue
+        played.append({**record, "opponent": record.get("opponent") or default_opponent,
+                       "source": f"{path} line {number}"})
+    if not played:
+        raise ConfigError(f"--relabel {source}: no finished game with a conversation"
+                          f"{' of model ' + repr(model) if model else ''} in it.")
+    return played
+
+
+def relabel(played: list[dict[str, Any]], args: argparse.Namespace, simulations, opponent_search: str,
+            cache_dir: str, path: Path | None) -> list[dict[str, Any]]:
+    """DAgger records of the played games on `args.workers` processes (`relabel_played_episode`), also
+    written to `path`; prints how often the model played the expert's move."""
+    from ppo_affine.envs.tasks import game_name_of
+    from ppo_affine.experts import ExpertUnavailable, expert_kind
+
+    reasoned = {game.strip() for game in args.reason.split(",")}  # --reason: "*" or games, as for expert games
+    jobs = []
+    for game in played:
+        name = game.get("game") or game_name_of(game["task_id"])
+        try:
+            kind = expert_kind(name, args.experts)
+        except ExpertUnavailable as exc:
+            raise ConfigError(f"--relabel {game['source']}: {exc}.") from None
+        jobs.append(RelabelJob({k: v for k, v in game.items() if k != "source"}, kind,
+                               args.expert_budget or DEFAULT_BUDGET[kind], args.cfr_iterations,
+                               name in reasoned or "*" in reasoned,
+                               simulations.get(name) if isinstance(simulations, dict) else simulations,
+                               opponent_search, cache_dir, game["source"]))
+    records: list[list[dict[str, Any]] | None] = [None] * len(jobs)
+    with rollout_progress(len(jobs), f"relabelled games ({args.workers} processes)") as advance:
+        with ProcessPoolExecutor(max_workers=args.workers) as pool:
+            futures = {pool.submit(relabel_played_episode, job): i for i, job in enumerate(jobs)}
+            for future in as_completed(futures):
+                try:
+                    records[futures[future]] = future.result()
+                except ReplayMismatch as exc:
+                    raise ConfigError(f"--relabel {exc}") from None
+                advance()
+    flat = [record for game in records for record in game or ()]
+    if path is not None:
+        staging = path.with_suffix(".jsonl.tmp")
+        staging.write_text("".join(json.dumps(r) + "\n" for r in flat))
+        os.replace(staging, path)
+    turns = sum(m["role"] == "assistant" for g in played for m in (g.get("conversation") or g.get("messages")))
+    missed = sum(1 for r in flat if r.get("max_replies") is not None)
+    console.print(f"{len(played)} played games relabelled by their experts: the model played the expert's move at "
+                  f"{turns - missed} of {turns} turns; {len(flat)} records -> {path}", highlight=False)
+    return flat
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -293,6 +449,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "number then GAME=N items): the decision that decides short games, such as a liars_dice "
                         "opening bid, at one prompt each")
     parser.add_argument("--data", type=Path, help="train on this JSONL instead of generating episodes")
+    parser.add_argument("--relabel", action="append", default=[], metavar="FILE[:MODEL]",
+                        help="also train on the games a model played (evaluate.py's episodes.jsonl, "
+                        "bench/learning.py's eval-*.jsonl; :MODEL keeps that model's records), replayed with each "
+                        "game's expert answering at every turn (DAgger): the expert's moves at the states the model's "
+                        "own play reaches. Repeatable; with --episodes 0 and no --data, the only data")
     parser.add_argument("--init-adapter", type=Path, metavar="CHECKPOINT",
                         help="go on training this adapter (an earlier SFT checkpoint, or an adapter folder) "
                         "instead of a fresh LoRA, e.g. for more epochs")
@@ -359,7 +520,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
     if min(args.openings.values()) < 0:
         raise ConfigError(f"--openings must be at least 0 for every game, got {args.openings}.")
     if args.data is None:
-        if min(args.episodes.values()) < 1:
+        if min(args.episodes.values()) < (0 if args.relabel else 1):
             raise ConfigError(f"--episodes must be at least 1 for every game, got {args.episodes}.")
         if not games:
             raise ConfigError("--games is empty; name games with an expert, e.g. --games leduc_poker,goofspiel.")
@@ -369,6 +530,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
             except ExpertUnavailable as exc:
                 raise ConfigError(f"--games: {exc}.") from None
     args.reason_games = parse_reason_games(args.reason, games) if args.data is None else set()
+    # played games are read before experts play or the model loads, so that a wrong file fails at once
+    args.played = [game for source in args.relabel for game in read_played(source, args.opponent)]
     if args.init_adapter is not None:
         from ppo_affine.policy import adapter_folder
 
@@ -396,13 +559,13 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_arguments(args)
         games = check_args(args)
         args.output_dir.mkdir(parents=True, exist_ok=True)
+        game_env = next((s for s in config.env.envs.values() if s.kind == "openspiel"), EnvSpec(kind="openspiel"))
+        simulations = args.opponent_simulations
+        if simulations is None:  # the opponent training will meet
+            simulations = game_env.mcts_simulations
         if args.data is not None:
             records = read_records(args.data)
         else:
-            game_env = next((s for s in config.env.envs.values() if s.kind == "openspiel"), EnvSpec(kind="openspiel"))
-            simulations = args.opponent_simulations
-            if simulations is None:  # the opponent training will meet
-                simulations = game_env.mcts_simulations
             jobs = plan_jobs(games, args.episodes, config.train.run.seed, args.opponent, args.config_id_list,
                              args.expert_budget, args.cfr_iterations, args.reason_games, simulations,
                              experts=args.experts, opponent_search=game_env.opponent_search,
@@ -412,6 +575,9 @@ def main(argv: list[str] | None = None) -> int:
             records = generate(jobs, args.workers, args.output_dir / DATA_FILE)
             console.print(f"{len(records)} expert episodes in {time.perf_counter() - started:.0f} s -> "
                           f"{args.output_dir / DATA_FILE}", highlight=False)
+        if args.played:
+            records += relabel(args.played, args, simulations, game_env.opponent_search, config.train.model.cache_dir,
+                               args.output_dir / RELABEL_FILE)
         checkpoint = warm_start(config, records, args)
     except ConfigError as exc:
         return report_failure("Configuration error", exc, 2)

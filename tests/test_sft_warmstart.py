@@ -233,6 +233,94 @@ def test_openings_are_expert_games_cut_after_the_experts_first_reply(tiny_policy
     assert [len(e.turns) for e in episodes] == [1] * 4 and all(e.score == 0.0 for e in episodes)
 
 
+def _played_goofspiel(seed, replies):
+    """A game 'a model' played against the random opponent: `replies(turn, legal, expert_move)` gives each reply."""
+    import uuid
+
+    from ppo_affine.envs.openspiel_episode import Episode
+    from ppo_affine.envs.tasks import game_task_id
+
+    episode = Episode(uuid.uuid4().hex, task_id=game_task_id("goofspiel", 0), seed=seed, opponent="random",
+                      observation_format="evaluate", max_parse_attempts=3, mcts_simulations=None)
+    expert = Expert("prize", episode.game, episode.player, seed, 0, 0)
+    result = episode.start()
+    messages = [{"role": "system", "content": episode.system_prompt},
+                {"role": "user", "content": result["observation"]}]
+    turn = 0
+    while not result["done"]:
+        expert_move, _ = expert.choose(episode.state, dict(zip(episode.legal, episode.labels)))
+        messages.append({"role": "assistant", "content": replies(turn, episode.legal, expert_move)})
+        result = episode.step(messages[-1]["content"])
+        if not result["done"]:
+            messages.append({"role": "user", "content": result["observation"]})
+        turn += 1
+    return {"model": "student", "game": "goofspiel", "task_id": episode.task_id, "seed": seed, "opponent": "random",
+            "score": episode.score, "error": None, "conversation": messages}
+
+
+def _relabel_args(**kwargs):
+    import argparse
+
+    return argparse.Namespace(**{"experts": {}, "expert_budget": None, "cfr_iterations": 20, "reason": "",
+                                 "workers": 1, **kwargs})
+
+
+def test_relabelled_games_train_the_experts_move_at_every_state_the_model_reached(tmp_path, tiny_policy):
+    from sft_warmstart import relabel
+
+    # the model misses the expert's move on turns 1 and 3 and answers turn 5 with prose the env asks again about
+    def replies(turn, legal, expert_move):
+        if turn in (1, 3):
+            return str(next(a for a in legal if a != expert_move))
+        return "I bid high" if turn == 5 else str(expert_move)
+
+    played = _played_goofspiel(4, replies)
+    played_replies = [m["content"] for m in played["conversation"] if m["role"] == "assistant"]
+    records = relabel([{**played, "source": "games.jsonl line 1"}], _relabel_args(), None, "fast",
+                      "~/.cache/ppo-affine", tmp_path / "relabelled.jsonl")
+    assert [json.loads(line) for line in (tmp_path / "relabelled.jsonl").read_text().splitlines()] == records
+    *missed, whole = records
+    assert whole["explored_replies"] == [1, 3, 5] and whole["score"] == played["score"]
+    # the game as played: its prompts, the model's own moves where it missed (context), the expert's elsewhere
+    assert whole["messages"] == played["conversation"]
+    assert [r["max_replies"] for r in missed] == [2, 4, 6]
+    for record in missed:  # cut after the expert's answer, from the conversation the model's play led to
+        cut = record["max_replies"]
+        assert record["messages"][:-1] == whole["messages"][:len(record["messages"]) - 1]
+        assert record["messages"][-1]["role"] == "assistant" and record["messages"][-1]["content"].isdigit()
+        assert record["messages"][-1]["content"] != played_replies[cut - 1]
+        assert record["explored_replies"] == list(range(cut - 1)) and record["score"] is None
+    # turn 5's prose and turn 6 answer the same decision: the expert's move both times
+    assert missed[2]["messages"][-1]["content"] == played_replies[6]
+    episodes = conversations_to_episodes(records, PromptBuilder(tiny_policy.tokenizer, 8192), "full",
+                                         {tiny_policy.tokenizer.eos_token_id})
+    trained = [t.response_text for e in episodes for t in e.turns]
+    assert len(trained) == len(played_replies)  # every turn once: the expert's move, never the model's miss
+    assert "I bid high" not in trained and trained[:3] == [r["messages"][-1]["content"] for r in missed]
+
+
+def test_relabelling_refuses_a_game_that_replays_differently_or_a_file_without_games(tmp_path):
+    from sft_warmstart import read_played, relabel
+
+    played = _played_goofspiel(2, lambda turn, legal, expert_move: str(expert_move))
+    teacher = {"model": "expert", "game": "goofspiel", "task_id": played["task_id"], "seed": 3, "score": 1.0}
+    path = tmp_path / "eval-mcts.jsonl"
+    path.write_text(json.dumps(played) + "\n" + json.dumps(teacher) + "\n")
+    assert [g["source"] for g in read_played(str(path), "mcts")] == [f"{path} line 1"]  # no conversation: a teacher's
+    assert read_played(f"{path}:student", "mcts")[0]["opponent"] == "random"
+    with pytest.raises(ConfigError, match=r"no finished game with a conversation of model 'sft' in it"):
+        read_played(f"{path}:sft", "mcts")
+    path.write_text(json.dumps(played) + "\n[1, 2]\n")
+    with pytest.raises(ConfigError, match=r"eval-mcts.jsonl line 2: expected an episode record with 'task_id'"):
+        read_played(str(path), "mcts")
+    altered = {**played, "seed": played["seed"] + 2}  # another deal and opponent: the prompts differ
+    with pytest.raises(ConfigError, match=r"games.jsonl line 7: the replayed game differs from the recorded one"):
+        relabel([{**altered, "source": "games.jsonl line 7"}], _relabel_args(), None, "fast", "~", None)
+    with pytest.raises(ConfigError, match=r"line 7: no expert plays blackjack"):
+        relabel([{**played, "game": "blackjack", "source": "games.jsonl line 7"}], _relabel_args(), None, "fast", "~",
+                None)
+
+
 def test_sft_raises_the_likelihood_of_the_expert_replies(tiny_policy):
     records = [play_expert_episode(job) for job in jobs("leduc_poker", 6)]
     episodes = conversations_to_episodes(records, PromptBuilder(tiny_policy.tokenizer, 8192), "full",
@@ -251,6 +339,7 @@ def _cli(*args):
     (["--games", "kuhn_poker"], "--games: unknown game 'kuhn_poker'"),
     (["--games", "blackjack"], "--games: no expert plays blackjack"),
     (["--episodes", "0"], "--episodes must be at least 1"),
+    (["--relabel", "runs/no-such-eval.jsonl"], "--relabel runs/no-such-eval.jsonl: cannot read played games"),
     (["--explore", "1.5"], "--explore must be in [0, 1)"),
     (["--openings", "-1"], "--openings must be at least 0"),
     (["--openings", "8,liars_dice"], "--openings: expected a number, then GAME=N items"),
@@ -287,6 +376,16 @@ def test_warm_start_checkpoint_starts_a_ppo_run(tiny_model_dir, tmp_path):
     [more] = (tmp_path / "more" / "checkpoints").glob("checkpoint-*")
     continued = load_file(str(more / "adapter" / "adapter_model.safetensors"))
     assert continued.keys() == sft.keys() and all(torch.allclose(continued[k], sft[k], atol=1e-6) for k in sft)
+    # DAgger: games the model played, relabelled by the expert, are the only data with --episodes 0
+    played = _played_goofspiel(6, lambda turn, legal, expert_move: str(min(legal)))
+    (tmp_path / "played.jsonl").write_text(json.dumps(played) + "\n")
+    assert sft_warmstart.main(["--games", "goofspiel", "--episodes", "0", "--relabel", str(tmp_path / "played.jsonl"),
+                               "--init-adapter", str(checkpoint), "--epochs", "1", "--workers", "1",
+                               "--output-dir", str(tmp_path / "dagger"), *sets]) == 0
+    relabelled = [json.loads(line) for line in (tmp_path / "dagger" / "relabelled.jsonl").read_text().splitlines()]
+    assert relabelled and all(r["relabelled"] and r["expert"] == "prize" for r in relabelled)
+    assert (tmp_path / "dagger" / "sft_data.jsonl").read_text() == ""  # no expert game of its own
+    assert list((tmp_path / "dagger" / "checkpoints").glob("checkpoint-*"))
     # the KL anchor is the SFT adapter: the first rollout policy equals it, so its KL is 0
     [first] = [json.loads(line) for line in (tmp_path / "ppo" / "t" / "metrics.jsonl").read_text().splitlines()]
     assert first["reward/kl_per_token"] == pytest.approx(0.0, abs=1e-6)
