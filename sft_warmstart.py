@@ -317,13 +317,14 @@ def relabel(played: list[dict[str, Any]], args: argparse.Namespace, simulations,
                 except ReplayMismatch as exc:
                     raise ConfigError(f"--relabel {exc}") from None
                 advance()
-    flat = [record for game in records for record in game or ()]
+    flat = [record for game in records for record in game or ()
+            if not args.relabel_missed_only or record.get("max_replies") is not None]
     if path is not None:
         staging = path.with_suffix(".jsonl.tmp")
         staging.write_text("".join(json.dumps(r) + "\n" for r in flat))
         os.replace(staging, path)
     turns = sum(m["role"] == "assistant" for g in played for m in (g.get("conversation") or g.get("messages")))
-    missed = sum(1 for r in flat if r.get("max_replies") is not None)
+    missed = sum(1 for game in records for r in game or () if r.get("max_replies") is not None)
     console.print(f"{len(played)} played games relabelled by their experts: the model played the expert's move at "
                   f"{turns - missed} of {turns} turns; {len(flat)} records -> {path}", highlight=False)
     return flat
@@ -454,6 +455,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "bench/learning.py's eval-*.jsonl; :MODEL keeps that model's records), replayed with each "
                         "game's expert answering at every turn (DAgger): the expert's moves at the states the model's "
                         "own play reaches. Repeatable; with --episodes 0 and no --data, the only data")
+    parser.add_argument("--relabel-missed-only", action="store_true",
+                        help="of the relabelled games keep only the turns where the model missed the expert's move "
+                        "(about half the sequences: its other turns it plays already)")
     parser.add_argument("--init-adapter", type=Path, metavar="CHECKPOINT",
                         help="go on training this adapter (an earlier SFT checkpoint, or an adapter folder) "
                         "instead of a fresh LoRA, e.g. for more epochs")

@@ -262,7 +262,7 @@ def _relabel_args(**kwargs):
     import argparse
 
     return argparse.Namespace(**{"experts": {}, "expert_budget": None, "cfr_iterations": 20, "reason": "",
-                                 "workers": 1, **kwargs})
+                                 "workers": 1, "relabel_missed_only": False, **kwargs})
 
 
 def test_relabelled_games_train_the_experts_move_at_every_state_the_model_reached(tmp_path, tiny_policy):
@@ -297,6 +297,9 @@ def test_relabelled_games_train_the_experts_move_at_every_state_the_model_reache
     trained = [t.response_text for e in episodes for t in e.turns]
     assert len(trained) == len(played_replies)  # every turn once: the expert's move, never the model's miss
     assert "I bid high" not in trained and trained[:3] == [r["messages"][-1]["content"] for r in missed]
+    # only the misses: the records cut after the expert's answers
+    assert relabel([{**played, "source": "games.jsonl line 1"}], _relabel_args(relabel_missed_only=True), None,
+                   "fast", "~/.cache/ppo-affine", None) == missed
 
 
 def test_relabelling_refuses_a_game_that_replays_differently_or_a_file_without_games(tmp_path):
