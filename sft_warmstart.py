@@ -143,8 +143,7 @@ def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
             explored.append(sum(m["role"] == "assistant" for m in messages))
             reply = str(explorer.choice(episode.legal))
         else:
-            action, reason = expert.choose(episode.state, dict(zip(episode.legal, episode.labels)))
-            reply = f"<think>{reason}</think>{action}" if job.with_reason else str(action)
+            reply = expert_reply(expert, episode, job.with_reason)[1]
         messages.append({"role": "assistant", "content": reply})
         if job.max_replies is not None and sum(m["role"] == "assistant" for m in messages) == job.max_replies:
             break
@@ -194,7 +193,7 @@ def relabel_played_episode(job: RelabelJob) -> list[dict[str, Any]]:
     from ppo_affine.experts import Expert
 
     played = job.played
-    recorded = played.get("conversation") or played.get("messages")
+    recorded = played["conversation"]
     episode = Episode(uuid.uuid4().hex, task_id=played["task_id"], seed=played["seed"], opponent=played["opponent"],
                       observation_format="evaluate", max_parse_attempts=3, mcts_simulations=job.opponent_simulations,
                       opponent_search=job.opponent_search)
@@ -206,7 +205,7 @@ def relabel_played_episode(job: RelabelJob) -> list[dict[str, Any]]:
     base = {"step": 0, "env": "openspiel", "task_id": played["task_id"], "seed": played["seed"],
             "game": episode.game_name, "error": None, "expert": expert.kind, "opponent": played["opponent"],
             "llm_player_id": episode.player, "relabelled": True}
-    records, explored = [], []
+    records, explored, replies = [], [], 0
     # the replay grows `messages` in step with the recorded conversation: message i is the recorded message i
     for position, message in enumerate(recorded):
         if message["role"] != "assistant":
@@ -216,9 +215,7 @@ def relabel_played_episode(job: RelabelJob) -> list[dict[str, Any]]:
             continue
         if result["done"]:
             raise ReplayMismatch(f"{job.source}: the replayed game ended before the recorded reply {position}")
-        action, reason = expert.choose(episode.state, dict(zip(episode.legal, episode.labels)))
-        answer = f"<think>{reason}</think>{action}" if job.with_reason else str(action)
-        replies = sum(m["role"] == "assistant" for m in messages)
+        action, answer = expert_reply(expert, episode, job.with_reason)
         chosen = parse_evaluate_action(strip_think(message["content"]), episode.legal, episode.labels)
         if chosen == action:
             messages.append({"role": "assistant", "content": answer})
@@ -227,13 +224,27 @@ def relabel_played_episode(job: RelabelJob) -> list[dict[str, Any]]:
                             "explored_replies": list(range(replies)), "max_replies": replies + 1})
             messages.append({"role": "assistant", "content": message["content"]})
             explored.append(replies)
+        replies += 1
         result = episode.step(message["content"])
         if not result["done"]:
             messages.append({"role": "user", "content": result["observation"]})
-    if sum(m["role"] == "assistant" for m in messages) > len(explored):  # some move of the model's was the expert's
+    if replies > len(explored):  # some move of the model's was the expert's
         records.append({**base, "score": episode.score if result["done"] else None, "messages": messages,
                         "explored_replies": explored})
     return records
+
+
+def expert_reply(expert, episode, with_reason: bool) -> tuple[int, str]:
+    """The expert's move at the episode's pending decision and the reply that plays it (ID, or reason + ID)."""
+    action, reason = expert.choose(episode.state, dict(zip(episode.legal, episode.labels)))
+    return action, f"<think>{reason}</think>{action}" if with_reason else str(action)
+
+
+def write_records(path: Path, records: list[dict[str, Any]]) -> None:
+    """JSONL, replaced whole: a crash mid-write leaves the earlier file."""
+    staging = path.with_suffix(".jsonl.tmp")
+    staging.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(staging, path)
 
 
 def generate(jobs: list[ExpertJob], workers: int, path: Path | None) -> list[dict[str, Any]]:
@@ -246,9 +257,7 @@ def generate(jobs: list[ExpertJob], workers: int, path: Path | None) -> list[dic
                 records[futures[future]] = future.result()
                 advance()
     if path is not None:
-        staging = path.with_suffix(".jsonl.tmp")
-        staging.write_text("".join(json.dumps(r) + "\n" for r in records))
-        os.replace(staging, path)
+        write_records(path, records)
     return [r for r in records if r is not None]
 
 
@@ -279,7 +288,7 @@ def read_played(source: str, default_opponent: str) -> list[dict[str, Any]]:
         if (record.get("error") or record.get("game") == "trace" or not isinstance(conversation, list)
                 or (model and record.get("model") != model)):
             continue
-        played.append({**record, "opponent": record.get("opponent") or default_opponent,
+        played.append({**record, "conversation": conversation, "opponent": record.get("opponent") or default_opponent,
                        "source": f"{path} line {number}"})
     if not played:
         raise ConfigError(f"--relabel {source}: no finished game with a conversation"
@@ -320,10 +329,8 @@ def relabel(played: list[dict[str, Any]], args: argparse.Namespace, simulations,
     flat = [record for game in records for record in game or ()
             if not args.relabel_missed_only or record.get("max_replies") is not None]
     if path is not None:
-        staging = path.with_suffix(".jsonl.tmp")
-        staging.write_text("".join(json.dumps(r) + "\n" for r in flat))
-        os.replace(staging, path)
-    turns = sum(m["role"] == "assistant" for g in played for m in (g.get("conversation") or g.get("messages")))
+        write_records(path, flat)
+    turns = sum(m["role"] == "assistant" for game in played for m in game["conversation"])
     missed = sum(1 for game in records for r in game or () if r.get("max_replies") is not None)
     console.print(f"{len(played)} played games relabelled by their experts: the model played the expert's move at "
                   f"{turns - missed} of {turns} turns; {len(flat)} records -> {path}", highlight=False)
