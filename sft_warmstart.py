@@ -11,6 +11,10 @@ fine-tuning of the LoRA adapter on the expert's replies, written as a checkpoint
    games (a liars_dice opening bid) at the cost of one prompt each. `--relabel FILE` adds DAgger data:
    games a model played (evaluate.py's episodes.jsonl) replayed with the expert answering at every turn,
    so SFT also sees the expert's move at the states the student's own play reaches.
+   `--dagger-rounds N` does that N times after the SFT: the newest adapter plays `--dagger-episodes`
+   games of each game greedily on seeds of their own (as evaluate.py plays), the expert relabels them,
+   and SFT goes on from that adapter on them; each round's games, records and checkpoint go to
+   `dagger-<round>/`, its student's score and expert agreement to `dagger.jsonl`.
 2. Train: each conversation becomes token sequences exactly as a rollout builds them (the chat
    template, the configured context strategy, continued sequences); the loss is the mean negative
    log-likelihood of the assistant tokens (EOS included), everything else masked. `--init-adapter
@@ -43,6 +47,7 @@ log = logging.getLogger("sft_warmstart")
 DEFAULT_GAMES = "leduc_poker,liars_dice,goofspiel"
 DATA_FILE = "sft_data.jsonl"
 RELABEL_FILE = "relabelled.jsonl"  # --relabel's records
+DAGGER_LOG = "dagger.jsonl"  # one line per --dagger-rounds round
 SFT_STATE_KIND = "sft-warmstart"
 
 
@@ -330,11 +335,17 @@ def relabel(played: list[dict[str, Any]], args: argparse.Namespace, simulations,
             if not args.relabel_missed_only or record.get("max_replies") is not None]
     if path is not None:
         write_records(path, flat)
-    turns = sum(m["role"] == "assistant" for game in played for m in game["conversation"])
-    missed = sum(1 for game in records for r in game or () if r.get("max_replies") is not None)
+    matched, turns = expert_moves_played(played, flat)
     console.print(f"{len(played)} played games relabelled by their experts: the model played the expert's move at "
-                  f"{turns - missed} of {turns} turns; {len(flat)} records -> {path}", highlight=False)
+                  f"{matched} of {turns} turns; {len(flat)} records -> {path}", highlight=False)
     return flat
+
+
+def expert_moves_played(played: list[dict[str, Any]], relabelled: list[dict[str, Any]]) -> tuple[int, int]:
+    """(turns where the model played its expert's move, all its turns) over played games and their relabelled
+    records: each missed turn is a record of its own, the one kind with `max_replies`."""
+    turns = sum(m["role"] == "assistant" for game in played for m in game["conversation"])
+    return turns - sum(r.get("max_replies") is not None for r in relabelled), turns
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -465,6 +476,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--relabel-missed-only", action="store_true",
                         help="of the relabelled games keep only the turns where the model missed the expert's move "
                         "(about half the sequences: its other turns it plays already)")
+    parser.add_argument("--dagger-rounds", type=int, default=0, metavar="N",
+                        help="after the SFT, N rounds of DAgger: the newest adapter plays --dagger-episodes games "
+                        "greedily against --opponent on seeds of their own, each game's expert relabels them "
+                        "(as --relabel), and SFT goes on from that adapter on them for --epochs. With --init-adapter "
+                        "and --episodes 0 the rounds start from that adapter, with no SFT before them")
+    parser.add_argument("--dagger-episodes", default="128", metavar="N",
+                        help="games per game and round for --dagger-rounds: a number, or a number then GAME=N items")
     parser.add_argument("--init-adapter", type=Path, metavar="CHECKPOINT",
                         help="go on training this adapter (an earlier SFT checkpoint, or an adapter folder) "
                         "instead of a fresh LoRA, e.g. for more epochs")
@@ -528,10 +546,17 @@ def check_args(args: argparse.Namespace) -> list[str]:
             raise ConfigError(f"--expert: {exc}.") from None
     args.episodes = parse_game_counts(args.episodes, "--episodes")
     args.openings = parse_game_counts(args.openings, "--openings")
+    args.dagger_episodes = parse_game_counts(args.dagger_episodes, "--dagger-episodes")
     if min(args.openings.values()) < 0:
         raise ConfigError(f"--openings must be at least 0 for every game, got {args.openings}.")
-    if args.data is None:
-        if min(args.episodes.values()) < (0 if args.relabel else 1):
+    if args.dagger_rounds < 0:
+        raise ConfigError(f"--dagger-rounds must be at least 0, got {args.dagger_rounds}.")
+    if min(args.dagger_episodes.values()) < 1:
+        raise ConfigError(f"--dagger-episodes must be at least 1 for every game, got {args.dagger_episodes}.")
+    # DAgger rounds may start from --init-adapter alone: then no expert game needs playing first
+    starts_elsewhere = args.relabel or (args.dagger_rounds and args.init_adapter is not None)
+    if args.data is None or args.dagger_rounds:
+        if args.data is None and min(args.episodes.values()) < (0 if starts_elsewhere else 1):
             raise ConfigError(f"--episodes must be at least 1 for every game, got {args.episodes}.")
         if not games:
             raise ConfigError("--games is empty; name games with an expert, e.g. --games leduc_poker,goofspiel.")
@@ -576,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
             simulations = game_env.mcts_simulations
         if args.data is not None:
             records = read_records(args.data)
+        elif not any(args.episodes.values()) and not args.played:
+            records = []  # DAgger rounds from --init-adapter alone
         else:
             jobs = plan_jobs(games, args.episodes, config.train.run.seed, args.opponent, args.config_id_list,
                              args.expert_budget, args.cfr_iterations, args.reason_games, simulations,
@@ -589,7 +616,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.played:
             records += relabel(args.played, args, simulations, game_env.opponent_search, config.train.model.cache_dir,
                                args.output_dir / RELABEL_FILE)
-        checkpoint = warm_start(config, records, args)
+        checkpoint = warm_start(config, records, args, args.init_adapter, args.output_dir) if records else args.init_adapter
+        (args.output_dir / DAGGER_LOG).unlink(missing_ok=True)  # this run's rounds only
+        for round_number in range(1, args.dagger_rounds + 1):
+            checkpoint = dagger_round(config, args, games, round_number, checkpoint, simulations)
     except ConfigError as exc:
         return report_failure("Configuration error", exc, 2)
     # PPO goes on against the opponent the experts met: trained against random, a policy loses to MCTS
@@ -600,8 +630,66 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def warm_start(config, records: list[dict[str, Any]], args: argparse.Namespace) -> Path:
-    """SFT on `records`, then a checkpoint in `args.output_dir/checkpoints`; returns its path."""
+def dagger_round(config, args: argparse.Namespace, games: list[str], round_number: int, checkpoint: Path,
+                 simulations: int | None) -> Path:
+    """One `--dagger-rounds` round: the adapter at `checkpoint` plays `--dagger-episodes` games of each game as
+    evaluate.py plays them (greedy, both seats, the same --set items), against the opponent the experts met;
+    the experts relabel them, and SFT goes on from that adapter on the relabelled games alone. Returns the new
+    checkpoint. The round's seeds come from run.seed and the round: apart from evaluate.py's and each other's."""
+    import asyncio
+    import gc
+
+    import evaluate
+    from ppo_affine.policy import adapter_folder
+    from ppo_affine.report import mean_interval
+
+    folder = args.output_dir / f"dagger-{round_number}"
+    folder.mkdir(parents=True, exist_ok=True)
+    play_config = config_from_arguments(args, defaults=evaluate.VALIDATOR_SETTINGS, flags=["generation.temperature=0"])
+    env_name, env_spec = evaluate.eval_env_specs(play_config, {"openspiel"})["openspiel"]
+    if simulations is not None:  # the opponent's budget the relabelling replays with
+        env_spec = env_spec.model_copy(update={"mcts_simulations": simulations})
+    seed = derive_seed(config.train.run.seed, "dagger", round_number)
+    tasks = [task for game in games for task in evaluate.game_tasks(
+        game, args.dagger_episodes.get(game, args.dagger_episodes["*"]), seed, args.opponent, env_name)]
+    console.print(f"DAgger round {round_number}: {checkpoint} plays {len(tasks)} games", highlight=False)
+    played_path = folder / "played.jsonl"
+    try:
+        asyncio.run(evaluate.evaluate(play_config, tasks, {"openspiel": (env_name, env_spec)},
+                                      adapter_folder(checkpoint), False, played_path))
+    except evaluate.VLLMError as exc:  # the student plays where generation.backend says
+        raise ConfigError(f"--dagger-rounds: {exc}") from None
+    gc.collect()  # the playing model goes before the training one loads
+    played = read_played(str(played_path), args.opponent)
+    records = relabel(played, args, simulations, env_spec.opponent_search, config.train.model.cache_dir,
+                      folder / RELABEL_FILE)
+    entry: dict[str, Any] = {"round": round_number, "adapter": str(checkpoint), "seed": seed, "by_game": {},
+                             "records": len(records)}
+    for game in games:
+        game_played = [g for g in played if g["game"] == game]
+        if not game_played:
+            continue
+        mean, interval = mean_interval([g["score"] for g in game_played], 0.0, 1.0)
+        matched, turns = expert_moves_played(game_played, [r for r in records if r["game"] == game])
+        entry["by_game"][game] = {"games": len(game_played), "mean_score": mean, "score_ci95": interval,
+                                  "expert_moves": matched, "turns": turns}
+        console.print(f"DAgger round {round_number}, {game}: the student scored {mean:.3f}"
+                      + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
+                      + f" over {len(game_played)} games and played the expert's move at {matched} of {turns} turns",
+                      highlight=False)
+    if records:
+        checkpoint = warm_start(config, records, args, checkpoint, folder)
+    else:  # --relabel-missed-only and not one miss
+        console.print("the student played the expert's move at every turn: this round trains nothing", highlight=False)
+    with open(args.output_dir / DAGGER_LOG, "a") as log_file:
+        log_file.write(json.dumps({**entry, "checkpoint": str(checkpoint)}) + "\n")
+    return checkpoint
+
+
+def warm_start(config, records: list[dict[str, Any]], args: argparse.Namespace, init_adapter: Path | None,
+               output_dir: Path) -> Path:
+    """SFT on `records` (from the adapter at `init_adapter`, else a fresh LoRA), then a checkpoint in
+    `output_dir/checkpoints`; returns its path."""
     import torch
 
     from ppo_affine.checkpoint import save_checkpoint
@@ -616,9 +704,9 @@ def warm_start(config, records: list[dict[str, Any]], args: argparse.Namespace) 
     return_freed_memory_to_the_os()
     torch.manual_seed(cfg.run.seed)
     policy = load_policy(cfg.model, cfg.lora, device)
-    if args.init_adapter is not None:
-        policy.load_adapter(adapter_folder(args.init_adapter))
-        console.print(f"SFT goes on from the adapter in {args.init_adapter}", highlight=False)
+    if init_adapter is not None:
+        policy.load_adapter(adapter_folder(init_adapter))
+        console.print(f"SFT goes on from the adapter in {init_adapter}", highlight=False)
     builder = PromptBuilder(policy.tokenizer, cfg.generation.max_prompt_tokens, cfg.model.chat_template_kwargs)
     episodes = conversations_to_episodes(records, builder, cfg.generation.context_strategy,
                                          eos_token_ids(policy.tokenizer, policy.model.generation_config))
@@ -634,8 +722,8 @@ def warm_start(config, records: list[dict[str, Any]], args: argparse.Namespace) 
     state = {"kind": SFT_STATE_KIND, "step": history[-1]["optimizer_steps"], "history": history,
              "config": config.model_dump(mode="json"),
              "sft": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
-    (args.output_dir / "sft_metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
-    return save_checkpoint(args.output_dir / "checkpoints", history[-1]["optimizer_steps"], policy.save, state,
+    (output_dir / "sft_metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    return save_checkpoint(output_dir / "checkpoints", history[-1]["optimizer_steps"], policy.save, state,
                            keep_last=1)
 
 

@@ -384,6 +384,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "GAME=M items (sft_warmstart --openings)")
     parser.add_argument("--sft-checkpoint", type=Path,
                         help="with --warm-start: start PPO from this SFT checkpoint instead of training one")
+    parser.add_argument("--sft-dagger-rounds", type=int, default=0, metavar="N",
+                        help="after the SFT (or from --sft-checkpoint), N DAgger rounds against the training "
+                        "opponent (sft_warmstart --dagger-rounds); the last round's adapter is the SFT row")
+    parser.add_argument("--sft-dagger-episodes", default="128", metavar="N",
+                        help="games per game and DAgger round: N, or N then GAME=M items (sft_warmstart "
+                        "--dagger-episodes)")
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"))
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
@@ -436,6 +442,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.eval_skip < 0 or too_few:
         parser.error(f"--eval-skip must be at least 0 and below each game's --eval-episodes, got {args.eval_skip} "
                      f"(games with no episodes left: {too_few})")
+    if args.sft_dagger_rounds < 0 or (args.sft_dagger_rounds and not args.warm_start):
+        parser.error(f"--sft-dagger-rounds must be at least 0, and needs --warm-start; got {args.sft_dagger_rounds}")
     if not 0 <= args.sft_explore < 1:
         parser.error(f"--sft-explore must be in [0, 1), got {args.sft_explore}")
     if args.sft_checkpoint is not None and not (args.warm_start and (args.sft_checkpoint / "adapter").is_dir()):
@@ -470,10 +478,13 @@ def main(argv: list[str] | None = None) -> None:
     variants = eval_variants(games, args.eval_counts)
 
     sft_checkpoint = args.sft_checkpoint
-    if args.warm_start and sft_checkpoint is None:
+    if args.warm_start and (sft_checkpoint is None or args.sft_dagger_rounds):
         started = time.perf_counter()
         every_variant = sorted({c for ids in variants.values() for c in ids})
-        sft_args = ["--preset", "cpu", "--games", ",".join(games), "--episodes", args.sft_episodes,
+        # from a given checkpoint only the DAgger rounds run
+        start = ["--episodes", "0", "--init-adapter", str(sft_checkpoint)] if sft_checkpoint else [
+            "--episodes", args.sft_episodes]
+        sft_args = ["--preset", "cpu", "--games", ",".join(games), *start,
                     "--config-ids", ",".join(map(str, every_variant)),
                     "--expert", ",".join(f"{g}={k}" for g, k in args.expert_choices.items()),
                     "--opponent", args.train_opponent, "--epochs", str(args.sft_epochs), "--workers", str(args.workers),
@@ -481,12 +492,15 @@ def main(argv: list[str] | None = None) -> None:
                     "--output-dir", str(args.output_dir / "sft"),
                     *(["--reason", ",".join(args.reason_games)] if args.reason_games else []),
                     *(["--explore", str(args.sft_explore)] if args.sft_explore else []),
-                    *(["--openings", args.sft_openings] if args.sft_openings else [])]
+                    *(["--openings", args.sft_openings] if args.sft_openings else []),
+                    *(["--dagger-rounds", str(args.sft_dagger_rounds), "--dagger-episodes", args.sft_dagger_episodes]
+                      if args.sft_dagger_rounds else [])]
         for override in overrides:
             sft_args += ["--set", override]
         if sft_warmstart.main(sft_args) != 0:
             sys.exit("warm start failed")
-        sft_checkpoint = find_resumable(args.output_dir / "sft" / "checkpoints")
+        last_round = f"dagger-{args.sft_dagger_rounds}" if args.sft_dagger_rounds else ""
+        sft_checkpoint = find_resumable(args.output_dir / "sft" / last_round / "checkpoints")
         timings["sft_seconds"] = time.perf_counter() - started
     trained, curves, metrics_path = None, [], args.output_dir / "ppo" / "metrics.jsonl"
     if args.steps:
@@ -550,18 +564,27 @@ def main(argv: list[str] | None = None) -> None:
                       "eval_episodes_per_game": args.eval_counts, "eval_skip": args.eval_skip,
                       "mcts_simulations": args.mcts_simulations,
                       "experts": {g: expert_kind(g, args.expert_choices) for g in games if has_expert(g)},
-                      "sft": ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
-                              {"episodes_per_game": args.sft_counts, "epochs": args.sft_epochs,
-                               "opponent": args.train_opponent, "reason": args.reason_games,
-                               "explore": args.sft_explore, "openings_per_game": args.opening_counts,
-                               "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate})
-                      if args.warm_start else None,
+                      "sft": sft_settings(args, sft_checkpoint),
                       "checkpoint": str(trained) if trained else None,
                       "minutes": {k.replace("_seconds", ""): round(v / 60, 1) for k, v in timings.items()},
                       "total_minutes": round(sum(timings.values()) / 60, 1),
                       "signal": training_signal(metrics_path) if trained else None, "curves": curves,
                       "ceilings": ceilings, "results": results}, indent=1))
     print_table(rows, results)
+
+
+def sft_settings(args: argparse.Namespace, sft_checkpoint: Path | None) -> dict | None:
+    """The JSON's account of the student: a given checkpoint or the SFT recipe, then any DAgger rounds."""
+    if not args.warm_start:
+        return None
+    settings = ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
+                {"episodes_per_game": args.sft_counts, "epochs": args.sft_epochs, "opponent": args.train_opponent,
+                 "reason": args.reason_games, "explore": args.sft_explore, "openings_per_game": args.opening_counts,
+                 "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate})
+    if args.sft_dagger_rounds:
+        settings |= {"dagger_rounds": args.sft_dagger_rounds, "dagger_episodes": args.sft_dagger_episodes,
+                     "dagger_checkpoint": str(sft_checkpoint)}
+    return settings
 
 
 def ceiling_records(games: list[str], args: argparse.Namespace, records: list[dict]) -> list[dict]:

@@ -78,6 +78,8 @@ def test_rows_not_in_this_run_are_refused():
     assert learning.parse_args(["--steps", "0"]).model_rows == ["base", "sft", "expert"]
     with pytest.raises(SystemExit):
         learning.parse_args(["--sft-explore", "1"])
+    with pytest.raises(SystemExit):  # DAgger rounds make a student: they need the warm start
+        learning.parse_args(["--no-warm-start", "--sft-dagger-rounds", "1"])
 
 
 def test_eval_skip_plays_the_later_episodes_of_a_longer_evaluation_on_the_same_seeds():
@@ -176,6 +178,31 @@ def test_zero_steps_measure_the_sft_rows_alone(tiny_model_dir, tmp_path, capsys)
     assert report["sft"]["explore"] == 0.3 and not (tmp_path / "bench" / "ppo").exists()
     data = [json.loads(line) for line in (tmp_path / "bench" / "sft" / "sft_data.jsonl").read_text().splitlines()]
     assert any(record["explored_replies"] for record in data)
+
+
+def test_dagger_rounds_make_the_sft_row_from_a_given_checkpoint(tiny_model_dir, tmp_path, capsys):
+    """`--sft-checkpoint` with `--sft-dagger-rounds`: no expert games, the rounds start from that checkpoint and
+    the last round's adapter is what the SFT row plays."""
+    import sft_warmstart
+
+    sets = ["--set", f"model.name_or_path={tiny_model_dir}", "--set", "model.gguf_package=null",
+            "--set", "model.dtype=float32", "--set", f"model.cache_dir={tmp_path}"]
+    assert sft_warmstart.main(["--preset", "cpu", "--games", "liars_dice", "--episodes", "2", "--epochs", "1",
+                               "--workers", "1", "--opponent-simulations", "20", "--expert", "liars_dice=true_bids",
+                               "--output-dir", str(tmp_path / "student"), *sets]) == 0
+    [student] = (tmp_path / "student" / "checkpoints").glob("checkpoint-*")
+    learning.main(["--profile", "ci", "--games", "liars_dice", "--steps", "0", "--models", "sft",
+                   "--sft-checkpoint", str(student), "--sft-dagger-rounds", "1", "--sft-dagger-episodes", "2",
+                   "--output-dir", str(tmp_path / "bench"), "--workers", "1", *sets])
+    printed = capsys.readouterr().out
+    report = json.loads(printed[printed.index('{\n "model"'):printed.index("\n| game |")])
+    [dagger] = (tmp_path / "bench" / "sft" / "dagger-1" / "checkpoints").glob("checkpoint-*")
+    assert report["sft"] == {"checkpoint": str(student), "dagger_rounds": 1, "dagger_episodes": "2",
+                             "dagger_checkpoint": str(dagger)}
+    assert not (tmp_path / "bench" / "sft" / "sft_data.jsonl").exists()  # no expert game before the rounds
+    [round_one] = [json.loads(line) for line in (tmp_path / "bench" / "sft" / "dagger.jsonl").read_text().splitlines()]
+    assert round_one["adapter"] == str(student) and round_one["by_game"]["liars_dice"]["games"] == 2
+    assert set(report["results"]["mcts"]["liars_dice"]) == {"sft"}
 
 
 def write_records(path, records):

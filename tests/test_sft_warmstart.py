@@ -347,6 +347,11 @@ def _cli(*args):
     (["--openings", "-1"], "--openings must be at least 0"),
     (["--openings", "8,liars_dice"], "--openings: expected a number, then GAME=N items"),
     (["--init-adapter", "runs/no-such-sft/checkpoint-9"], "runs/no-such-sft/checkpoint-9 is neither a checkpoint folder"),
+    (["--dagger-rounds", "-1"], "--dagger-rounds must be at least 0"),
+    (["--dagger-rounds", "1", "--dagger-episodes", "8,leduc_poker=0"], "--dagger-episodes must be at least 1"),
+    (["--dagger-rounds", "1", "--dagger-episodes", "many"], "--dagger-episodes: expected a number"),
+    # DAgger rounds with no expert game before them need an adapter to start from
+    (["--dagger-rounds", "1", "--episodes", "0"], "--episodes must be at least 1"),
 ])
 def test_bad_options_are_a_one_line_error_naming_the_option(args, expected):
     result = _cli("--preset", "cpu", *args)
@@ -404,3 +409,49 @@ def test_warm_start_checkpoint_starts_a_ppo_run(tiny_model_dir, tmp_path):
     assert abs(anchored["reward/kl_per_token"]) > 1e-4  # k1 is signed; tiny SFT moves little
     assert not (tmp_path / "base-anchor" / "t" / "checkpoints" / "checkpoint-1" / "reference_adapter").exists()
     assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path / "other", "--resume", str(checkpoint))) == 2
+
+
+@pytest.mark.slow
+def test_dagger_rounds_train_each_new_adapter_on_its_own_games_relabelled(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    sets = ["--set", f"model.name_or_path={tiny_model_dir}", "--set", "model.use_4bit=false",
+            "--set", "model.dtype=float32", "--set", "run.device=cpu", "--set", "model.gradient_checkpointing=false",
+            "--set", "generation.backend=local", "--set", "generation.max_new_tokens=4"]
+    common = ["--games", "goofspiel", "--epochs", "1", "--workers", "1", "--dagger-episodes", "3", *sets]
+    out = tmp_path / "sft"
+    assert sft_warmstart.main(["--episodes", "2", "--dagger-rounds", "2", "--output-dir", str(out), *common]) == 0
+    rounds = [json.loads(line) for line in (out / "dagger.jsonl").read_text().splitlines()]
+    [first_sft] = (out / "checkpoints").glob("checkpoint-*")
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert rounds[0]["adapter"] == str(first_sft) and rounds[1]["adapter"] == rounds[0]["checkpoint"]
+    seeds_by_round = []
+    for entry in rounds:
+        folder = out / f"dagger-{entry['round']}"
+        played = [json.loads(line) for line in (folder / "played.jsonl").read_text().splitlines()]
+        relabelled = [json.loads(line) for line in (folder / "relabelled.jsonl").read_text().splitlines()]
+        assert len(played) == 3 and {p["game"] for p in played} == {"goofspiel"}
+        assert {p["seed"] % 2 for p in played} == {0, 1}  # both seats, as evaluate.py plays
+        seeds_by_round.append({p["seed"] for p in played})
+        assert relabelled and all(r["relabelled"] and r["expert"] == "prize" for r in relabelled)
+        turns = sum(m["role"] == "assistant" for p in played for m in p["conversation"])
+        missed = sum(r.get("max_replies") is not None for r in relabelled)
+        stats = entry["by_game"]["goofspiel"]
+        assert (stats["games"], stats["turns"], stats["expert_moves"]) == (3, turns, turns - missed)
+        assert stats["mean_score"] == pytest.approx(sum(p["score"] for p in played) / 3)
+        assert entry["records"] == len(relabelled)
+        # each round's SFT went on from the adapter that played its games, and moved it
+        before = load_file(str(Path(entry["adapter"]) / "adapter" / "adapter_model.safetensors"))
+        after = load_file(str(Path(entry["checkpoint"]) / "adapter" / "adapter_model.safetensors"))
+        assert after.keys() == before.keys() and any(not torch.equal(after[k], before[k]) for k in before)
+        assert Path(entry["checkpoint"]).parent == folder / "checkpoints"
+    assert not seeds_by_round[0] & seeds_by_round[1]  # each round meets states on deals of its own
+    # from an adapter alone (no expert game first), into the same folder: the log holds this run's round only
+    assert sft_warmstart.main(["--episodes", "0", "--init-adapter", rounds[1]["checkpoint"], "--dagger-rounds", "1",
+                               "--output-dir", str(out), *common]) == 0
+    [again] = [json.loads(line) for line in (out / "dagger.jsonl").read_text().splitlines()]
+    assert again["adapter"] == rounds[1]["checkpoint"] and again["seed"] == rounds[0]["seed"]
+    # a student that cannot play (no server to generate with) is a one-line configuration error
+    assert sft_warmstart.main(["--episodes", "0", "--init-adapter", rounds[1]["checkpoint"], "--dagger-rounds", "1",
+                               "--output-dir", str(tmp_path / "no-server"), *common, "--set", "generation.backend=vllm",
+                               "--set", "env.vllm_url=http://127.0.0.1:9/v1"]) == 2
