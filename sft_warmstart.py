@@ -601,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
             simulations = game_env.mcts_simulations
         if args.data is not None:
             records = read_records(args.data)
-        elif not any(args.episodes.values()) and not args.played:
+        elif not any(args.episodes.values()) and not any(args.openings.values()) and not args.played:
             records = []  # DAgger rounds from --init-adapter alone
         else:
             jobs = plan_jobs(games, args.episodes, config.train.run.seed, args.opponent, args.config_id_list,
@@ -616,7 +616,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.played:
             records += relabel(args.played, args, simulations, game_env.opponent_search, config.train.model.cache_dir,
                                args.output_dir / RELABEL_FILE)
-        checkpoint = warm_start(config, records, args, args.init_adapter, args.output_dir) if records else args.init_adapter
+        checkpoint = args.init_adapter  # DAgger rounds from that adapter alone, with no SFT before them
+        if records:
+            checkpoint = warm_start(config, records, args, args.init_adapter, args.output_dir)
         (args.output_dir / DAGGER_LOG).unlink(missing_ok=True)  # this run's rounds only
         for round_number in range(1, args.dagger_rounds + 1):
             checkpoint = dagger_round(config, args, games, round_number, checkpoint, simulations)

@@ -33,8 +33,10 @@ Profiles set the defaults every flag can still override:
 With `--warm-start` (default) `sft_warmstart.py` first imitates the experts (experts.py; the
 defaults, or `--experts`) against the training opponent, on the game variants the evaluation plays,
 and PPO (`train_ppo.py`: the cpu and warm_start presets + the overrides below, KL anchored to the
-SFT adapter) starts from that adapter. Against MCTS the table also has a `ceiling` row for
-leduc_poker: the best response to the opponent (experts.py `best_response`), the most any player scores. Evaluation is `evaluate.py`'s (greedy, full
+SFT adapter) starts from that adapter; `--sft-dagger-rounds N` first runs N DAgger rounds
+(`sft_warmstart.py --dagger-rounds`), after the SFT or from `--sft-checkpoint`. Against MCTS the table
+also has a `ceiling` row for leduc_poker: the best response to the opponent (experts.py
+`best_response`), the most any player scores. Evaluation is `evaluate.py`'s (greedy, full
 conversation, seeds derived from EVAL_SEED that training never draws); every played episode goes to
 `<output-dir>/eval-<opponent>.jsonl`, the PPO run's curves to `<output-dir>/plots/`; `--eval-episodes 48
 --eval-skip 16` plays seeds 17–48 of a game whose first 16 an earlier run played (episode i's seed does
@@ -46,7 +48,9 @@ replies, Student t for mean scores and paired differences; under the table each 
 how many pairs scored differently and how many pairs with the same mean and spread would put 0 outside
 its interval, the size an evaluation needs to decide it. `signal` in the JSON is how PPO's updates moved
 each reply's log-probability against its advantage (logging.signal_check_every; a healthy update has a
-clearly positive correlation).
+clearly positive correlation). `--teacher-moves` replays every evaluated game with its teacher answering
+at each turn and prints how often each model played the teacher's move: a student that never leaves one
+move (leduc_poker's Call at every turn) shows there, where its score does not say why PPO cannot move it.
 """
 from __future__ import annotations
 
@@ -174,7 +178,7 @@ def merged_records(sources: list[str]) -> list[dict]:
     return list(merged.values())
 
 
-def print_tables_from(sources: list[str]) -> None:
+def print_tables_from(sources: list[str], args: argparse.Namespace) -> None:
     """`--tables-from`: one table over earlier runs' recorded episodes (e.g. a model's first 64 seeds and a
     later --eval-skip 64 run of the rest), with each model's paired differences sized."""
     records = merged_records(sources)
@@ -185,8 +189,13 @@ def print_tables_from(sources: list[str]) -> None:
         models = [m for m in known if m in present] + sorted(present - set(known))
         results[opponent], opponent_rows = table(played, opponent, models)
         rows += opponent_rows
-    print(json.dumps({"sources": sources, "results": results}, indent=1))
+    moves = None
+    if args.teacher_moves:
+        moves = teacher_moves(records, args, load_config(presets=["cpu"], overrides=args.set))
+    print(json.dumps({"sources": sources, "results": results, "teacher_moves": moves}, indent=1))
     print_table(rows, results)
+    if moves:
+        print_teacher_moves(moves)
 
 
 def print_table(rows: list[str], results: dict) -> None:
@@ -206,6 +215,44 @@ def print_table(rows: list[str], results: dict) -> None:
                               f"of {pairs} pairs scored differently; "
                               + (f"{needed} pairs with this mean and spread decide it" if needed else
                                  "a mean difference of 0: no number of pairs decides it"))
+
+
+def teacher_moves(records: list[dict], args: argparse.Namespace, config) -> dict:
+    """`--teacher-moves`: per opponent, game and model, at how many of its turns the model played its teacher's
+    move. Each recorded game is replayed with the teacher answering at every turn (sft_warmstart's DAgger
+    replay: same task, seed and opponent), so a student that never leaves one move shows as a rate a score
+    hides. Games without a teacher, and rows without conversations (teachers, ceiling), are left out."""
+    relabel_args = argparse.Namespace(experts=args.expert_choices, expert_budget=None, cfr_iterations=300, reason="",
+                                      workers=args.workers, relabel_missed_only=False)
+    game_env = next((s for s in config.env.envs.values() if s.kind == "openspiel"), None)
+    search = game_env.opponent_search if game_env else "fast"
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if isinstance(r.get("conversation"), list) and not r.get("error") and has_expert(r["game"]):
+            groups.setdefault((r["opponent"], r["game"], r["model"]), []).append(r)
+    result: dict = {}
+    for (opponent, game, model), played in sorted(groups.items()):
+        sources = [{**r, "source": f"{model}'s {game} game (task {r['task_id']}, seed {r['seed']})"} for r in played]
+        try:
+            relabelled = sft_warmstart.relabel(sources, relabel_args, args.mcts_simulations, search,
+                                               config.train.model.cache_dir, None)
+        except sft_warmstart.ConfigError as exc:
+            sys.exit(f"--teacher-moves: {exc}")
+        matched, turns = sft_warmstart.expert_moves_played(played, relabelled)
+        result.setdefault(opponent, {}).setdefault(game, {})[model] = {
+            "teacher": expert_kind(game, args.expert_choices), "turns": turns, "teacher_moves": matched,
+            "rate": matched / turns if turns else None, "ci95": list(report.wilson_interval(matched, turns))}
+    return result
+
+
+def print_teacher_moves(moves: dict) -> None:
+    print("\n| game | opponent | model | teacher | teacher's move played [95% CI] | turns |")
+    print("|---|---|---|---|---|---|")
+    for opponent, games in moves.items():
+        for game, by_model in games.items():
+            for model, row in by_model.items():
+                print(f"| {game} | {opponent} | {model} | {row['teacher']} | {_ci(row['rate'], row['ci95'])} "
+                      f"| {row['turns']} |")
 
 
 def expert_records(games: list[str], episodes: dict[str, int], opponent: str,
@@ -393,6 +440,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"))
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
+    parser.add_argument("--teacher-moves", action="store_true",
+                        help="also replay every evaluated game with its game's teacher (--experts) answering at each "
+                        "turn, and print at how many of its turns each model played the teacher's move (with "
+                        "--tables-from too; costs the opponent's searches again)")
     parser.add_argument("--tables-from", nargs="+", metavar="FILE[:OLD=NEW]",
                         help="train and play nothing: print the table of earlier runs' eval-<opponent>.jsonl files "
                         "together (a later file's episode replaces an earlier one's); :OLD=NEW relabels model OLD")
@@ -467,7 +518,7 @@ def run_overrides(args: argparse.Namespace, games: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.tables_from:
-        print_tables_from(args.tables_from)
+        print_tables_from(args.tables_from, args)
         return
     games = args.games.split(",")
     opponents = args.opponents.split(",")
@@ -554,6 +605,11 @@ def main(argv: list[str] | None = None) -> None:
                     row[trained_label]["mean_score"] / row["ceiling"]["mean_score"], 3)
     if "leduc_poker" in games and "random" in opponents:
         ceilings["leduc_poker_best_mean_score_vs_random"] = round(leduc_best_response_vs_random(), 4)
+    moves = None
+    if args.teacher_moves:
+        played = [json.loads(line) for opponent in opponents if (args.output_dir / f"eval-{opponent}.jsonl").is_file()
+                  for line in (args.output_dir / f"eval-{opponent}.jsonl").read_text().splitlines()]
+        moves = teacher_moves(played, args, config)
     print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "profile": args.profile, "games": games,
                       "ppo_steps": args.steps, "train_opponent": args.train_opponent, "train_seat": args.train_seat,
                       "variants": variants,
@@ -569,8 +625,10 @@ def main(argv: list[str] | None = None) -> None:
                       "minutes": {k.replace("_seconds", ""): round(v / 60, 1) for k, v in timings.items()},
                       "total_minutes": round(sum(timings.values()) / 60, 1),
                       "signal": training_signal(metrics_path) if trained else None, "curves": curves,
-                      "ceilings": ceilings, "results": results}, indent=1))
+                      "ceilings": ceilings, "results": results, "teacher_moves": moves}, indent=1))
     print_table(rows, results)
+    if moves:
+        print_teacher_moves(moves)
 
 
 def sft_settings(args: argparse.Namespace, sft_checkpoint: Path | None) -> dict | None:

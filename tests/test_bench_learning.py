@@ -134,11 +134,14 @@ def test_the_ci_profile_runs_every_phase_and_row_on_the_four_validator_games(tin
     sets = {"model.name_or_path": str(tiny_model_dir), "model.gguf_package": "null", "model.dtype": "float32",
             "model.cache_dir": str(tmp_path),
             "generation.max_prompt_tokens": "16384", "generation.max_turns": "40", "ppo.micro_batch_tokens": "16384"}
-    learning.main(["--profile", "ci", "--output-dir", str(tmp_path / "bench"), "--workers", "1",
+    learning.main(["--profile", "ci", "--output-dir", str(tmp_path / "bench"), "--workers", "1", "--teacher-moves",
                    *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]])
     printed = capsys.readouterr().out
     report = json.loads(printed[:printed.index("\n| game |")])
     games = ["leduc_poker", "liars_dice", "goofspiel", "gin_rummy"]
+    for game in games:  # every model that played, replayed against its teacher
+        moves = report["teacher_moves"]["mcts"][game]
+        assert set(moves) == {"base", "sft", "sft+ppo"} and all(m["turns"] >= 2 for m in moves.values()), game
     assert report["games"] == games and set(report["results"]["mcts"]) == set(games)
     for game in games:
         rows = report["results"]["mcts"][game]
@@ -246,3 +249,32 @@ def test_tables_from_rejects_a_missing_file_or_a_half_relabel(tmp_path, source):
     write_records(tmp_path / "eval-mcts.jsonl", [record("sft", 0, 0.0)])
     with pytest.raises(SystemExit):
         learning.parse_args(["--tables-from", str(tmp_path / source)])
+
+
+def test_teacher_moves_count_the_turns_a_model_played_its_teachers_move(tmp_path, capsys):
+    """--teacher-moves: each recorded game replayed with the teacher answering; rows without a conversation
+    (the teacher's own) are left out."""
+    from test_sft_warmstart import _played_goofspiel
+
+    matches = []
+
+    def sometimes_the_lowest(turn, legal, expert_move):
+        reply = expert_move if turn % 2 else min(legal)
+        matches.append(reply == expert_move)
+        return str(reply)
+
+    played = [_played_goofspiel(seed, sometimes_the_lowest) for seed in (4, 5)]
+    records = [{**game, "model": "sft", "outcome": "loss", "turns": len(game["conversation"]) // 2,
+                "illegal_moves": 0, "parse_failed_game": False, "generated_tokens": 2,
+                "llm_player_id": game["seed"] % 2} for game in played]
+    teacher = {**records[0], "model": "expert"}
+    del teacher["conversation"]
+    eval_file = write_records(tmp_path / "eval-random.jsonl", records + [teacher])
+    learning.main(["--tables-from", str(eval_file), "--teacher-moves", "--workers", "1"])
+    printed = capsys.readouterr().out
+    moves = json.loads(printed[printed.index('{\n "sources"'):printed.index("\n| game |")])["teacher_moves"]
+    assert set(moves["random"]["goofspiel"]) == {"sft"}
+    row = moves["random"]["goofspiel"]["sft"]
+    assert (row["teacher"], row["turns"], row["teacher_moves"]) == ("prize", len(matches), sum(matches))
+    assert 0 < sum(matches) < len(matches) and row["ci95"][0] < row["rate"] < row["ci95"][1]
+    assert f"| goofspiel | random | sft | prize | {row['rate']:.3f}" in printed
