@@ -633,11 +633,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def dagger_round(config, args: argparse.Namespace, games: list[str], round_number: int, checkpoint: Path,
-                 simulations: int | None) -> Path:
+                 simulations: int | dict[str, int] | None) -> Path:
     """One `--dagger-rounds` round: the adapter at `checkpoint` plays `--dagger-episodes` games of each game as
     evaluate.py plays them (greedy, both seats, the same --set items), against the opponent the experts met;
     the experts relabel them, and SFT goes on from that adapter on the relabelled games alone. Returns the new
-    checkpoint. The round's seeds come from run.seed and the round: apart from evaluate.py's and each other's."""
+    checkpoint. The round's seeds come from run.seed and the adapter that plays: apart from evaluate.py's and
+    from every other round's, also when a run goes on from an earlier round's checkpoint."""
     import asyncio
     import gc
 
@@ -651,7 +652,7 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
     env_name, env_spec = evaluate.eval_env_specs(play_config, {"openspiel"})["openspiel"]
     if simulations is not None:  # the opponent's budget the relabelling replays with
         env_spec = env_spec.model_copy(update={"mcts_simulations": simulations})
-    seed = derive_seed(config.train.run.seed, "dagger", round_number)
+    seed = derive_seed(config.train.run.seed, "dagger", Path(checkpoint).resolve())
     tasks = [task for game in games for task in evaluate.game_tasks(
         game, args.dagger_episodes.get(game, args.dagger_episodes["*"]), seed, args.opponent, env_name)]
     console.print(f"DAgger round {round_number}: {checkpoint} plays {len(tasks)} games", highlight=False)

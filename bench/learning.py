@@ -231,7 +231,9 @@ def teacher_moves(records: list[dict], args: argparse.Namespace, config) -> dict
         if isinstance(r.get("conversation"), list) and not r.get("error") and has_expert(r["game"]):
             groups.setdefault((r["opponent"], r["game"], r["model"]), []).append(r)
     result: dict = {}
-    for (opponent, game, model), played in sorted(groups.items()):
+    known = (*MODELS, "ppo")  # the table's order, then other labels by name
+    order = {model: (known.index(model) if model in known else len(known), model) for *_, model in groups}
+    for (opponent, game, model), played in sorted(groups.items(), key=lambda item: (*item[0][:2], order[item[0][2]])):
         sources = [{**r, "source": f"{model}'s {game} game (task {r['task_id']}, seed {r['seed']})"} for r in played]
         try:
             relabelled = sft_warmstart.relabel(sources, relabel_args, args.mcts_simulations, search,
