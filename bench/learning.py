@@ -609,9 +609,11 @@ def main(argv: list[str] | None = None) -> None:
         ceilings["leduc_poker_best_mean_score_vs_random"] = round(leduc_best_response_vs_random(), 4)
     moves = None
     if args.teacher_moves:
+        started = time.perf_counter()
         played = [json.loads(line) for opponent in opponents if (args.output_dir / f"eval-{opponent}.jsonl").is_file()
                   for line in (args.output_dir / f"eval-{opponent}.jsonl").read_text().splitlines()]
         moves = teacher_moves(played, args, config)
+        timings["teacher_moves_seconds"] = time.perf_counter() - started
     print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "profile": args.profile, "games": games,
                       "ppo_steps": args.steps, "train_opponent": args.train_opponent, "train_seat": args.train_seat,
                       "variants": variants,

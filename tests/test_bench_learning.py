@@ -149,7 +149,7 @@ def test_the_ci_profile_runs_every_phase_and_row_on_the_four_validator_games(tin
         assert rows["sft+ppo"]["episodes"] == 2 and rows["sft+ppo"]["score_minus_sft"] is not None
     assert "ceiling" in report["results"]["mcts"]["leduc_poker"]
     assert report["experts"]["liars_dice"] == "true_bids"
-    assert set(report["minutes"]) == {"sft", "ppo", "eval", "teacher"}
+    assert set(report["minutes"]) == {"sft", "ppo", "eval", "teacher", "teacher_moves"}
 
 
 def test_reasoned_replies_are_every_game_some_games_or_none_and_an_explicit_length_wins():
