@@ -266,16 +266,16 @@ def generate(jobs: list[ExpertJob], workers: int, path: Path | None) -> list[dic
     return [r for r in records if r is not None]
 
 
-def read_played(source: str, default_opponent: str) -> list[dict[str, Any]]:
+def read_played(source: str, default_opponent: str, option: str = "--relabel") -> list[dict[str, Any]]:
     """`--relabel FILE[:MODEL]`: the finished games in an evaluate.py episodes.jsonl or a bench eval-*.jsonl
     (all of them, or MODEL's), each with a `source` naming its line. Trace records and games that ended in
-    an error (cut off, unfinished) are left out."""
+    an error (cut off, unfinished) are left out. Errors name `option`, the flag that asked for the file."""
     path_text, _, model = source.partition(":")
     path = Path(path_text)
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
-        raise ConfigError(f"--relabel {source}: cannot read played games ({exc}).") from None
+        raise ConfigError(f"{option} {source}: cannot read played games ({exc}).") from None
     played = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -286,7 +286,7 @@ def read_played(source: str, default_opponent: str) -> list[dict[str, Any]]:
         except ValueError:
             usable = False
         if not usable:
-            raise ConfigError(f"--relabel {path} line {number}: expected an episode record with 'task_id', 'seed' "
+            raise ConfigError(f"{option} {path} line {number}: expected an episode record with 'task_id', 'seed' "
                               "and a 'conversation' (evaluate.py's episodes.jsonl, bench/learning.py's eval-*.jsonl).")
         conversation = record.get("conversation") or record.get("messages")
         # a teacher's records in a bench file carry no conversation: nothing the model played
@@ -296,15 +296,15 @@ def read_played(source: str, default_opponent: str) -> list[dict[str, Any]]:
         played.append({**record, "conversation": conversation, "opponent": record.get("opponent") or default_opponent,
                        "source": f"{path} line {number}"})
     if not played:
-        raise ConfigError(f"--relabel {source}: no finished game with a conversation"
+        raise ConfigError(f"{option} {source}: no finished game with a conversation"
                           f"{' of model ' + repr(model) if model else ''} in it.")
     return played
 
 
 def relabel(played: list[dict[str, Any]], args: argparse.Namespace, simulations, opponent_search: str,
-            cache_dir: str, path: Path | None) -> list[dict[str, Any]]:
+            cache_dir: str, path: Path | None, option: str = "--relabel") -> list[dict[str, Any]]:
     """DAgger records of the played games on `args.workers` processes (`relabel_played_episode`), also
-    written to `path`; prints how often the model played the expert's move."""
+    written to `path`; prints how often the model played the expert's move. Errors name `option`."""
     from ppo_affine.envs.tasks import game_name_of
     from ppo_affine.experts import ExpertUnavailable, expert_kind
 
@@ -315,7 +315,7 @@ def relabel(played: list[dict[str, Any]], args: argparse.Namespace, simulations,
         try:
             kind = expert_kind(name, args.experts)
         except ExpertUnavailable as exc:
-            raise ConfigError(f"--relabel {game['source']}: {exc}.") from None
+            raise ConfigError(f"{option} {game['source']}: {exc}.") from None
         jobs.append(RelabelJob({k: v for k, v in game.items() if k != "source"}, kind,
                                args.expert_budget or DEFAULT_BUDGET[kind], args.cfr_iterations,
                                name in reasoned or "*" in reasoned,
@@ -329,7 +329,7 @@ def relabel(played: list[dict[str, Any]], args: argparse.Namespace, simulations,
                 try:
                     records[futures[future]] = future.result()
                 except ReplayMismatch as exc:
-                    raise ConfigError(f"--relabel {exc}") from None
+                    raise ConfigError(f"{option} {exc}") from None
                 advance()
     flat = [record for game in records for record in game or ()
             if not args.relabel_missed_only or record.get("max_replies") is not None]
@@ -480,7 +480,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="after the SFT, N rounds of DAgger: the newest adapter plays --dagger-episodes games "
                         "greedily against --opponent on seeds of their own, each game's expert relabels them "
                         "(as --relabel), and SFT goes on from that adapter on them for --epochs. With --init-adapter "
-                        "and --episodes 0 the rounds start from that adapter, with no SFT before them")
+                        "and --episodes 0 the rounds start from that adapter, with no SFT before them: also the way "
+                        "to go on after an interrupted run, from its last round's checkpoint (new deals)")
     parser.add_argument("--dagger-episodes", default="128", metavar="N",
                         help="games per game and round for --dagger-rounds: a number, or a number then GAME=N items")
     parser.add_argument("--init-adapter", type=Path, metavar="CHECKPOINT",
@@ -663,9 +664,9 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
     except evaluate.VLLMError as exc:  # the student plays where generation.backend says
         raise ConfigError(f"--dagger-rounds: {exc}") from None
     gc.collect()  # the playing model goes before the training one loads
-    played = read_played(str(played_path), args.opponent)
+    played = read_played(str(played_path), args.opponent, "--dagger-rounds")
     records = relabel(played, args, simulations, env_spec.opponent_search, config.train.model.cache_dir,
-                      folder / RELABEL_FILE)
+                      folder / RELABEL_FILE, "--dagger-rounds")
     entry: dict[str, Any] = {"round": round_number, "adapter": str(checkpoint), "seed": seed, "by_game": {},
                              "records": len(records)}
     for game in games:

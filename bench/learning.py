@@ -237,9 +237,9 @@ def teacher_moves(records: list[dict], args: argparse.Namespace, config) -> dict
         sources = [{**r, "source": f"{model}'s {game} game (task {r['task_id']}, seed {r['seed']})"} for r in played]
         try:
             relabelled = sft_warmstart.relabel(sources, relabel_args, args.mcts_simulations, search,
-                                               config.train.model.cache_dir, None)
+                                               config.train.model.cache_dir, None, "--teacher-moves")
         except sft_warmstart.ConfigError as exc:
-            sys.exit(f"--teacher-moves: {exc}")
+            sys.exit(str(exc))
         matched, turns = sft_warmstart.expert_moves_played(played, relabelled)
         result.setdefault(opponent, {}).setdefault(game, {})[model] = {
             "teacher": expert_kind(game, args.expert_choices), "turns": turns, "teacher_moves": matched,

@@ -278,3 +278,8 @@ def test_teacher_moves_count_the_turns_a_model_played_its_teachers_move(tmp_path
     assert (row["teacher"], row["turns"], row["teacher_moves"]) == ("prize", len(matches), sum(matches))
     assert 0 < sum(matches) < len(matches) and row["ci95"][0] < row["rate"] < row["ci95"][1]
     assert f"| goofspiel | random | sft | prize | {row['rate']:.3f}" in printed
+    # a game that does not replay as recorded (here: another seed) stops the table, naming the flag and the game
+    (tmp_path / "moved").mkdir()
+    moved = write_records(tmp_path / "moved" / "eval-random.jsonl", [{**records[0], "seed": 6}])
+    with pytest.raises(SystemExit, match=r"--teacher-moves sft's goofspiel game \(task \d+, seed 6\): the replayed"):
+        learning.main(["--tables-from", str(moved), "--teacher-moves", "--workers", "1"])
