@@ -86,6 +86,11 @@ def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | 
                      with_reason, opponent_simulations, opponent_search, cache_dir, explore, max_replies)
 
 
+def game_count(counts: int | dict[str, int], game: str) -> int:
+    """A per-game count (`parse_game_counts`' {game: n} with "*" for the others, or one number) for `game`."""
+    return counts.get(game, counts["*"]) if isinstance(counts, dict) else counts
+
+
 def plan_jobs(games: list[str], episodes: int | dict[str, int], seed: int, opponent: str, config_ids: list[int],
               budget: int | None,
               cfr_iterations: int, reason_games: Collection[str],
@@ -101,9 +106,6 @@ def plan_jobs(games: list[str], episodes: int | dict[str, int], seed: int, oppon
     expert's first reply and play no random moves."""
     from ppo_affine.envs.tasks import game_task_id
 
-    def count(counts: int | dict[str, int], game: str) -> int:
-        return counts.get(game, counts["*"]) if isinstance(counts, dict) else counts
-
     def simulations(game: str) -> int | None:
         return opponent_simulations.get(game) if isinstance(opponent_simulations, dict) else opponent_simulations
 
@@ -114,8 +116,8 @@ def plan_jobs(games: list[str], episodes: int | dict[str, int], seed: int, oppon
                           experts=experts, opponent_search=opponent_search, cache_dir=cache_dir, explore=explore,
                           max_replies=max_replies)
 
-    return ([job(game, i, "sft", explore, None) for game in games for i in range(count(episodes, game))]
-            + [job(game, i, "sft-opening", 0.0, 1) for game in games for i in range(count(openings, game))])
+    return ([job(game, i, "sft", explore, None) for game in games for i in range(game_count(episodes, game))]
+            + [job(game, i, "sft-opening", 0.0, 1) for game in games for i in range(game_count(openings, game))])
 
 
 def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
@@ -655,7 +657,7 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
         env_spec = env_spec.model_copy(update={"mcts_simulations": simulations})
     seed = derive_seed(config.train.run.seed, "dagger", Path(checkpoint).resolve())
     tasks = [task for game in games for task in evaluate.game_tasks(
-        game, args.dagger_episodes.get(game, args.dagger_episodes["*"]), seed, args.opponent, env_name)]
+        game, game_count(args.dagger_episodes, game), seed, args.opponent, env_name)]
     console.print(f"DAgger round {round_number}: {checkpoint} plays {len(tasks)} games", highlight=False)
     played_path = folder / "played.jsonl"
     try:

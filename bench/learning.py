@@ -185,9 +185,7 @@ def print_tables_from(sources: list[str], args: argparse.Namespace) -> None:
     results, rows = {}, []
     for opponent in sorted({r["opponent"] for r in records}):
         played = [r for r in records if r["opponent"] == opponent]
-        present, known = {r["model"] for r in played}, (*MODELS, "ppo", "ceiling")
-        models = [m for m in known if m in present] + sorted(present - set(known))
-        results[opponent], opponent_rows = table(played, opponent, models)
+        results[opponent], opponent_rows = table(played, opponent, table_order({r["model"] for r in played}))
         rows += opponent_rows
     moves = None
     if args.teacher_moves:
@@ -196,6 +194,12 @@ def print_tables_from(sources: list[str], args: argparse.Namespace) -> None:
     print_table(rows, results)
     if moves:
         print_teacher_moves(moves)
+
+
+def table_order(models: set[str]) -> list[str]:
+    """Model labels in the tables' order: the bench's own rows first, then other labels by name."""
+    known = (*MODELS, "ppo", "ceiling")
+    return [m for m in known if m in models] + sorted(models - set(known))
 
 
 def print_table(rows: list[str], results: dict) -> None:
@@ -231,9 +235,8 @@ def teacher_moves(records: list[dict], args: argparse.Namespace, config) -> dict
         if isinstance(r.get("conversation"), list) and not r.get("error") and has_expert(r["game"]):
             groups.setdefault((r["opponent"], r["game"], r["model"]), []).append(r)
     result: dict = {}
-    known = (*MODELS, "ppo")  # the table's order, then other labels by name
-    order = {model: (known.index(model) if model in known else len(known), model) for *_, model in groups}
-    for (opponent, game, model), played in sorted(groups.items(), key=lambda item: (*item[0][:2], order[item[0][2]])):
+    rank = {model: i for i, model in enumerate(table_order({model for *_, model in groups}))}
+    for (opponent, game, model), played in sorted(groups.items(), key=lambda item: (*item[0][:2], rank[item[0][2]])):
         sources = [{**r, "source": f"{model}'s {game} game (task {r['task_id']}, seed {r['seed']})"} for r in played]
         try:
             relabelled = sft_warmstart.relabel(sources, relabel_args, args.mcts_simulations, search,
@@ -566,7 +569,7 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(presets=["cpu"], overrides=[*overrides, "generation.temperature=0"])
     trained_label = "sft+ppo" if args.warm_start else "ppo"
     models = [m for m in (MODELS if args.warm_start else ("base", "ppo")) if m in args.model_rows]
-    results, rows, ceilings = {}, [], {}
+    results, rows, ceilings, evaluated = {}, [], {}, []
     timings["eval_seconds"] = timings["teacher_seconds"] = 0.0
     for opponent in opponents:
         # a game whose opponent is random whatever is asked (goofspiel) plays once when both opponents are evaluated
@@ -601,6 +604,7 @@ def main(argv: list[str] | None = None) -> None:
         timings["teacher_seconds"] += time.perf_counter() - started
         results[opponent], opponent_rows = table(records, opponent, table_models)
         rows += opponent_rows
+        evaluated += records
         for game, row in results[opponent].items():
             if "ceiling" in row and row.get(trained_label) and row["ceiling"]["mean_score"]:
                 ceilings[f"{game}_{trained_label}_over_best_response_vs_{opponent}"] = round(
@@ -610,9 +614,7 @@ def main(argv: list[str] | None = None) -> None:
     moves = None
     if args.teacher_moves:
         started = time.perf_counter()
-        played = [json.loads(line) for opponent in opponents if (args.output_dir / f"eval-{opponent}.jsonl").is_file()
-                  for line in (args.output_dir / f"eval-{opponent}.jsonl").read_text().splitlines()]
-        moves = teacher_moves(played, args, config)
+        moves = teacher_moves(evaluated, args, config)
         timings["teacher_moves_seconds"] = time.perf_counter() - started
     print(json.dumps({"model": "SmolLM2-135M-Instruct (cpu preset)", "profile": args.profile, "games": games,
                       "ppo_steps": args.steps, "train_opponent": args.train_opponent, "train_seat": args.train_seat,
