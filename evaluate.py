@@ -15,6 +15,10 @@ listed id once (ranges inclusive).
 `--env-evaluate URL|IMAGE` scores through the env's own evaluate() instead (env_evaluate.py): the env
 plays each game against the vLLM server with the validators' prompt text, parser and timeouts.
 
+With `--compare-base` the base replays the MCTS opponent's moves that the adapter's games recorded
+wherever its game repeats one (ppo_affine/envs/opponent_moves.py: the same moves, searched only where
+the games differ). `--set env.envs.openspiel.opponent_moves=FILE` keeps that record across runs.
+
 Run:  python evaluate.py --preset cpu --base-only --games leduc_poker,liars_dice --episodes 10 --opponent random
       python evaluate.py --checkpoint runs/r/checkpoints/checkpoint-500 --games goofspiel,leduc_poker \\
           --episodes 50 --compare-base --output-dir eval/r-500
@@ -30,6 +34,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -241,6 +246,11 @@ async def evaluate(config: Config, tasks: list[Task], env_specs: dict[str, tuple
     generator, tokenizer, runs = model_runs(config, adapter_dir, compare_base)
     gen_cfg = config.train.generation
     meets_search = any(task.opponent == "mcts" for task in tasks)
+    scratch = None
+    if len(runs) > 1:  # the models meet the same seeds: the second searches only where its games differ
+        scratch = tempfile.TemporaryDirectory(prefix="opponent-moves-")
+        env_specs = {kind: (name, shared_opponent_moves(spec, Path(scratch.name) / "opponent-moves.sqlite"))
+                     for kind, (name, spec) in env_specs.items()}
     envs = {name: (kind, make_env(spec, seed=config.train.run.seed, meets_search=meets_search))
             for kind, (name, spec) in env_specs.items()}
     # the validators' conversation: replies stored as their client returns them, every prompt rendered anew
@@ -270,7 +280,16 @@ async def evaluate(config: Config, tasks: list[Task], env_specs: dict[str, tuple
         await generator.close()
         for _, env in envs.values():
             await env.close()
+        if scratch:
+            scratch.cleanup()
     return records
+
+
+def shared_opponent_moves(spec: EnvSpec, path: Path) -> EnvSpec:
+    """`spec` recording and replaying the MCTS opponent's moves in `path`, unless it names its own file."""
+    if spec.kind != "openspiel" or spec.mode != "local" or spec.opponent_moves:
+        return spec
+    return spec.model_copy(update={"opponent_moves": str(path)})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

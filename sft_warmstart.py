@@ -66,6 +66,7 @@ class ExpertJob:
     cache_dir: str = "~/.cache/ppo-affine"  # where the best-response expert keeps its opponent model
     explore: float = 0.0  # chance that a turn plays a uniformly random legal move (not trained on)
     max_replies: int | None = None  # the record ends after this many expert replies (None: the whole game)
+    opponent_moves: str | None = None  # a file of recorded opponent moves to replay (EnvSpec.opponent_moves)
 
 
 # MCTS simulations / playouts per bid / unused (the other experts)
@@ -77,13 +78,14 @@ def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | 
                cfr_iterations: int = 300, with_reason: bool = False,
                opponent_simulations: int | None = None, *, experts: dict[str, str] | None = None,
                opponent_search: str = "fast", cache_dir: str = "~/.cache/ppo-affine",
-               explore: float = 0.0, max_replies: int | None = None) -> ExpertJob:
+               explore: float = 0.0, max_replies: int | None = None, opponent_moves: str | None = None) -> ExpertJob:
     """`experts`: game -> expert kind for the games that do not play their default expert."""
     from ppo_affine.experts import expert_kind
 
     kind = expert_kind(game, experts)
     return ExpertJob(game, kind, task_id, seed, opponent, budget or DEFAULT_BUDGET[kind], cfr_iterations,
-                     with_reason, opponent_simulations, opponent_search, cache_dir, explore, max_replies)
+                     with_reason, opponent_simulations, opponent_search, cache_dir, explore, max_replies,
+                     opponent_moves)
 
 
 def game_count(counts: int | dict[str, int], game: str) -> int:
@@ -137,7 +139,7 @@ def play_expert_episode(job: ExpertJob) -> dict[str, Any]:
 
     episode = Episode(uuid.uuid4().hex, task_id=job.task_id, seed=job.seed, opponent=job.opponent,
                       observation_format="evaluate", max_parse_attempts=3, mcts_simulations=job.opponent_simulations,
-                      opponent_search=job.opponent_search)
+                      opponent_search=job.opponent_search, opponent_moves=job.opponent_moves)
     expert = Expert(job.kind, episode.game, episode.player, job.seed, job.budget, job.cfr_iterations, job.cache_dir,
                     job.opponent_simulations)
     result = episode.start()
@@ -178,6 +180,7 @@ class RelabelJob:
     opponent_search: str
     cache_dir: str
     source: str  # "FILE line N", for errors
+    opponent_moves: str | None = None  # the file of opponent moves its evaluation recorded: no search again
 
 
 class ReplayMismatch(ValueError):
@@ -203,7 +206,7 @@ def relabel_played_episode(job: RelabelJob) -> list[dict[str, Any]]:
     recorded = played["conversation"]
     episode = Episode(uuid.uuid4().hex, task_id=played["task_id"], seed=played["seed"], opponent=played["opponent"],
                       observation_format="evaluate", max_parse_attempts=3, mcts_simulations=job.opponent_simulations,
-                      opponent_search=job.opponent_search)
+                      opponent_search=job.opponent_search, opponent_moves=job.opponent_moves)
     expert = Expert(job.kind, episode.game, episode.player, played["seed"], job.budget, job.cfr_iterations,
                     job.cache_dir, job.opponent_simulations)
     result = episode.start()
@@ -304,9 +307,12 @@ def read_played(source: str, default_opponent: str, option: str = "--relabel") -
 
 
 def relabel(played: list[dict[str, Any]], args: argparse.Namespace, simulations, opponent_search: str,
-            cache_dir: str, path: Path | None, option: str = "--relabel") -> list[dict[str, Any]]:
+            cache_dir: str, path: Path | None, option: str = "--relabel", opponent_moves: str | None = None
+            ) -> list[dict[str, Any]]:
     """DAgger records of the played games on `args.workers` processes (`relabel_played_episode`), also
-    written to `path`; prints how often the model played the expert's move. Errors name `option`."""
+    written to `path`; prints how often the model played the expert's move. Errors name `option`.
+    `opponent_moves`: the file of opponent moves recorded while the games were played, which the replay
+    reads instead of searching again."""
     from ppo_affine.envs.tasks import game_name_of
     from ppo_affine.experts import ExpertUnavailable, expert_kind
 
@@ -322,7 +328,7 @@ def relabel(played: list[dict[str, Any]], args: argparse.Namespace, simulations,
                                args.expert_budget or DEFAULT_BUDGET[kind], args.cfr_iterations,
                                name in reasoned or "*" in reasoned,
                                simulations.get(name) if isinstance(simulations, dict) else simulations,
-                               opponent_search, cache_dir, game["source"]))
+                               opponent_search, cache_dir, game["source"], opponent_moves))
     records: list[list[dict[str, Any]] | None] = [None] * len(jobs)
     with rollout_progress(len(jobs), f"relabelled games ({args.workers} processes)") as advance:
         with ProcessPoolExecutor(max_workers=args.workers) as pool:
@@ -618,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{args.output_dir / DATA_FILE}", highlight=False)
         if args.played:
             records += relabel(args.played, args, simulations, game_env.opponent_search, config.train.model.cache_dir,
-                               args.output_dir / RELABEL_FILE)
+                               args.output_dir / RELABEL_FILE, opponent_moves=game_env.opponent_moves)
         checkpoint = args.init_adapter  # DAgger rounds from that adapter alone, with no SFT before them
         if records:
             checkpoint = warm_start(config, records, args, args.init_adapter, args.output_dir)
@@ -655,6 +661,8 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
     env_name, env_spec = evaluate.eval_env_specs(play_config, {"openspiel"})["openspiel"]
     if simulations is not None:  # the opponent's budget the relabelling replays with
         env_spec = env_spec.model_copy(update={"mcts_simulations": simulations})
+    # the relabelling replays these games: it reads the opponent's moves their play recorded
+    env_spec = evaluate.shared_opponent_moves(env_spec, folder / "opponent-moves.sqlite")
     seed = derive_seed(config.train.run.seed, "dagger", Path(checkpoint).resolve())
     tasks = [task for game in games for task in evaluate.game_tasks(
         game, game_count(args.dagger_episodes, game), seed, args.opponent, env_name)]
@@ -668,7 +676,7 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
     gc.collect()  # the playing model goes before the training one loads
     played = read_played(str(played_path), args.opponent, "--dagger-rounds")
     records = relabel(played, args, simulations, env_spec.opponent_search, config.train.model.cache_dir,
-                      folder / RELABEL_FILE, "--dagger-rounds")
+                      folder / RELABEL_FILE, "--dagger-rounds", env_spec.opponent_moves)
     entry: dict[str, Any] = {"round": round_number, "adapter": str(checkpoint), "seed": seed, "by_game": {},
                              "records": len(records)}
     for game in games:

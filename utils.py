@@ -252,6 +252,12 @@ class EnvSpec(Strict):
         "proof holds (the others keep the exact one); 'exact': the Affine env's own Python search, move for move the "
         "validators' opponent, tens of times slower."
     )
+    opponent_moves: str | None = Field(
+        None, description="openspiel only: a SQLite file of the MCTS opponent's moves (created if missing). An "
+        "episode whose seed and history repeat one recorded there replays its moves instead of searching; the moves "
+        "are the same (ppo_affine/envs/opponent_moves.py). Evaluations set it so that models scored on the same seeds "
+        "search only where their games differ; training meets new seeds and gains nothing from it."
+    )
     workers: int | Literal["auto"] = Field(
         "auto", description="openspiel only: worker processes holding game episodes, so that the opponent searches of "
         "concurrent episodes run on several cores (0 = in-process). 'auto': the cores this machine gives each of its "

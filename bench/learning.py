@@ -240,7 +240,8 @@ def teacher_moves(records: list[dict], args: argparse.Namespace, config) -> dict
         sources = [{**r, "source": f"{model}'s {game} game (task {r['task_id']}, seed {r['seed']})"} for r in played]
         try:
             relabelled = sft_warmstart.relabel(sources, relabel_args, args.mcts_simulations, search,
-                                               config.train.model.cache_dir, None, "--teacher-moves")
+                                               config.train.model.cache_dir, None, "--teacher-moves",
+                                               game_env.opponent_moves if game_env else None)
         except sft_warmstart.ConfigError as exc:
             sys.exit(str(exc))
         matched, turns = sft_warmstart.expert_moves_played(played, relabelled)
@@ -262,13 +263,15 @@ def print_teacher_moves(moves: dict) -> None:
 
 def expert_records(games: list[str], episodes: dict[str, int], opponent: str,
                    simulations: int | dict[str, int] | None, workers: int, experts: dict[str, str],
-                   label: str = "expert", skip: int = 0) -> list[dict]:
-    """The experts themselves on the same tasks and seeds, as evaluation records labelled `label`."""
+                   label: str = "expert", skip: int = 0, opponent_moves: str | None = None) -> list[dict]:
+    """The experts themselves on the same tasks and seeds, as evaluation records labelled `label`;
+    `opponent_moves`: the file of the opponent's moves the models' games recorded (EnvSpec.opponent_moves)."""
     def budget(game: str) -> int | None:
         return simulations.get(game) if isinstance(simulations, dict) else simulations
 
     jobs = [sft_warmstart.expert_job(game_name_of(t.task_id), t.task_id, t.seed, opponent,
-                                     opponent_simulations=budget(game_name_of(t.task_id)), experts=experts)
+                                     opponent_simulations=budget(game_name_of(t.task_id)), experts=experts,
+                                     opponent_moves=opponent_moves)
             for t in eval_tasks(games, episodes, opponent, skip)]
     played = sft_warmstart.generate(jobs, workers, None)
     return [{"model": label, "game": r["game"], "task_id": r["task_id"], "seed": r["seed"], "opponent": opponent,
@@ -566,7 +569,10 @@ def main(argv: list[str] | None = None) -> None:
         timings["ppo_seconds"] = time.perf_counter() - started
         curves = [str(path) for path in visualize.plot_run(metrics_path, args.output_dir / "plots")]
 
-    config = load_config(presets=["cpu"], overrides=[*overrides, "generation.temperature=0"])
+    # every model meets the same seeds: each records the opponent's moves that the next replays where games repeat
+    moves_file = f"env.envs.openspiel.opponent_moves={json.dumps(str(args.output_dir / 'opponent-moves.sqlite'))}"
+    config = load_config(presets=["cpu"], overrides=[moves_file, *overrides, "generation.temperature=0"])
+    opponent_moves = next(s.opponent_moves for s in config.env.envs.values() if s.kind == "openspiel")
     trained_label = "sft+ppo" if args.warm_start else "ppo"
     models = [m for m in (MODELS if args.warm_start else ("base", "ppo")) if m in args.model_rows]
     results, rows, ceilings, evaluated = {}, [], {}, []
@@ -592,12 +598,12 @@ def main(argv: list[str] | None = None) -> None:
         started = time.perf_counter()
         if args.warm_start and "expert" in models:
             experts_played = expert_records(played, args.eval_counts, opponent, args.mcts_simulations, args.workers,
-                                            args.expert_choices, skip=args.eval_skip)
+                                            args.expert_choices, skip=args.eval_skip, opponent_moves=opponent_moves)
             append_records(episodes_path, experts_played)
             records += experts_played
         table_models = list(models)
         if opponent == "mcts":
-            ceiling = ceiling_records(played, args, records)
+            ceiling = ceiling_records(played, args, records, opponent_moves)
             append_records(episodes_path, ceiling)
             records += ceiling
             table_models += sorted({r["model"] for r in records if r["model"] == "ceiling"})
@@ -651,7 +657,8 @@ def sft_settings(args: argparse.Namespace, sft_checkpoint: Path | None) -> dict 
     return settings
 
 
-def ceiling_records(games: list[str], args: argparse.Namespace, records: list[dict]) -> list[dict]:
+def ceiling_records(games: list[str], args: argparse.Namespace, records: list[dict],
+                    opponent_moves: str | None = None) -> list[dict]:
     """The best response's own games vs MCTS where one is known (leduc_poker): the teacher's records when
     the teacher is that best response, else played on the same tasks."""
     ceiling = []
@@ -662,7 +669,7 @@ def ceiling_records(games: list[str], args: argparse.Namespace, records: list[di
             ceiling += [{**r, "model": "ceiling"} for r in records if r["model"] == "expert" and r["game"] == game]
         else:
             ceiling += expert_records([game], args.eval_counts, "mcts", args.mcts_simulations, args.workers,
-                                      {game: kind}, label="ceiling", skip=args.eval_skip)
+                                      {game: kind}, label="ceiling", skip=args.eval_skip, opponent_moves=opponent_moves)
     return ceiling
 
 

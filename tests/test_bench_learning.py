@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from ppo_affine.envs.opponent_moves import OpponentMoves
+
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("bench_learning", ROOT / "bench" / "learning.py")
 learning = importlib.util.module_from_spec(spec)
@@ -131,6 +133,15 @@ def test_the_ci_profile_runs_every_phase_and_row_on_the_four_validator_games(tin
     from ppo_affine import experts
 
     monkeypatch.setattr(experts, "OPPONENT_MODEL_SAMPLES", 1)  # the best response behind the ceiling, cheaply
+    moves_file, recorded = tmp_path / "bench" / "opponent-moves.sqlite", {}
+
+    def counting_teacher_moves(*args, real=learning.teacher_moves):
+        recorded["before"] = len(OpponentMoves(moves_file))
+        result = real(*args)
+        recorded["after"] = len(OpponentMoves(moves_file))
+        return result
+
+    monkeypatch.setattr(learning, "teacher_moves", counting_teacher_moves)
     sets = {"model.name_or_path": str(tiny_model_dir), "model.gguf_package": "null", "model.dtype": "float32",
             "model.cache_dir": str(tmp_path),
             "generation.max_prompt_tokens": "16384", "generation.max_turns": "40", "ppo.micro_batch_tokens": "16384"}
@@ -150,6 +161,8 @@ def test_the_ci_profile_runs_every_phase_and_row_on_the_four_validator_games(tin
     assert "ceiling" in report["results"]["mcts"]["leduc_poker"]
     assert report["experts"]["liars_dice"] == "true_bids"
     assert set(report["minutes"]) == {"sft", "ppo", "eval", "teacher", "teacher_moves"}
+    # the evaluations recorded the opponent's moves, and replaying their games with the teachers searched none
+    assert recorded["before"] > 0 and recorded["after"] == recorded["before"]
 
 
 def test_reasoned_replies_are_every_game_some_games_or_none_and_an_explicit_length_wins():

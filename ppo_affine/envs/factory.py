@@ -35,6 +35,7 @@ def make_env(spec, seed: int, meets_search: bool = True, ranks_on_machine: int =
 
         return OpenSpielEnv(observation_format=spec.observation_format, seed=seed,
                             mcts_simulations=spec.mcts_simulations, opponent_search=spec.opponent_search,
+                            opponent_moves=spec.opponent_moves,
                             workers=game_workers(spec, meets_search, ranks_on_machine))
     from ppo_affine.envs.trace_env import TraceEnv
 

@@ -12,6 +12,8 @@ exact or the fast MCTS). This module keeps the episode registry and decides wher
   whole life, so the searches of concurrent episodes use N cores. An episode's moves depend only on
   its own seeds, so results are identical to in-process ones. The trainer's config sizes N to the
   machine (factory.game_workers), which the exact search needs to use more than one core.
+`opponent_moves` names a file of recorded opponent moves that episodes on repeated seeds replay
+instead of searching again (opponent_moves.py): evaluations of several models on the same seeds.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ppo_affine.envs.base import StepResult, step_result
 from ppo_affine.envs.games import decode_task_id, is_playable
 from ppo_affine.envs.openspiel_episode import SEARCHES, Episode
 from ppo_affine.envs.openspiel_text import FORMATS
+from ppo_affine.envs.opponent_moves import OpponentMoves
 
 __all__ = ["OpenSpielEnv", "decode_task_id", "is_playable"]
 
@@ -84,7 +87,7 @@ class OpenSpielEnv:
 
     def __init__(self, observation_format: str = "evaluate", seed: int = 0, max_parse_attempts: int = 3,
                  mcts_simulations: int | dict[str, int] | None = None, workers: int = 0,
-                 opponent_search: str = "fast"):
+                 opponent_search: str = "fast", opponent_moves: str | None = None):
         if observation_format not in FORMATS:
             raise ValueError(f"observation_format must be one of {FORMATS}, got {observation_format!r}")
         if max_parse_attempts < 1:
@@ -99,6 +102,9 @@ class OpenSpielEnv:
             raise ValueError(f"opponent_search must be one of {SEARCHES}, got {opponent_search!r}")
         self.observation_format = observation_format
         self.opponent_search = opponent_search
+        self.opponent_moves = opponent_moves and str(opponent_moves)
+        if self.opponent_moves:
+            OpponentMoves(self.opponent_moves).get("")  # a file that is not SQLite fails here, not in a worker
         self.max_parse_attempts = max_parse_attempts
         self.mcts_simulations = mcts_simulations
         self._rng = random.Random(seed)  # draws the task ids and seeds that callers leave out
@@ -132,7 +138,7 @@ class OpenSpielEnv:
         settings = {
             "task_id": task_id, "seed": seed, "opponent": opponent, "observation_format": self.observation_format,
             "max_parse_attempts": self.max_parse_attempts, "mcts_simulations": self.mcts_simulations,
-            "opponent_search": self.opponent_search,
+            "opponent_search": self.opponent_search, "opponent_moves": self.opponent_moves,
         }
         live = self._live[episode_id] = _Live(asyncio.Lock(), worker=self._least_loaded_worker())
         async with live.lock:

@@ -39,6 +39,7 @@ from open_spiel.python.bots.uniform_random import UniformRandomBot
 from ppo_affine.envs import openspiel_text as text
 from ppo_affine.envs.base import StepResult, step_result
 from ppo_affine.envs.games import GAMES, GameSpec, decode_task_id, describe_default
+from ppo_affine.envs.opponent_moves import OpponentMoves, move_key
 
 SEED_SPACE = 2**32
 UCT_C = 1.414
@@ -132,6 +133,19 @@ def has_search_opponent(game: pyspiel.Game, spec: GameSpec) -> bool:
     return spec.mcts is not None and game.get_type().dynamics != pyspiel.GameType.Dynamics.SIMULTANEOUS
 
 
+def search_budget(game: pyspiel.Game, spec: GameSpec, opponent: str, mcts_simulations: int | None
+                  ) -> tuple[int, int] | None:
+    """(max_simulations, n_rollouts) of the MCTS opponent this game gets, or None for a random one."""
+    if opponent == "mcts" and has_search_opponent(game, spec):
+        return (mcts_simulations or spec.mcts[0], spec.mcts[1])
+    return None
+
+
+def search_used(spec: GameSpec, search: str) -> str:
+    """The implementation that plays: `fast` only where its parity run held."""
+    return search if spec.fast_search else "exact"
+
+
 def build_bots(game: pyspiel.Game, spec: GameSpec, observation_format: str, player: int, seed: int,
                opponent: str, mcts_simulations: int | None, search: str = "fast") -> dict[int, pyspiel.Bot]:
     """A bot for every seat but the model's (spec sections 2 and 6.3); empty for 1-player games.
@@ -139,10 +153,8 @@ def build_bots(game: pyspiel.Game, spec: GameSpec, observation_format: str, play
     if search not in SEARCHES:
         raise ValueError(f"opponent search must be one of {SEARCHES}, got {search!r}")
     seats = [p for p in range(game.num_players()) if p != player]
-    budget = None
-    if opponent == "mcts" and has_search_opponent(game, spec):
-        budget = (mcts_simulations or spec.mcts[0], spec.mcts[1])
-    search = search if spec.fast_search else "exact"
+    budget = search_budget(game, spec, opponent, mcts_simulations)
+    search = search_used(spec, search)
     if observation_format == "evaluate":
         if budget:
             return {p: mcts_bot(game, budget, seed + 5 + p, seed + 6 + p, search) for p in seats}
@@ -172,7 +184,8 @@ class Episode:
     """One game from reset to its final score; `start`, `step` and `observe` return StepResults."""
 
     def __init__(self, episode_id: str, *, task_id: int, seed: int, opponent: str, observation_format: str,
-                 max_parse_attempts: int, mcts_simulations: int | dict[str, int] | None, opponent_search: str = "fast"):
+                 max_parse_attempts: int, mcts_simulations: int | dict[str, int] | None, opponent_search: str = "fast",
+                 opponent_moves: str | None = None):
         decoded = decode_task_id(task_id)
         self.episode_id, self.task_id, self.seed, self.opponent = episode_id, task_id, seed, opponent
         self.game_name, self.format = decoded["game_name"], observation_format
@@ -187,6 +200,14 @@ class Episode:
         self.bots = build_bots(self.game, self.spec, observation_format, self.player, seed, opponent, mcts_simulations,
                                opponent_search)
         self.has_search_bot = any(is_search_bot(bot) for bot in self.bots.values())
+        # Recorded opponent moves (opponent_moves.py): what fixes a search's move besides the history.
+        self.move_log = OpponentMoves(opponent_moves) if opponent_moves and self.has_search_bot else None
+        self._move_key_fields = dict(
+            game=self.game_name, params=decoded["game_params"], seed=seed, observation_format=observation_format,
+            budget=search_budget(self.game, self.spec, opponent, mcts_simulations),
+            search=search_used(self.spec, opponent_search))
+        self._skipped_searches: list[tuple[pyspiel.Bot, pyspiel.State]] = []
+        self.opponent_moves_replayed = 0
         self.chance_rng = _rng(seed if evaluate else seed + 100)
         # openenv puts the rules in the first observation instead of a system message.
         self.system_prompt = text.system_prompt(self.game_name, self.spec.rules) if evaluate else None
@@ -288,7 +309,23 @@ class Episode:
 
     def _bot_move(self, seat: int) -> int:
         started = time.perf_counter()
-        action = int(self.bots[seat].step(self.state))
+        bot = self.bots[seat]
+        key = None
+        if self.move_log is not None:
+            key = move_key(seat=seat, history=self.state.history(), **self._move_key_fields)
+            recorded = self.move_log.get(key)
+            if recorded is not None:
+                # the search this skips would have drawn from the bot's streams: run it before the next real one
+                self._skipped_searches.append((bot, self.state.clone()))
+                self.opponent_moves_replayed += 1
+                self.opponent_seconds += time.perf_counter() - started
+                return recorded
+            for skipped_bot, state in self._skipped_searches:
+                skipped_bot.step(state)
+            self._skipped_searches.clear()
+        action = int(bot.step(self.state))
+        if key is not None:
+            self.move_log.put(key, action)
         self.opponent_seconds += time.perf_counter() - started
         return action
 

@@ -1,0 +1,71 @@
+"""A file of the MCTS opponent's moves, so that models evaluated on the same seeds search only where
+their games differ.
+
+The opponent is seeded per game (openspiel_episode.build_bots): its move at a state is fixed by the
+game, the seed, the seat, its budget and implementation, and the history that led there, since its
+random streams have been drawn by the searches of every earlier opponent move of that history. So a
+move found here for the same key is the move a search would make. A replayed move does not draw from
+the streams, though; the episode keeps the states it skipped and, at its first move not found here,
+runs those searches first (their moves discarded), so the search that follows starts from the draws
+it would have had. Games that repeat another model's to the end cost no search at all.
+
+SQLite holds the moves: worker processes of one run, and the runs of one bench, share the file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+from typing import Any
+
+import pyspiel
+
+# Bump when anything that decides an opponent's move changes without showing in the key.
+FORMAT = 1
+_connections: dict[tuple[int, str], sqlite3.Connection] = {}
+_lock = threading.Lock()  # in-process episodes search on threads; they share the process's connection
+
+
+def move_key(*, game: str, params: dict[str, Any], seed: int, observation_format: str, seat: int,
+             budget: tuple[int, int], search: str, history: list[int]) -> str:
+    """Everything that fixes the seeded opponent's move at this point of one game."""
+    fields = [FORMAT, pyspiel.__version__, game, sorted(params.items()),
+              seed, observation_format, seat, list(budget), search, history]
+    return hashlib.sha256(json.dumps(fields, default=str).encode()).hexdigest()
+
+
+class OpponentMoves:
+    """get/put of recorded moves in the SQLite file at `path` (created with its folder if missing)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+
+    def _connection(self) -> sqlite3.Connection:
+        # one connection per process: a connection cannot cross the fork/spawn into a worker
+        key = (os.getpid(), self.path)
+        if key not in _connections:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            try:
+                connection = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
+                connection.execute("PRAGMA journal_mode=WAL")
+                connection.execute("CREATE TABLE IF NOT EXISTS moves (key TEXT PRIMARY KEY, action INTEGER NOT NULL)")
+            except sqlite3.DatabaseError as error:
+                raise ValueError(f"opponent_moves: {self.path} is not a usable SQLite file of opponent moves "
+                                 f"({error}); give a new path or delete it") from error
+            _connections[key] = connection
+        return _connections[key]
+
+    def get(self, key: str) -> int | None:
+        with _lock:
+            row = self._connection().execute("SELECT action FROM moves WHERE key = ?", (key,)).fetchone()
+        return None if row is None else int(row[0])
+
+    def put(self, key: str, action: int) -> None:
+        with _lock:
+            self._connection().execute("INSERT OR IGNORE INTO moves (key, action) VALUES (?, ?)", (key, int(action)))
+
+    def __len__(self) -> int:
+        with _lock:
+            return self._connection().execute("SELECT COUNT(*) FROM moves").fetchone()[0]

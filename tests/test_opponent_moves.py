@@ -1,0 +1,100 @@
+"""The file of recorded opponent moves (ppo_affine/envs/opponent_moves.py): replaying it must give the
+games a search gives, move for move, also after a game leaves the recorded history."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ppo_affine.envs.openspiel_env import OpenSpielEnv
+from ppo_affine.envs.openspiel_episode import Episode
+from ppo_affine.envs.opponent_moves import OpponentMoves
+from ppo_affine.envs.tasks import game_task_id
+
+
+def play(game: str, seed: int, policy: str, log, search: str = "fast", simulations: int = 25):
+    """One evaluate-format game in which the model plays the lowest legal action ('low'), the highest
+    ('high'), or the lowest at its first decision and the highest after it ('low-then-high').
+    Returns (full history, score, opponent moves replayed from the file)."""
+    episode = Episode("e", task_id=game_task_id(game), seed=seed, opponent="mcts", observation_format="evaluate",
+                      max_parse_attempts=3, mcts_simulations=simulations, opponent_search=search,
+                      opponent_moves=log and str(log))
+    episode.start()
+    decisions = 0
+    while not episode.done:
+        pick = min if policy == "low" or (policy == "low-then-high" and decisions == 0) else max
+        episode.step(str(pick(episode.legal)))
+        decisions += 1
+    return episode.state.history(), episode.score, episode.opponent_moves_replayed
+
+
+@pytest.mark.parametrize("game,search,seeds", [("leduc_poker", "fast", 12), ("liars_dice", "fast", 12),
+                                               ("leduc_poker", "exact", 3)])
+def test_replayed_games_are_the_searched_games_also_after_they_leave_the_recorded_history(tmp_path, game, search,
+                                                                                           seeds):
+    # 25 simulations: a noisy search, so a bot whose random streams were not caught up plays other moves
+    # (leaving out the catch-up fails this on leduc_poker's first seed)
+    log = tmp_path / "moves.sqlite"
+    replayed = 0
+    for seed in range(seeds):
+        searched = {policy: play(game, seed, policy, None, search)[:2] for policy in ("low", "low-then-high", "high")}
+        first = play(game, seed, "low", log, search)
+        again = play(game, seed, "low", log, search)
+        assert first[:2] == again[:2] == searched["low"]
+        assert first[2] == 0
+        assert again[2] >= 1  # every opponent move of a repeated game comes from the file
+        branching = play(game, seed, "low-then-high", log, search)
+        assert branching[:2] == searched["low-then-high"], f"seed {seed}"
+        assert play(game, seed, "high", log, search)[:2] == searched["high"], f"seed {seed}"
+        replayed += branching[2]
+    assert replayed > 0  # some games shared a prefix with a recorded one, then left it
+
+
+def test_another_budget_or_seed_never_replays_a_recorded_move(tmp_path):
+    log = tmp_path / "moves.sqlite"
+    play("leduc_poker", 3, "low", log)
+    recorded = len(OpponentMoves(log))
+    assert recorded >= 1
+    assert play("leduc_poker", 3, "low", log, simulations=26)[2] == 0
+    assert play("leduc_poker", 5, "low", log)[2] == 0
+    assert play("leduc_poker", 3, "low", log)[2] == recorded
+
+
+def test_worker_processes_write_the_file_that_the_next_run_replays(tmp_path):
+    log = tmp_path / "runs" / "moves.sqlite"  # its folder is made
+
+    async def game(workers: int):
+        env = OpenSpielEnv(workers=workers, mcts_simulations=25, opponent_moves=str(log))
+        try:
+            result = await env.reset(task_id=game_task_id("leduc_poker"), seed=7, opponent="mcts")
+            replies = []
+            while not result["done"]:
+                replies.append(result["observation"])
+                result = await env.step("1", result["episode_id"])  # Call is always legal
+            return replies, result["info"]["score"]
+        finally:
+            await env.close()
+
+    in_worker = asyncio.run(game(workers=1))
+    assert len(OpponentMoves(log)) >= 1
+    assert asyncio.run(game(workers=0)) == in_worker
+
+
+def test_a_file_that_is_not_sqlite_is_refused_naming_the_setting(tmp_path):
+    bad = tmp_path / "moves.sqlite"
+    bad.write_text("not a database\n" * 100)
+    with pytest.raises(ValueError, match=r"opponent_moves: .*moves\.sqlite is not a usable SQLite file"):
+        OpenSpielEnv(opponent_moves=str(bad))
+
+
+def test_evaluations_share_a_file_only_for_local_game_envs_that_name_none(tmp_path):
+    import evaluate
+    from utils import EnvSpec
+
+    path = tmp_path / "moves.sqlite"
+    assert evaluate.shared_opponent_moves(EnvSpec(kind="openspiel"), path).opponent_moves == str(path)
+    own = EnvSpec(kind="openspiel", opponent_moves="mine.sqlite")
+    assert evaluate.shared_opponent_moves(own, path).opponent_moves == "mine.sqlite"
+    remote = EnvSpec(kind="openspiel", mode="url", url="http://127.0.0.1:1")
+    assert evaluate.shared_opponent_moves(remote, path).opponent_moves is None
+    assert evaluate.shared_opponent_moves(EnvSpec(kind="trace"), path) == EnvSpec(kind="trace")
