@@ -257,15 +257,21 @@ def write_records(path: Path, records: list[dict[str, Any]]) -> None:
     os.replace(staging, path)
 
 
+def run_jobs(function, jobs: list, workers: int, what: str) -> list:
+    """`function(job)` for every job on `workers` processes, with a progress bar; results in job order."""
+    results: list = [None] * len(jobs)
+    with rollout_progress(len(jobs), f"{what} ({workers} processes)") as advance:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            futures = {pool.submit(function, job): i for i, job in enumerate(jobs)}
+            for future in as_completed(futures):
+                results[futures[future]] = future.result()
+                advance()
+    return results
+
+
 def generate(jobs: list[ExpertJob], workers: int, path: Path | None) -> list[dict[str, Any]]:
     """Play every job on `workers` processes; records in job order, also written to `path` as JSONL."""
-    records: list[dict[str, Any] | None] = [None] * len(jobs)
-    with rollout_progress(len(jobs), f"expert episodes ({workers} processes)") as advance:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = {pool.submit(play_expert_episode, job): i for i, job in enumerate(jobs)}
-            for future in as_completed(futures):
-                records[futures[future]] = future.result()
-                advance()
+    records = run_jobs(play_expert_episode, jobs, workers, "expert episodes")
     if path is not None:
         write_records(path, records)
     return [r for r in records if r is not None]
@@ -329,16 +335,10 @@ def relabel(played: list[dict[str, Any]], args: argparse.Namespace, simulations,
                                name in reasoned or "*" in reasoned,
                                simulations.get(name) if isinstance(simulations, dict) else simulations,
                                opponent_search, cache_dir, game["source"], opponent_moves))
-    records: list[list[dict[str, Any]] | None] = [None] * len(jobs)
-    with rollout_progress(len(jobs), f"relabelled games ({args.workers} processes)") as advance:
-        with ProcessPoolExecutor(max_workers=args.workers) as pool:
-            futures = {pool.submit(relabel_played_episode, job): i for i, job in enumerate(jobs)}
-            for future in as_completed(futures):
-                try:
-                    records[futures[future]] = future.result()
-                except ReplayMismatch as exc:
-                    raise ConfigError(f"{option} {exc}") from None
-                advance()
+    try:
+        records = run_jobs(relabel_played_episode, jobs, args.workers, "relabelled games")
+    except ReplayMismatch as exc:
+        raise ConfigError(f"{option} {exc}") from None
     flat = [record for game in records for record in game or ()
             if not args.relabel_missed_only or record.get("max_replies") is not None]
     if path is not None:
