@@ -13,8 +13,9 @@ fine-tuning of the LoRA adapter on the expert's replies, written as a checkpoint
    so SFT also sees the expert's move at the states the student's own play reaches.
    `--dagger-rounds N` does that N times after the SFT: the newest adapter plays `--dagger-episodes`
    games of each game greedily on seeds of their own (as evaluate.py plays), the expert relabels them,
-   and SFT goes on from that adapter on them; each round's games, records and checkpoint go to
-   `dagger-<round>/`, its student's score and expert agreement to `dagger.jsonl`.
+   and SFT goes on from that adapter on them (and on `--dagger-data`'s conversations, if given); each
+   round's games, records and checkpoint go to `dagger-<round>/`, its student's score and expert
+   agreement to `dagger.jsonl`.
 2. Train: each conversation becomes token sequences exactly as a rollout builds them (the chat
    template, the configured context strategy, continued sequences); the loss is the mean negative
    log-likelihood of the assistant tokens (EOS included), everything else masked. `--init-adapter
@@ -48,6 +49,8 @@ DEFAULT_GAMES = "leduc_poker,liars_dice,goofspiel"
 DATA_FILE = "sft_data.jsonl"
 RELABEL_FILE = "relabelled.jsonl"  # --relabel's records
 DAGGER_LOG = "dagger.jsonl"  # one line per --dagger-rounds round
+# what check_args loads from the files the options name: the options stay in a checkpoint's state, not the data
+LOADED = ("played", "dagger_records")
 SFT_STATE_KIND = "sft-warmstart"
 
 
@@ -356,13 +359,13 @@ def expert_moves_played(played: list[dict[str, Any]], relabelled: list[dict[str,
     return turns - sum(r.get("max_replies") is not None for r in relabelled), turns
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
+def read_records(path: Path, option: str = "--data") -> list[dict[str, Any]]:
     try:
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"--data {path}: cannot read conversations ({exc}).") from None
+        raise ConfigError(f"{option} {path}: cannot read conversations ({exc}).") from None
     if not records or not all(isinstance(r.get("messages"), list) for r in records):
-        raise ConfigError(f"--data {path}: expected JSONL lines with a 'messages' list (as sft_data.jsonl holds).")
+        raise ConfigError(f"{option} {path}: expected JSONL lines with a 'messages' list (as sft_data.jsonl holds).")
     return records
 
 
@@ -492,6 +495,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "to go on after an interrupted run, from its last round's checkpoint (new deals)")
     parser.add_argument("--dagger-episodes", default="128", metavar="N",
                         help="games per game and round for --dagger-rounds: a number, or a number then GAME=N items")
+    parser.add_argument("--dagger-data", type=Path, metavar="FILE",
+                        help="expert conversations (an sft_data.jsonl) that every --dagger-rounds round trains on "
+                        "beside its relabelled games, e.g. the games the starting adapter learned from: the turns it "
+                        "plays right stay held in place")
     parser.add_argument("--init-adapter", type=Path, metavar="CHECKPOINT",
                         help="go on training this adapter (an earlier SFT checkpoint, or an adapter folder) "
                         "instead of a fresh LoRA, e.g. for more epochs")
@@ -562,6 +569,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
         raise ConfigError(f"--dagger-rounds must be at least 0, got {args.dagger_rounds}.")
     if min(args.dagger_episodes.values()) < 1:
         raise ConfigError(f"--dagger-episodes must be at least 1 for every game, got {args.dagger_episodes}.")
+    if args.dagger_data is not None and not args.dagger_rounds:
+        raise ConfigError("--dagger-data trains in every --dagger-rounds round, but --dagger-rounds is 0.")
+    args.dagger_records = read_records(args.dagger_data, "--dagger-data") if args.dagger_data else []
     # DAgger rounds may start from --init-adapter alone: then no expert game needs playing first
     starts_elsewhere = args.relabel or (args.dagger_rounds and args.init_adapter is not None)
     if args.data is None or args.dagger_rounds:
@@ -678,7 +688,7 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
     records = relabel(played, args, simulations, env_spec.opponent_search, config.train.model.cache_dir,
                       folder / RELABEL_FILE, "--dagger-rounds", env_spec.opponent_moves)
     entry: dict[str, Any] = {"round": round_number, "adapter": str(checkpoint), "seed": seed, "by_game": {},
-                             "records": len(records)}
+                             "records": len(records), "dagger_data_records": len(args.dagger_records)}
     for game in games:
         game_played = [g for g in played if g["game"] == game]
         if not game_played:
@@ -692,7 +702,7 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
                       + f" over {len(game_played)} games and played the expert's move at {matched} of {turns} turns",
                       highlight=False)
     if records:
-        checkpoint = warm_start(config, records, args, checkpoint, folder)
+        checkpoint = warm_start(config, records + args.dagger_records, args, checkpoint, folder)
     else:  # --relabel-missed-only and not one miss
         console.print("the student played the expert's move at every turn: this round trains nothing", highlight=False)
     with open(args.output_dir / DAGGER_LOG, "a") as log_file:
@@ -735,7 +745,7 @@ def warm_start(config, records: list[dict[str, Any]], args: argparse.Namespace, 
                             cfg.ppo.micro_batch_tokens, cfg.run.seed)
     state = {"kind": SFT_STATE_KIND, "step": history[-1]["optimizer_steps"], "history": history,
              "config": config.model_dump(mode="json"),
-             "sft": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+             "sft": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in LOADED}}
     (output_dir / "sft_metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     return save_checkpoint(output_dir / "checkpoints", history[-1]["optimizer_steps"], policy.save, state,
                            keep_last=1)

@@ -352,6 +352,9 @@ def _cli(*args):
     (["--dagger-rounds", "1", "--dagger-episodes", "many"], "--dagger-episodes: expected a number"),
     # DAgger rounds with no expert game before them need an adapter to start from
     (["--dagger-rounds", "1", "--episodes", "0"], "--episodes must be at least 1"),
+    (["--dagger-data", "runs/sft/sft_data.jsonl"], "--dagger-data trains in every --dagger-rounds round, but"),
+    (["--dagger-rounds", "1", "--dagger-data", "runs/no-such/sft_data.jsonl"],
+     "--dagger-data runs/no-such/sft_data.jsonl: cannot read conversations"),
 ])
 def test_bad_options_are_a_one_line_error_naming_the_option(args, expected):
     result = _cli("--preset", "cpu", *args)
@@ -412,7 +415,7 @@ def test_warm_start_checkpoint_starts_a_ppo_run(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_dagger_rounds_train_each_new_adapter_on_its_own_games_relabelled(tiny_model_dir, tmp_path):
+def test_dagger_rounds_train_each_new_adapter_on_its_own_games_relabelled(tiny_model_dir, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     sets = ["--set", f"model.name_or_path={tiny_model_dir}", "--set", "model.use_4bit=false",
@@ -447,11 +450,24 @@ def test_dagger_rounds_train_each_new_adapter_on_its_own_games_relabelled(tiny_m
         assert Path(entry["checkpoint"]).parent == folder / "checkpoints"
     assert not seeds_by_round[0] & seeds_by_round[1]  # each round meets states on deals of its own
     # going on from the last round's adapter alone (no expert game first), into the same folder: new deals, and
-    # the log holds this run's round only
+    # the log holds this run's round only; --dagger-data's expert games train beside the round's relabelled ones
+    trained, real_warm_start = [], sft_warmstart.warm_start
+
+    def recording_warm_start(config, records, *rest):
+        trained.append(records)
+        return real_warm_start(config, records, *rest)
+
+    monkeypatch.setattr(sft_warmstart, "warm_start", recording_warm_start)
     assert sft_warmstart.main(["--episodes", "0", "--init-adapter", rounds[1]["checkpoint"], "--dagger-rounds", "1",
-                               "--output-dir", str(out), *common]) == 0
+                               "--dagger-data", str(out / "sft_data.jsonl"), "--output-dir", str(out), *common]) == 0
     [again] = [json.loads(line) for line in (out / "dagger.jsonl").read_text().splitlines()]
     assert again["adapter"] == rounds[1]["checkpoint"] and again["seed"] not in {r["seed"] for r in rounds}
+    expert_games = [json.loads(line) for line in (out / "sft_data.jsonl").read_text().splitlines()]
+    relabelled = [json.loads(line) for line in (out / "dagger-1" / "relabelled.jsonl").read_text().splitlines()]
+    [round_records] = trained  # one SFT: the round's
+    assert round_records == relabelled + expert_games and again["dagger_data_records"] == len(expert_games) == 2
+    options = torch.load(Path(again["checkpoint"]) / "trainer_state.pt", weights_only=False)["sft"]
+    assert options["dagger_data"] == str(out / "sft_data.jsonl") and not {"played", "dagger_records"} & set(options)
     # a student that cannot play (no server to generate with) is a one-line configuration error
     assert sft_warmstart.main(["--episodes", "0", "--init-adapter", rounds[1]["checkpoint"], "--dagger-rounds", "1",
                                "--output-dir", str(tmp_path / "no-server"), *common, "--set", "generation.backend=vllm",
