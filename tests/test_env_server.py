@@ -240,6 +240,22 @@ def test_defaults_fill_in_per_env():
     assert (trace.source, trace.skip_degenerate, trace.execution_timeout) == ("embedded", True, 10.0)
 
 
+def test_the_game_server_records_opponent_moves_in_the_file_named(tmp_path, capsys):
+    from ppo_affine.envs.server import build_env
+
+    path = tmp_path / "moves.sqlite"
+    env, evaluator = build_env(parse_args(["--env", "openspiel", "--opponent-moves", str(path)]))
+    try:
+        # the reset/step env and the env behind evaluate(), the call validators make
+        assert env.opponent_moves == evaluator.env.opponent_moves == str(path) and path.exists()
+    finally:
+        asyncio.run(env.close())
+        asyncio.run(evaluator.env.close())
+    with pytest.raises(SystemExit):
+        parse_args(["--env", "trace", "--opponent-moves", str(path)])
+    assert "--opponent-moves do not apply to --env trace" in capsys.readouterr().err
+
+
 def test_llm_retries_apply_to_the_game_env_only(capsys):
     assert parse_args(["--env", "openspiel", "--llm-retries", "0"]).llm_retries == 0
     with pytest.raises(SystemExit):

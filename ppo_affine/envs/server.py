@@ -120,7 +120,8 @@ def build_env(args: argparse.Namespace) -> tuple[Env, GameEvaluator | None]:
         from ppo_affine.envs.openspiel_env import OpenSpielEnv
 
         settings = {"seed": args.seed, "mcts_simulations": args.mcts_simulations,
-                    "opponent_search": args.opponent_search, "workers": args.workers}
+                    "opponent_search": args.opponent_search, "workers": args.workers,
+                    "opponent_moves": args.opponent_moves}
         env = OpenSpielEnv(observation_format=args.format, **settings)
         # evaluate() always plays the validators' conversation, whatever --format the reset/step calls use
         games = OpenSpielEnv(observation_format="evaluate", **settings)
@@ -143,6 +144,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--opponent-search", choices=("fast", "exact"),
                         help="openspiel: the MCTS opponent's implementation (default fast: open_spiel's C++ search "
                         "where it is proven the same; exact: the Affine env's Python search, move for move)")
+    parser.add_argument("--opponent-moves", metavar="FILE",
+                        help="openspiel: record the MCTS opponent's moves in this SQLite file and replay them where "
+                        "an episode repeats a recorded seed and history (the same moves: several models evaluated on "
+                        "the same seeds search only where their games differ)")
     parser.add_argument("--workers", type=int,
                         help="openspiel: worker processes holding episodes, so concurrent searches use several "
                         "cores (default 0)")
@@ -159,7 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     foreign = (["--source", "--skip-degenerate", "--execution-timeout", "--unsafe-rlimit-only-sandbox"]
                if args.env == "openspiel"
-               else ["--format", "--mcts-simulations", "--opponent-search", "--workers", "--llm-retries"])
+               else ["--format", "--mcts-simulations", "--opponent-search", "--opponent-moves", "--workers",
+                     "--llm-retries"])
     given = [flag for flag in foreign if getattr(args, flag[2:].replace("-", "_")) not in (None, False)]
     if given:
         parser.error(f"{', '.join(given)} do not apply to --env {args.env}")
