@@ -315,6 +315,13 @@ def read_played(source: str, default_opponent: str, option: str = "--relabel") -
     return played
 
 
+def replay_options(experts: dict[str, str] | None, workers: int) -> argparse.Namespace:
+    """The options `relabel` reads, for callers that replay games only to ask the teachers (`--teacher-moves`):
+    each game's expert (`experts` names the others) at its default budget, ID-only replies, every turn kept."""
+    return argparse.Namespace(experts=experts, expert_budget=None, cfr_iterations=300, reason="", workers=workers,
+                              relabel_missed_only=False)
+
+
 def relabel(played: list[dict[str, Any]], args: argparse.Namespace, simulations, opponent_search: str,
             cache_dir: str, path: Path | None, option: str = "--relabel", opponent_moves: str | None = None
             ) -> list[dict[str, Any]]:

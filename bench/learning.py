@@ -226,8 +226,7 @@ def teacher_moves(records: list[dict], args: argparse.Namespace, config) -> dict
     move. Each recorded game is replayed with the teacher answering at every turn (sft_warmstart's DAgger
     replay: same task, seed and opponent), so a student that never leaves one move shows as a rate a score
     hides. Games without a teacher, and rows without conversations (teachers, ceiling), are left out."""
-    relabel_args = argparse.Namespace(experts=args.expert_choices, expert_budget=None, cfr_iterations=300, reason="",
-                                      workers=args.workers, relabel_missed_only=False)
+    relabel_args = sft_warmstart.replay_options(args.expert_choices, args.workers)
     game_env = next((s for s in config.env.envs.values() if s.kind == "openspiel"), None)
     search = game_env.opponent_search if game_env else "fast"
     groups: dict[tuple, list[dict]] = {}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -26,14 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import sft_warmstart  # noqa: E402
+from ppo_affine.envs.opponent_moves import OpponentMoves  # noqa: E402
 from ppo_affine.experts import expert_kind  # noqa: E402
-
-
-def recorded_moves(path: Path) -> int:
-    if not path.exists():
-        return 0
-    with sqlite3.connect(path) as connection:
-        return connection.execute("SELECT COUNT(*) FROM moves").fetchone()[0]
 
 
 def evaluate_run(checkpoint: str, args: argparse.Namespace, output_dir: Path, moves_file: Path | None) -> dict:
@@ -42,13 +35,13 @@ def evaluate_run(checkpoint: str, args: argparse.Namespace, output_dir: Path, mo
     for item in args.set + ([f"env.envs.openspiel.opponent_moves={json.dumps(str(moves_file))}"] if moves_file
                             else []):
         command += ["--set", item]
-    before = recorded_moves(moves_file) if moves_file else 0
+    before = len(OpponentMoves(moves_file)) if moves_file else 0
     started = time.perf_counter()
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     seconds = time.perf_counter() - started
     games = [json.loads(line) for line in (output_dir / "episodes.jsonl").read_text().splitlines()]
     return {"seconds": seconds, "games": games,
-            "moves_searched": (recorded_moves(moves_file) - before) if moves_file else None}
+            "moves_searched": (len(OpponentMoves(moves_file)) - before) if moves_file else None}
 
 
 def same_games(a: list[dict], b: list[dict]) -> bool:
@@ -58,8 +51,7 @@ def same_games(a: list[dict], b: list[dict]) -> bool:
 
 
 def relabel_seconds(games: list[dict], args: argparse.Namespace, moves_file: Path | None) -> tuple[float, list]:
-    relabel_args = argparse.Namespace(experts=None, expert_budget=None, cfr_iterations=300, reason="",
-                                      workers=args.workers, relabel_missed_only=False)
+    relabel_args = sft_warmstart.replay_options(None, args.workers)
     sources = [{**g, "source": f"task {g['task_id']} seed {g['seed']}"} for g in games]
     started = time.perf_counter()
     records = sft_warmstart.relabel(sources, relabel_args, None, args.search, "~/.cache/ppo-affine", None,
@@ -99,7 +91,7 @@ def main() -> None:
               "teacher_replay": {"teachers": {g: expert_kind(g, None) for g in games},
                                  "searched_seconds": plain_seconds, "replayed_seconds": file_seconds,
                                  "same_records": plain == from_file},
-              "recorded_moves": recorded_moves(moves_file)}
+              "recorded_moves": len(OpponentMoves(moves_file))}
     print(json.dumps(result, indent=1))
     print("\n| model | searched s | with the file s | ratio | moves searched into the file | same games |")
     print("|---|---|---|---|---|---|")
