@@ -13,7 +13,8 @@ fine-tuning of the LoRA adapter on the expert's replies, written as a checkpoint
    so SFT also sees the expert's move at the states the student's own play reaches.
    `--dagger-rounds N` does that N times after the SFT: the newest adapter plays `--dagger-episodes`
    games of each game greedily on seeds of their own (as evaluate.py plays), the expert relabels them,
-   and SFT goes on from that adapter on them (and on `--dagger-data`'s conversations, if given); each
+   and SFT goes on from that adapter on them beside the run's expert conversations (this call's SFT
+   data and `--dagger-data`'s), which hold the turns the student already plays in place; each
    round's games, records and checkpoint go to `dagger-<round>/`, its student's score and expert
    agreement to `dagger.jsonl`.
 2. Train: each conversation becomes token sequences exactly as a rollout builds them (the chat
@@ -497,15 +498,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dagger-rounds", type=int, default=0, metavar="N",
                         help="after the SFT, N rounds of DAgger: the newest adapter plays --dagger-episodes games "
                         "greedily against --opponent on seeds of their own, each game's expert relabels them "
-                        "(as --relabel), and SFT goes on from that adapter on them for --epochs. With --init-adapter "
+                        "(as --relabel), and SFT goes on from that adapter on them and on this call's SFT "
+                        "conversations (and --dagger-data's) for --epochs. With --init-adapter "
                         "and --episodes 0 the rounds start from that adapter, with no SFT before them: also the way "
                         "to go on after an interrupted run, from its last round's checkpoint (new deals)")
     parser.add_argument("--dagger-episodes", default="128", metavar="N",
                         help="games per game and round for --dagger-rounds: a number, or a number then GAME=N items")
     parser.add_argument("--dagger-data", type=Path, metavar="FILE",
                         help="expert conversations (an sft_data.jsonl) that every --dagger-rounds round trains on "
-                        "beside its relabelled games, e.g. the games the starting adapter learned from: the turns it "
-                        "plays right stay held in place")
+                        "beside its relabelled games, e.g. the games an --init-adapter learned from: the turns it "
+                        "plays right stay held in place (an SFT in the same call keeps its own data this way)")
     parser.add_argument("--init-adapter", type=Path, metavar="CHECKPOINT",
                         help="go on training this adapter (an earlier SFT checkpoint, or an adapter folder) "
                         "instead of a fresh LoRA, e.g. for more epochs")
@@ -645,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = args.init_adapter  # DAgger rounds from that adapter alone, with no SFT before them
         if records:
             checkpoint = warm_start(config, records, args, args.init_adapter, args.output_dir)
+        # aggregated DAgger: every round also trains on the expert's own conversations (measured on leduc_poker:
+        # +0.011 [0.001, 0.020] over rounds on their relabelled games alone)
+        args.dagger_records = records + args.dagger_records
         (args.output_dir / DAGGER_LOG).unlink(missing_ok=True)  # this run's rounds only
         for round_number in range(1, args.dagger_rounds + 1):
             checkpoint = dagger_round(config, args, games, round_number, checkpoint, simulations)
@@ -663,13 +668,14 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
     """One `--dagger-rounds` round: the adapter at `checkpoint` plays `--dagger-episodes` games of each game as
     evaluate.py plays them (greedy, both seats, the same --set items), against the opponent the experts met;
     the experts relabel them, and SFT goes on from that adapter on the relabelled games alone. Returns the new
-    checkpoint. The round's seeds come from run.seed and the adapter that plays: apart from evaluate.py's and
-    from every other round's, also when a run goes on from an earlier round's checkpoint."""
+    checkpoint. The round's seeds come from run.seed, the round and the weights of the adapter that plays: apart
+    from evaluate.py's and from every other round's, also when a run goes on from an earlier round's checkpoint,
+    and the same in every copy of the adapter."""
     import asyncio
     import gc
 
     import evaluate
-    from ppo_affine.policy import adapter_folder
+    from ppo_affine.policy import adapter_folder, adapter_weights_digest
     from ppo_affine.report import mean_interval
 
     folder = args.output_dir / f"dagger-{round_number}"
@@ -680,7 +686,7 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
         env_spec = env_spec.model_copy(update={"mcts_simulations": simulations})
     # the relabelling replays these games: it reads the opponent's moves their play recorded
     env_spec = evaluate.shared_opponent_moves(env_spec, folder / "opponent-moves.sqlite")
-    seed = derive_seed(config.train.run.seed, "dagger", Path(checkpoint).resolve())
+    seed = derive_seed(config.train.run.seed, "dagger", round_number, adapter_weights_digest(checkpoint))
     tasks = [task for game in games for task in evaluate.game_tasks(
         game, game_count(args.dagger_episodes, game), seed, args.opponent, env_name)]
     console.print(f"DAgger round {round_number}: {checkpoint} plays {len(tasks)} games", highlight=False)
@@ -695,7 +701,7 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
     records = relabel(played, args, simulations, env_spec.opponent_search, config.train.model.cache_dir,
                       folder / RELABEL_FILE, "--dagger-rounds", env_spec.opponent_moves)
     entry: dict[str, Any] = {"round": round_number, "adapter": str(checkpoint), "seed": seed, "by_game": {},
-                             "records": len(records), "dagger_data_records": len(args.dagger_records)}
+                             "records": len(records), "expert_records": len(args.dagger_records)}
     for game in games:
         game_played = [g for g in played if g["game"] == game]
         if not game_played:

@@ -34,7 +34,8 @@ With `--warm-start` (default) `sft_warmstart.py` first imitates the experts (exp
 defaults, or `--experts`) against the training opponent, on the game variants the evaluation plays,
 and PPO (`train_ppo.py`: the cpu and warm_start presets + the overrides below, KL anchored to the
 SFT adapter) starts from that adapter; `--sft-dagger-rounds N` first runs N DAgger rounds
-(`sft_warmstart.py --dagger-rounds`), after the SFT or from `--sft-checkpoint`. Against MCTS the table
+(`sft_warmstart.py --dagger-rounds`), after the SFT (whose expert games every round trains on again) or from
+`--sft-checkpoint` (`--sft-dagger-data FILE`: the expert games to train on beside). Against MCTS the table
 also has a `ceiling` row for leduc_poker: the best response to the opponent (experts.py
 `best_response`), the most any player scores. Evaluation is `evaluate.py`'s (greedy, full
 conversation, seeds derived from EVAL_SEED that training never draws); every played episode goes to
@@ -444,6 +445,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sft-dagger-episodes", default="128", metavar="N",
                         help="games per game and DAgger round: N, or N then GAME=M items (sft_warmstart "
                         "--dagger-episodes)")
+    parser.add_argument("--sft-dagger-data", type=Path, metavar="FILE",
+                        help="with --sft-checkpoint: expert conversations (e.g. that student's sft_data.jsonl) every "
+                        "DAgger round trains on beside its relabelled games (sft_warmstart --dagger-data)")
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"))
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
@@ -502,6 +506,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"(games with no episodes left: {too_few})")
     if args.sft_dagger_rounds < 0 or (args.sft_dagger_rounds and not args.warm_start):
         parser.error(f"--sft-dagger-rounds must be at least 0, and needs --warm-start; got {args.sft_dagger_rounds}")
+    if args.sft_dagger_data is not None and not (args.sft_dagger_rounds and args.sft_checkpoint):
+        parser.error("--sft-dagger-data needs --sft-dagger-rounds and --sft-checkpoint (an SFT run here keeps its "
+                     f"own expert games in every round); got {args.sft_dagger_data}")
+    if args.sft_dagger_data is not None and not args.sft_dagger_data.is_file():
+        parser.error(f"--sft-dagger-data: no such file {args.sft_dagger_data}")
     if not 0 <= args.sft_explore < 1:
         parser.error(f"--sft-explore must be in [0, 1), got {args.sft_explore}")
     if args.sft_checkpoint is not None and not (args.warm_start and (args.sft_checkpoint / "adapter").is_dir()):
@@ -552,7 +561,8 @@ def main(argv: list[str] | None = None) -> None:
                     *(["--explore", str(args.sft_explore)] if args.sft_explore else []),
                     *(["--openings", args.sft_openings] if args.sft_openings else []),
                     *(["--dagger-rounds", str(args.sft_dagger_rounds), "--dagger-episodes", args.sft_dagger_episodes]
-                      if args.sft_dagger_rounds else [])]
+                      if args.sft_dagger_rounds else []),
+                    *(["--dagger-data", str(args.sft_dagger_data)] if args.sft_dagger_data else [])]
         for override in overrides:
             sft_args += ["--set", override]
         if sft_warmstart.main(sft_args) != 0:
@@ -653,6 +663,8 @@ def sft_settings(args: argparse.Namespace, sft_checkpoint: Path | None) -> dict 
     if args.sft_dagger_rounds:
         settings |= {"dagger_rounds": args.sft_dagger_rounds, "dagger_episodes": args.sft_dagger_episodes,
                      "dagger_checkpoint": str(sft_checkpoint)}
+        if args.sft_dagger_data:
+            settings["dagger_data"] = str(args.sft_dagger_data)
     return settings
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -403,6 +404,19 @@ def adapter_folder(path: Path) -> Path:
             return candidate
     raise ConfigError(f"{path} is neither a checkpoint folder (expected {path}/{ADAPTER_DIR}/adapter_config.json) "
                       "nor a LoRA adapter folder (expected adapter_config.json in it).")
+
+
+def adapter_weights_digest(path: Path) -> str:
+    """A hex digest of the LoRA weights at `path` (a checkpoint or adapter folder): the same adapter gives the same
+    digest wherever it is copied, unlike its path (peft's README and config may name the base model's path)."""
+    folder = adapter_folder(path)
+    digest = hashlib.sha256()
+    for weights in sorted(folder.glob("adapter_model.*")):
+        digest.update(weights.name.encode())
+        with open(weights, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: torch.device) -> Policy:

@@ -6,7 +6,7 @@ import torch
 
 from curriculum import Task
 from ppo_affine.experience import assign_advantages, build_sequences, score_sequences
-from ppo_affine.policy import load_policy, resolve_lora_targets
+from ppo_affine.policy import adapter_weights_digest, load_policy, resolve_lora_targets
 from ppo_affine.rollout import Episode, Turn
 from ppo_affine.update import UpdateState, build_optimizer, ppo_update
 from utils import ConfigError, LoraConfig, ModelConfig, PPOConfig
@@ -167,6 +167,21 @@ def test_load_restores_adapter_and_value_head(tiny_policy, tiny_model_dir, tmp_p
     with torch.no_grad():
         a, b = tiny_policy.score(ids, attention, mask), fresh.score(ids, attention, mask)
     assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.values, b.values)
+
+
+def test_adapter_weights_digest_follows_the_weights_not_the_folder(tiny_policy, tmp_path):
+    import shutil
+
+    tiny_policy.save(tmp_path / "before")
+    shutil.copytree(tmp_path / "before", tmp_path / "copy")
+    (tmp_path / "copy" / "adapter" / "README.md").write_text("base_model: /somewhere/else\n")  # peft's model card
+    _one_update(tiny_policy)
+    tiny_policy.save(tmp_path / "after")
+    before = adapter_weights_digest(tmp_path / "before")
+    assert before == adapter_weights_digest(tmp_path / "copy") == adapter_weights_digest(tmp_path / "copy" / "adapter")
+    assert adapter_weights_digest(tmp_path / "after") != before
+    with pytest.raises(ConfigError, match="neither a checkpoint folder"):
+        adapter_weights_digest(tmp_path)
 
 
 def test_lora_targets_resolve_against_real_module_names(tiny_model_dir):

@@ -1,6 +1,7 @@
 """sft_warmstart.py and experts.py: expert episodes in the env's conversation, masked SFT, PPO from the result."""
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,9 @@ import torch
 
 import sft_warmstart
 import train_ppo
-from utils import ConfigError
+from utils import ConfigError, derive_seed
 from ppo_affine.experience import build_sequences
+from ppo_affine.policy import adapter_weights_digest
 from ppo_affine.envs.openspiel_text import strip_think
 from ppo_affine.experts import Expert, ExpertUnavailable, expert_kind
 from ppo_affine.prompts import PromptBuilder
@@ -423,7 +425,16 @@ def test_dagger_rounds_train_each_new_adapter_on_its_own_games_relabelled(tiny_m
             "--set", "generation.backend=local", "--set", "generation.max_new_tokens=4"]
     common = ["--games", "goofspiel", "--epochs", "1", "--workers", "1", "--dagger-episodes", "3", *sets]
     out = tmp_path / "sft"
+    trained, real_warm_start = [], sft_warmstart.warm_start
+
+    def recording_warm_start(config, records, *rest):
+        trained.append(records)
+        return real_warm_start(config, records, *rest)
+
+    monkeypatch.setattr(sft_warmstart, "warm_start", recording_warm_start)
     assert sft_warmstart.main(["--episodes", "2", "--dagger-rounds", "2", "--output-dir", str(out), *common]) == 0
+    expert_games = [json.loads(line) for line in (out / "sft_data.jsonl").read_text().splitlines()]
+    assert len(trained) == 3 and trained[0] == expert_games  # the SFT, then one per round
     rounds = [json.loads(line) for line in (out / "dagger.jsonl").read_text().splitlines()]
     [first_sft] = (out / "checkpoints").glob("checkpoint-*")
     assert [r["round"] for r in rounds] == [1, 2]
@@ -443,29 +454,29 @@ def test_dagger_rounds_train_each_new_adapter_on_its_own_games_relabelled(tiny_m
         assert (stats["games"], stats["turns"], stats["expert_moves"]) == (3, turns, turns - missed)
         assert stats["mean_score"] == pytest.approx(sum(p["score"] for p in played) / 3)
         assert entry["records"] == len(relabelled)
+        # aggregated DAgger: each round trains on its relabelled games and on the SFT's expert games again
+        assert trained[entry["round"]] == relabelled + expert_games and entry["expert_records"] == 2
         # each round's SFT went on from the adapter that played its games, and moved it
         before = load_file(str(Path(entry["adapter"]) / "adapter" / "adapter_model.safetensors"))
         after = load_file(str(Path(entry["checkpoint"]) / "adapter" / "adapter_model.safetensors"))
         assert after.keys() == before.keys() and any(not torch.equal(after[k], before[k]) for k in before)
         assert Path(entry["checkpoint"]).parent == folder / "checkpoints"
     assert not seeds_by_round[0] & seeds_by_round[1]  # each round meets states on deals of its own
-    # going on from the last round's adapter alone (no expert game first), into the same folder: new deals, and
-    # the log holds this run's round only; --dagger-data's expert games train beside the round's relabelled ones
-    trained, real_warm_start = [], sft_warmstart.warm_start
-
-    def recording_warm_start(config, records, *rest):
-        trained.append(records)
-        return real_warm_start(config, records, *rest)
-
-    monkeypatch.setattr(sft_warmstart, "warm_start", recording_warm_start)
-    assert sft_warmstart.main(["--episodes", "0", "--init-adapter", rounds[1]["checkpoint"], "--dagger-rounds", "1",
+    # going on from (a copy of) the last round's adapter alone (no expert game first), into the same folder: new
+    # deals, and the log holds this run's round only; --dagger-data's expert games train beside the round's
+    # relabelled ones. The deals follow the adapter's weights, not where it lies.
+    moved = tmp_path / "elsewhere" / "checkpoint"
+    shutil.copytree(rounds[1]["checkpoint"], moved)
+    trained.clear()
+    assert sft_warmstart.main(["--episodes", "0", "--init-adapter", str(moved), "--dagger-rounds", "1",
                                "--dagger-data", str(out / "sft_data.jsonl"), "--output-dir", str(out), *common]) == 0
     [again] = [json.loads(line) for line in (out / "dagger.jsonl").read_text().splitlines()]
-    assert again["adapter"] == rounds[1]["checkpoint"] and again["seed"] not in {r["seed"] for r in rounds}
-    expert_games = [json.loads(line) for line in (out / "sft_data.jsonl").read_text().splitlines()]
+    assert again["adapter"] == str(moved) and again["seed"] not in {r["seed"] for r in rounds}
+    run_seed = torch.load(Path(again["checkpoint"]) / "trainer_state.pt", weights_only=False)["config"]["train"]["run"]
+    assert again["seed"] == derive_seed(run_seed["seed"], "dagger", 1, adapter_weights_digest(rounds[1]["checkpoint"]))
     relabelled = [json.loads(line) for line in (out / "dagger-1" / "relabelled.jsonl").read_text().splitlines()]
     [round_records] = trained  # one SFT: the round's
-    assert round_records == relabelled + expert_games and again["dagger_data_records"] == len(expert_games) == 2
+    assert round_records == relabelled + expert_games and again["expert_records"] == len(expert_games) == 2
     options = torch.load(Path(again["checkpoint"]) / "trainer_state.pt", weights_only=False)["sft"]
     assert options["dagger_data"] == str(out / "sft_data.jsonl") and not {"played", "dagger_records"} & set(options)
     # a student that cannot play (no server to generate with) is a one-line configuration error
