@@ -246,20 +246,24 @@ async def evaluate(config: Config, tasks: list[Task], env_specs: dict[str, tuple
     generator, tokenizer, runs = model_runs(config, adapter_dir, compare_base)
     gen_cfg = config.train.generation
     meets_search = any(task.opponent == "mcts" for task in tasks)
-    scratch = None
-    if len(runs) > 1:  # the models meet the same seeds: the second searches only where its games differ
-        scratch = tempfile.TemporaryDirectory(prefix="opponent-moves-")
-        env_specs = {kind: (name, shared_opponent_moves(spec, Path(scratch.name) / "opponent-moves.sqlite"))
-                     for kind, (name, spec) in env_specs.items()}
-    envs = {name: (kind, make_env(spec, seed=config.train.run.seed, meets_search=meets_search))
-            for kind, (name, spec) in env_specs.items()}
-    # the validators' conversation: replies stored as their client returns them, every prompt rendered anew
-    runner = RolloutRunner(envs, generator, PromptBuilder(tokenizer, gen_cfg.max_prompt_tokens,
-                                                          config.train.model.chat_template_kwargs), gen_cfg,
-                           validator_conversation=True)
     records: list[dict[str, Any]] = []
-    sink = open(episodes_path, "w") if episodes_path else None
-    try:
+    # whatever fails, what was opened closes, last opened first: the episodes file, the envs (whose workers hold
+    # the opponent-moves file), that file's scratch folder, the generator
+    async with contextlib.AsyncExitStack() as opened:
+        opened.push_async_callback(generator.close)
+        if len(runs) > 1:  # the models meet the same seeds: the second searches only where its games differ
+            scratch = opened.enter_context(tempfile.TemporaryDirectory(prefix="opponent-moves-"))
+            env_specs = {kind: (name, shared_opponent_moves(spec, Path(scratch) / "opponent-moves.sqlite"))
+                         for kind, (name, spec) in env_specs.items()}
+        envs = {}
+        for kind, (name, spec) in env_specs.items():
+            envs[name] = (kind, make_env(spec, seed=config.train.run.seed, meets_search=meets_search))
+            opened.push_async_callback(envs[name][1].close)
+        # the validators' conversation: replies stored as their client returns them, every prompt rendered anew
+        runner = RolloutRunner(envs, generator, PromptBuilder(tokenizer, gen_cfg.max_prompt_tokens,
+                                                              config.train.model.chat_template_kwargs), gen_cfg,
+                               validator_conversation=True)
+        sink = opened.enter_context(open(episodes_path, "w")) if episodes_path else None
         if isinstance(generator, VLLMGenerator):
             await generator.check_server()
         for label, playing_as in runs:
@@ -274,14 +278,6 @@ async def evaluate(config: Config, tasks: list[Task], env_specs: dict[str, tuple
                     # step 0 for every model: identical generation seeds, so the runs differ only by the model
                     episodes = await runner.run(tasks, step=0, on_episode_done=finished)
             records += [episode_record(episode, label) for episode in episodes]
-    finally:
-        if sink:
-            sink.close()
-        await generator.close()
-        for _, env in envs.values():
-            await env.close()
-        if scratch:
-            scratch.cleanup()
     return records
 
 

@@ -1,4 +1,5 @@
 """evaluate.py: which tasks and seeds it plays, what one episode records, and end-to-end runs on a tiny model."""
+import asyncio
 import json
 from pathlib import Path
 
@@ -191,3 +192,35 @@ def test_bad_options_exit_2_with_one_clear_message(tiny_model_dir, args, message
     assert evaluate.main(tiny_args(tiny_model_dir, *args)) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_an_env_that_fails_to_start_leaves_nothing_open(monkeypatch, tmp_path):
+    """Two models share a scratch file of opponent moves; when the second env cannot start, the first env, the
+    generator and that scratch folder are closed and gone all the same."""
+    import tempfile
+
+    from utils import EnvSpec, load_config
+
+    closed = []
+
+    class Closes:
+        def __init__(self, name):
+            self.name = name
+
+        async def close(self):
+            closed.append(self.name)
+
+    def make_env(spec, **_):
+        if spec.kind == "trace":
+            raise ValueError("the trace env broke")
+        assert Path(spec.opponent_moves).parent.parent == tmp_path  # the scratch folder is in use
+        return Closes(spec.kind)
+
+    monkeypatch.setattr(evaluate, "model_runs", lambda *_: (Closes("generator"), None, [("adapter", None),
+                                                                                      ("base", None)]))
+    monkeypatch.setattr(evaluate, "make_env", make_env)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    env_specs = {"openspiel": ("openspiel", EnvSpec(kind="openspiel")), "trace": ("trace", EnvSpec(kind="trace"))}
+    with pytest.raises(ValueError, match="the trace env broke"):
+        asyncio.run(evaluate.evaluate(load_config(presets=["cpu"]), [], env_specs, None, True, None))
+    assert closed == ["openspiel", "generator"] and not list(tmp_path.iterdir())

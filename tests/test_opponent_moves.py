@@ -87,6 +87,15 @@ def test_a_file_that_is_not_sqlite_is_refused_naming_the_setting(tmp_path):
         OpenSpielEnv(opponent_moves=str(bad))
 
 
+def test_the_file_appears_only_once_an_mcts_opponent_plays(tmp_path):
+    """Games whose opponent does not search (goofspiel's is uniform random) leave no empty file behind."""
+    moves = tmp_path / "runs" / "moves.sqlite"
+    OpenSpielEnv(opponent_moves=str(moves))
+    assert play("goofspiel", 3, "low", moves)[2] == 0 and not moves.exists()
+    play("leduc_poker", 3, "low", moves)
+    assert len(OpponentMoves(moves)) > 0
+
+
 def test_evaluations_share_a_file_only_for_local_game_envs_that_name_none(tmp_path):
     import evaluate
     from utils import EnvSpec

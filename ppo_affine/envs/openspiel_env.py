@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import operator
+import os
 import random
 import uuid
 from collections import Counter, OrderedDict
@@ -103,7 +104,7 @@ class OpenSpielEnv:
         self.observation_format = observation_format
         self.opponent_search = opponent_search
         self.opponent_moves = opponent_moves and str(opponent_moves)
-        if self.opponent_moves:
+        if self.opponent_moves and os.path.exists(self.opponent_moves):
             OpponentMoves(self.opponent_moves).get("")  # a file that is not SQLite fails here, not in a worker
         self.max_parse_attempts = max_parse_attempts
         self.mcts_simulations = mcts_simulations
