@@ -160,19 +160,25 @@ def append_records(path: Path, records: list[dict]) -> None:
         sink.writelines(json.dumps(record) + "\n" for record in records)
 
 
+def split_source(source: str) -> tuple[str, str, str]:
+    """`--tables-from`'s FILE or FILE:OLD=NEW as (FILE, OLD, NEW); OLD and NEW are empty for a bare FILE."""
+    path, _, rename = source.partition(":")
+    old, _, new = rename.partition("=")
+    return path, old, new
+
+
 def merged_records(sources: list[str]) -> list[dict]:
     """The episode records of earlier runs' eval-<opponent>.jsonl files, FILE or FILE:OLD=NEW (model OLD
     relabelled NEW); a later file's record of the same model, game, task, seed and opponent replaces an earlier's."""
     merged: dict[tuple, dict] = {}
     for source in sources:
-        path, _, rename = source.partition(":")
-        old, _, new = rename.partition("=")
+        path, old, new = split_source(source)
         opponent = Path(path).stem.removeprefix("eval-")  # records from before 'opponent' was in each of them
         for line in Path(path).read_text().splitlines():
             if line.strip():
                 record = json.loads(line)
                 record.setdefault("opponent", opponent)
-                if rename and record["model"] == old:
+                if old and record["model"] == old:
                     record["model"] = new
                 key = (record["model"], record["game"], record["task_id"], record["seed"], record["opponent"])
                 merged[key] = record
@@ -460,8 +466,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "together (a later file's episode replaces an earlier one's); :OLD=NEW relabels model OLD")
     args = parser.parse_args(argv)
     for source in args.tables_from or []:
-        path, _, rename = source.partition(":")
-        if not Path(path).is_file() or (rename and not all(rename.partition("=")[::2])):
+        path, old, new = split_source(source)
+        if not Path(path).is_file() or (":" in source and not (old and new)):
             parser.error(f"--tables-from: expected FILE or FILE:OLD=NEW with an existing FILE, got {source!r}")
     games = (args.games or PROFILES[args.profile]["games"]).split(",")
     tokens_given = args.max_new_tokens is not None

@@ -265,7 +265,8 @@ def test_a_later_file_replaces_an_earlier_files_episode_and_old_files_get_their_
     assert [(r["opponent"], r["score"]) for r in merged] == [("random", 1.0)]
 
 
-@pytest.mark.parametrize("source", ["missing.jsonl", "eval-mcts.jsonl:sft", "eval-mcts.jsonl:=sft+ppo"])
+@pytest.mark.parametrize("source", ["missing.jsonl", "eval-mcts.jsonl:sft", "eval-mcts.jsonl:=sft+ppo",
+                                    "eval-mcts.jsonl:sft=", "eval-mcts.jsonl:"])
 def test_tables_from_rejects_a_missing_file_or_a_half_relabel(tmp_path, source):
     write_records(tmp_path / "eval-mcts.jsonl", [record("sft", 0, 0.0)])
     with pytest.raises(SystemExit):
