@@ -323,13 +323,9 @@ def replay_options(experts: dict[str, str] | None, workers: int) -> argparse.Nam
                               relabel_missed_only=False)
 
 
-def relabel(played: list[dict[str, Any]], args: argparse.Namespace, simulations, opponent_search: str,
-            cache_dir: str, path: Path | None, option: str = "--relabel", opponent_moves: str | None = None
-            ) -> list[dict[str, Any]]:
-    """DAgger records of the played games on `args.workers` processes (`relabel_played_episode`), also
-    written to `path`; prints how often the model played the expert's move. Errors name `option`.
-    `opponent_moves`: the file of opponent moves recorded while the games were played, which the replay
-    reads instead of searching again."""
+def relabel_each(played: list[dict[str, Any]], args: argparse.Namespace, simulations, opponent_search: str,
+                 cache_dir: str, option: str, opponent_moves: str | None = None) -> list[list[dict[str, Any]]]:
+    """`relabel`'s replays, in one pool: per played game (in order), its records."""
     from ppo_affine.envs.tasks import game_name_of
     from ppo_affine.experts import ExpertUnavailable, expert_kind
 
@@ -347,10 +343,20 @@ def relabel(played: list[dict[str, Any]], args: argparse.Namespace, simulations,
                                simulations.get(name) if isinstance(simulations, dict) else simulations,
                                opponent_search, cache_dir, game["source"], opponent_moves))
     try:
-        records = run_jobs(relabel_played_episode, jobs, args.workers, "relabelled games")
+        return [records or [] for records in run_jobs(relabel_played_episode, jobs, args.workers, "relabelled games")]
     except ReplayMismatch as exc:
         raise ConfigError(f"{option} {exc}") from None
-    flat = [record for game in records for record in game or ()
+
+
+def relabel(played: list[dict[str, Any]], args: argparse.Namespace, simulations, opponent_search: str,
+            cache_dir: str, path: Path | None, option: str = "--relabel", opponent_moves: str | None = None
+            ) -> list[dict[str, Any]]:
+    """DAgger records of the played games on `args.workers` processes (`relabel_played_episode`), also
+    written to `path`; prints how often the model played the expert's move. Errors name `option`.
+    `opponent_moves`: the file of opponent moves recorded while the games were played, which the replay
+    reads instead of searching again."""
+    records = relabel_each(played, args, simulations, opponent_search, cache_dir, option, opponent_moves)
+    flat = [record for game in records for record in game
             if not args.relabel_missed_only or record.get("max_replies") is not None]
     if path is not None:
         write_records(path, flat)

@@ -240,16 +240,21 @@ def teacher_moves(records: list[dict], args: argparse.Namespace, config) -> dict
     for r in records:
         if isinstance(r.get("conversation"), list) and not r.get("error") and has_expert(r["game"]):
             groups.setdefault((r["opponent"], r["game"], r["model"]), []).append(r)
-    result: dict = {}
     rank = {model: i for i, model in enumerate(table_order({model for *_, model in groups}))}
-    for (opponent, game, model), played in sorted(groups.items(), key=lambda item: (*item[0][:2], rank[item[0][2]])):
-        sources = [{**r, "source": f"{model}'s {game} game (task {r['task_id']}, seed {r['seed']})"} for r in played]
-        try:
-            relabelled = sft_warmstart.relabel(sources, relabel_args, args.mcts_simulations, search,
-                                               config.train.model.cache_dir, None, "--teacher-moves",
-                                               game_env.opponent_moves if game_env else None)
-        except sft_warmstart.ConfigError as exc:
-            sys.exit(str(exc))
+    keys = sorted(groups, key=lambda key: (*key[:2], rank[key[2]]))
+    # every group's games replayed in one pool
+    sources = [{**r, "source": f"{model}'s {game} game (task {r['task_id']}, seed {r['seed']})"}
+               for opponent, game, model in keys for r in groups[(opponent, game, model)]]
+    try:
+        per_game = iter(sft_warmstart.relabel_each(sources, relabel_args, args.mcts_simulations, search,
+                                                   config.train.model.cache_dir, "--teacher-moves",
+                                                   game_env.opponent_moves if game_env else None))
+    except sft_warmstart.ConfigError as exc:
+        sys.exit(str(exc))
+    result: dict = {}
+    for opponent, game, model in keys:
+        played = groups[(opponent, game, model)]
+        relabelled = [record for _ in played for record in next(per_game)]
         matched, turns = sft_warmstart.expert_moves_played(played, relabelled)
         result.setdefault(opponent, {}).setdefault(game, {})[model] = {
             "teacher": expert_kind(game, args.expert_choices), "turns": turns, "teacher_moves": matched,

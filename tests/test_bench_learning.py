@@ -291,11 +291,17 @@ def test_teacher_moves_count_the_turns_a_model_played_its_teachers_move(tmp_path
                 "llm_player_id": game["seed"] % 2} for game in played]
     teacher = {**records[0], "model": "expert"}
     del teacher["conversation"]
-    eval_file = write_records(tmp_path / "eval-random.jsonl", records + [teacher])
+    # a second model that always played the teacher's move, listed first: one pool replays both, and each
+    # model's turns are counted against its own games
+    perfect = [{**record, **_played_goofspiel(record["seed"], lambda turn, legal, expert_move: str(expert_move)),
+                "model": "sft+ppo"} for record in records]
+    eval_file = write_records(tmp_path / "eval-random.jsonl", perfect + records + [teacher])
     learning.main(["--tables-from", str(eval_file), "--teacher-moves", "--workers", "1"])
     printed = capsys.readouterr().out
     moves = json.loads(printed[printed.index('{\n "sources"'):printed.index("\n| game |")])["teacher_moves"]
-    assert set(moves["random"]["goofspiel"]) == {"sft"}
+    assert list(moves["random"]["goofspiel"]) == ["sft", "sft+ppo"]
+    best = moves["random"]["goofspiel"]["sft+ppo"]
+    assert best["teacher_moves"] == best["turns"] > 0 and best["rate"] == 1.0
     row = moves["random"]["goofspiel"]["sft"]
     assert (row["teacher"], row["turns"], row["teacher_moves"]) == ("prize", len(matches), sum(matches))
     assert 0 < sum(matches) < len(matches) and row["ci95"][0] < row["rate"] < row["ci95"][1]
