@@ -87,6 +87,12 @@ def test_a_file_that_is_not_sqlite_is_refused_naming_the_setting(tmp_path):
         OpenSpielEnv(opponent_moves=str(bad))
 
 
+def test_a_path_that_cannot_become_the_file_is_refused_at_once(tmp_path):
+    (tmp_path / "taken").write_text("a file, not a folder\n")
+    with pytest.raises(ValueError, match=r"opponent_moves: cannot create .*taken is not a folder"):
+        OpenSpielEnv(opponent_moves=str(tmp_path / "taken" / "runs" / "moves.sqlite"))
+
+
 def test_the_file_appears_only_once_an_mcts_opponent_plays(tmp_path):
     """Games whose opponent does not search (goofspiel's is uniform random) leave no empty file behind."""
     moves = tmp_path / "runs" / "moves.sqlite"

@@ -104,8 +104,8 @@ class OpenSpielEnv:
         self.observation_format = observation_format
         self.opponent_search = opponent_search
         self.opponent_moves = opponent_moves and str(opponent_moves)
-        if self.opponent_moves and os.path.exists(self.opponent_moves):
-            OpponentMoves(self.opponent_moves).get("")  # a file that is not SQLite fails here, not in a worker
+        if self.opponent_moves:  # a bad path fails here, not in a worker; the file appears at the first search
+            OpponentMoves(self.opponent_moves).check()
         self.max_parse_attempts = max_parse_attempts
         self.mcts_simulations = mcts_simulations
         self._rng = random.Random(seed)  # draws the task ids and seeds that callers leave out

@@ -42,6 +42,20 @@ class OpponentMoves:
     def __init__(self, path: str | os.PathLike):
         self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
 
+    def check(self) -> None:
+        """Raise the ValueError a later get/put would, without creating the file: an existing file must be
+        SQLite, a new one must be creatable (its nearest existing folder writable)."""
+        if os.path.exists(self.path):
+            self.get("")
+            return
+        folder = os.path.dirname(self.path)
+        while not os.path.isdir(folder):
+            if os.path.exists(folder):
+                raise ValueError(f"opponent_moves: cannot create {self.path}: {folder} is not a folder")
+            folder = os.path.dirname(folder)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"opponent_moves: cannot create {self.path}: {folder} is not writable")
+
     def _connection(self) -> sqlite3.Connection:
         # one connection per process: a connection cannot cross the fork/spawn into a worker
         key = (os.getpid(), self.path)
