@@ -673,8 +673,8 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
                  simulations: int | dict[str, int] | None) -> Path:
     """One `--dagger-rounds` round: the adapter at `checkpoint` plays `--dagger-episodes` games of each game as
     evaluate.py plays them (greedy, both seats, the same --set items), against the opponent the experts met;
-    the experts relabel them, and SFT goes on from that adapter on the relabelled games alone. Returns the new
-    checkpoint. The round's seeds come from run.seed, the round and the weights of the adapter that plays: apart
+    the experts relabel them, and SFT goes on from that adapter on the relabelled games and the run's expert
+    conversations (`args.dagger_records`). Returns the new checkpoint. The round's seeds come from run.seed, the round and the weights of the adapter that plays: apart
     from evaluate.py's and from every other round's, also when a run goes on from an earlier round's checkpoint,
     and the same in every copy of the adapter."""
     import asyncio

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import operator
-import os
 import random
 import uuid
 from collections import Counter, OrderedDict
