@@ -410,8 +410,11 @@ def adapter_weights_digest(path: Path) -> str:
     """A hex digest of the LoRA weights at `path` (a checkpoint or adapter folder): the same adapter gives the same
     digest wherever it is copied, unlike its path (peft's README and config may name the base model's path)."""
     folder = adapter_folder(path)
+    files = sorted(folder.glob("adapter_model.*"))
+    if not files:  # else every such folder would share one digest, and one seed
+        raise ConfigError(f"{folder} has no LoRA weights (expected adapter_model.safetensors or adapter_model.bin).")
     digest = hashlib.sha256()
-    for weights in sorted(folder.glob("adapter_model.*")):
+    for weights in files:
         digest.update(weights.name.encode())
         with open(weights, "rb") as handle:
             while chunk := handle.read(1 << 20):

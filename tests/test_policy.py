@@ -182,6 +182,10 @@ def test_adapter_weights_digest_follows_the_weights_not_the_folder(tiny_policy, 
     assert adapter_weights_digest(tmp_path / "after") != before
     with pytest.raises(ConfigError, match="neither a checkpoint folder"):
         adapter_weights_digest(tmp_path)
+    for weights in (tmp_path / "copy" / "adapter").glob("adapter_model.*"):
+        weights.unlink()
+    with pytest.raises(ConfigError, match="copy/adapter has no LoRA weights"):
+        adapter_weights_digest(tmp_path / "copy")
 
 
 def test_lora_targets_resolve_against_real_module_names(tiny_model_dir):
