@@ -263,6 +263,8 @@ def write_records(path: Path, records: list[dict[str, Any]]) -> None:
 
 def run_jobs(function, jobs: list, workers: int, what: str) -> list:
     """`function(job)` for every job on `workers` processes, with a progress bar; results in job order."""
+    if not jobs:  # no pool to start (e.g. --teacher-moves over rows without conversations)
+        return []
     results: list = [None] * len(jobs)
     with rollout_progress(len(jobs), f"{what} ({workers} processes)") as advance:
         with ProcessPoolExecutor(max_workers=workers) as pool:

@@ -273,7 +273,7 @@ def test_tables_from_rejects_a_missing_file_or_a_half_relabel(tmp_path, source):
         learning.parse_args(["--tables-from", str(tmp_path / source)])
 
 
-def test_teacher_moves_count_the_turns_a_model_played_its_teachers_move(tmp_path, capsys):
+def test_teacher_moves_count_the_turns_a_model_played_its_teachers_move(tmp_path, capsys, monkeypatch):
     """--teacher-moves: each recorded game replayed with the teacher answering; rows without a conversation
     (the teacher's own) are left out."""
     from test_sft_warmstart import _played_goofspiel
@@ -306,6 +306,15 @@ def test_teacher_moves_count_the_turns_a_model_played_its_teachers_move(tmp_path
     assert (row["teacher"], row["turns"], row["teacher_moves"]) == ("prize", len(matches), sum(matches))
     assert 0 < sum(matches) < len(matches) and row["ci95"][0] < row["rate"] < row["ci95"][1]
     assert f"| goofspiel | random | sft | prize | {row['rate']:.3f}" in printed
+    # only rows without a conversation (the teacher's): nothing to replay, and no pool started
+    def no_pool(*args, **kwargs):
+        raise AssertionError("a pool started for no game")
+
+    monkeypatch.setattr(learning.sft_warmstart, "ProcessPoolExecutor", no_pool)
+    learning.main(["--tables-from", str(write_records(tmp_path / "eval-mcts.jsonl", [teacher])), "--teacher-moves"])
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.index('{\n "sources"'):printed.index("\n| game |")])["teacher_moves"] == {}
+    monkeypatch.undo()
     # a game that does not replay as recorded (here: another seed) stops the table, naming the flag and the game
     (tmp_path / "moved").mkdir()
     moved = write_records(tmp_path / "moved" / "eval-random.jsonl", [{**records[0], "seed": 6}])
