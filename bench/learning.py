@@ -527,8 +527,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.sft_checkpoint is not None and not (args.warm_start and (args.sft_checkpoint / "adapter").is_dir()):
         parser.error(f"--sft-checkpoint needs --warm-start and a checkpoint folder with adapter/: "
                      f"{args.sft_checkpoint}")
-    if args.sft_checkpoint is not None and args.output_dir.resolve() in args.sft_checkpoint.resolve().parents:
-        parser.error("--sft-checkpoint lies inside --output-dir, which the bench clears first")
+    for option, path in (("--sft-checkpoint", args.sft_checkpoint), ("--sft-dagger-data", args.sft_dagger_data)):
+        if path is not None and args.output_dir.resolve() in path.resolve().parents:
+            parser.error(f"{option} lies inside --output-dir, which the bench clears first: {path}")
     return args
 
 

@@ -89,6 +89,23 @@ def test_rows_not_in_this_run_are_refused():
             learning.parse_args(dagger_data)
 
 
+def test_inputs_inside_the_output_dir_are_refused_before_the_bench_clears_it(tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "old" / "adapter").mkdir(parents=True)
+    (tmp_path / "student" / "adapter").mkdir(parents=True)
+    for folder in (out, tmp_path):
+        (folder / "data.jsonl").write_text("{}\n")
+    rounds = ["--sft-dagger-rounds", "1", "--output-dir", str(out)]
+    for option, inputs in (("--sft-checkpoint", [str(out / "old"), str(tmp_path / "data.jsonl")]),
+                           ("--sft-dagger-data", [str(tmp_path / "student"), str(out / "data.jsonl")])):
+        with pytest.raises(SystemExit):
+            learning.parse_args([*rounds, "--sft-checkpoint", inputs[0], "--sft-dagger-data", inputs[1]])
+        assert f"{option} lies inside --output-dir" in capsys.readouterr().err
+    args = learning.parse_args([*rounds, "--sft-checkpoint", str(tmp_path / "student"),
+                                "--sft-dagger-data", str(tmp_path / "data.jsonl")])
+    assert args.sft_dagger_data == tmp_path / "data.jsonl"
+
+
 def test_eval_skip_plays_the_later_episodes_of_a_longer_evaluation_on_the_same_seeds():
     first = learning.eval_tasks(["goofspiel", "leduc_poker"], {"*": 4}, "mcts")
     longer = learning.eval_tasks(["goofspiel", "leduc_poker"], {"*": 10}, "mcts")
