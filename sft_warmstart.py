@@ -13,10 +13,10 @@ fine-tuning of the LoRA adapter on the expert's replies, written as a checkpoint
    so SFT also sees the expert's move at the states the student's own play reaches.
    `--dagger-rounds N` does that N times after the SFT: the newest adapter plays `--dagger-episodes`
    games of each game greedily on seeds of their own (as evaluate.py plays), the expert relabels them,
-   and SFT goes on from that adapter on them beside the run's expert conversations (this call's SFT
-   data and `--dagger-data`'s), which hold the turns the student already plays in place; each
-   round's games, records and checkpoint go to `dagger-<round>/`, its student's score and expert
-   agreement to `dagger.jsonl`.
+   and SFT goes on from that adapter on them beside what this call's SFT trained on and `--dagger-data`'s
+   conversations, which hold the turns the student already plays in place (`--dagger-aggregate all`:
+   and every earlier round's relabelled games, DAgger's full aggregate); each round's games, records and
+   checkpoint go to `dagger-<round>/`, its student's score and expert agreement to `dagger.jsonl`.
 2. Train: each conversation becomes token sequences exactly as a rollout builds them (the chat
    template, the configured context strategy, continued sequences); the loss is the mean negative
    log-likelihood of the assistant tokens (EOS included), everything else masked. `--init-adapter
@@ -51,7 +51,7 @@ DATA_FILE = "sft_data.jsonl"
 RELABEL_FILE = "relabelled.jsonl"  # --relabel's records
 DAGGER_LOG = "dagger.jsonl"  # one line per --dagger-rounds round
 # what check_args loads from the files the options name: the options stay in a checkpoint's state, not the data
-LOADED = ("played", "dagger_records")
+LOADED = ("played", "dagger_records", "relabelled_records")
 SFT_STATE_KIND = "sft-warmstart"
 
 
@@ -375,6 +375,18 @@ def expert_moves_played(played: list[dict[str, Any]], relabelled: list[dict[str,
     return turns - sum(r.get("max_replies") is not None for r in relabelled), turns
 
 
+def unique_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`records` in order without repeats (the same conversation from --data and --dagger-data trains once)."""
+    seen: set[str] = set()
+    unique = []
+    for record in records:
+        key = json.dumps(record, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            unique.append(record)
+    return unique
+
+
 def read_records(path: Path, option: str = "--data") -> list[dict[str, Any]]:
     try:
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -515,7 +527,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dagger-data", type=Path, metavar="FILE",
                         help="expert conversations (an sft_data.jsonl) that every --dagger-rounds round trains on "
                         "beside its relabelled games, e.g. the games an --init-adapter learned from: the turns it "
-                        "plays right stay held in place (an SFT in the same call keeps its own data this way)")
+                        "plays right stay held in place (an SFT in the same call keeps its own data this way; a "
+                        "conversation in both trains once)")
+    parser.add_argument("--dagger-aggregate", choices=("sft", "all"), default="sft",
+                        help="what each --dagger-rounds round trains on beside its own relabelled games: 'sft', this "
+                        "call's SFT data (expert games, --data, --relabel) and --dagger-data's (measured on "
+                        "leduc_poker); 'all', also every earlier round's relabelled games, as DAgger aggregates")
     parser.add_argument("--init-adapter", type=Path, metavar="CHECKPOINT",
                         help="go on training this adapter (an earlier SFT checkpoint, or an adapter folder) "
                         "instead of a fresh LoRA, e.g. for more epochs")
@@ -649,15 +666,18 @@ def main(argv: list[str] | None = None) -> int:
             records = generate(jobs, args.workers, args.output_dir / DATA_FILE)
             console.print(f"{len(records)} expert episodes in {time.perf_counter() - started:.0f} s -> "
                           f"{args.output_dir / DATA_FILE}", highlight=False)
+        args.relabelled_records = []
         if args.played:
-            records += relabel(args.played, args, simulations, game_env.opponent_search, config.train.model.cache_dir,
-                               args.output_dir / RELABEL_FILE, opponent_moves=game_env.opponent_moves)
+            args.relabelled_records = relabel(args.played, args, simulations, game_env.opponent_search,
+                                              config.train.model.cache_dir, args.output_dir / RELABEL_FILE,
+                                              opponent_moves=game_env.opponent_moves)
         checkpoint = args.init_adapter  # DAgger rounds from that adapter alone, with no SFT before them
-        if records:
-            checkpoint = warm_start(config, records, args, args.init_adapter, args.output_dir)
+        if records or args.relabelled_records:
+            checkpoint = warm_start(config, records + args.relabelled_records, args, args.init_adapter,
+                                    args.output_dir)
         # aggregated DAgger: every round also trains on the expert's own conversations (measured on leduc_poker:
         # +0.011 [0.001, 0.020] over rounds on their relabelled games alone)
-        args.dagger_records = records + args.dagger_records
+        args.dagger_records = unique_records(records + args.dagger_records)
         (args.output_dir / DAGGER_LOG).unlink(missing_ok=True)  # this run's rounds only
         for round_number in range(1, args.dagger_rounds + 1):
             checkpoint = dagger_round(config, args, games, round_number, checkpoint, simulations)
@@ -675,10 +695,11 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
                  simulations: int | dict[str, int] | None) -> Path:
     """One `--dagger-rounds` round: the adapter at `checkpoint` plays `--dagger-episodes` games of each game as
     evaluate.py plays them (greedy, both seats, the same --set items), against the opponent the experts met;
-    the experts relabel them, and SFT goes on from that adapter on the relabelled games and the run's expert
-    conversations (`args.dagger_records`). Returns the new checkpoint. The round's seeds come from run.seed, the round and the weights of the adapter that plays: apart
-    from evaluate.py's and from every other round's, also when a run goes on from an earlier round's checkpoint,
-    and the same in every copy of the adapter."""
+    the experts relabel them, and SFT goes on from that adapter on them, on the run's expert conversations
+    (`args.dagger_records`) and on the relabelled games kept so far (`args.relabelled_records`: --relabel's, and
+    with --dagger-aggregate all every earlier round's). Returns the new checkpoint. The round's seeds come from
+    run.seed, the round and the weights of the adapter that plays: apart from evaluate.py's and from every other
+    round's, also when a run goes on from an earlier round's checkpoint, and the same in every copy of the adapter."""
     import asyncio
     import gc
 
@@ -709,7 +730,8 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
     records = relabel(played, args, simulations, env_spec.opponent_search, config.train.model.cache_dir,
                       folder / RELABEL_FILE, "--dagger-rounds", env_spec.opponent_moves)
     entry: dict[str, Any] = {"round": round_number, "adapter": str(checkpoint), "seed": seed, "by_game": {},
-                             "records": len(records), "expert_records": len(args.dagger_records)}
+                             "records": len(records), "expert_records": len(args.dagger_records),
+                             "relabelled_records": len(args.relabelled_records)}
     for game in games:
         game_played = [g for g in played if g["game"] == game]
         if not game_played:
@@ -723,9 +745,13 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
                       + f" over {len(game_played)} games and played the expert's move at {matched} of {turns} turns",
                       highlight=False)
     if records:
-        checkpoint = warm_start(config, records + args.dagger_records, args, checkpoint, folder)
-    else:  # --relabel-missed-only and not one miss
-        console.print("the student played the expert's move at every turn: this round trains nothing", highlight=False)
+        training = unique_records(records + args.dagger_records + args.relabelled_records)
+        checkpoint = warm_start(config, training, args, checkpoint, folder)
+    else:  # --relabel-missed-only and not one miss: no new record, so no new step of DAgger
+        console.print("the student played the expert's move at every turn: no new record, this round trains nothing",
+                      highlight=False)
+    if args.dagger_aggregate == "all":
+        args.relabelled_records = args.relabelled_records + records
     with open(args.output_dir / DAGGER_LOG, "a") as log_file:
         log_file.write(json.dumps({**entry, "checkpoint": str(checkpoint)}) + "\n")
     return checkpoint

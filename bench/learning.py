@@ -459,6 +459,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sft-dagger-data", type=Path, metavar="FILE",
                         help="with --sft-checkpoint: expert conversations (e.g. that student's sft_data.jsonl) every "
                         "DAgger round trains on beside its relabelled games (sft_warmstart --dagger-data)")
+    parser.add_argument("--sft-dagger-aggregate", choices=("sft", "all"),
+                        help="what each DAgger round trains on beside its relabelled games: the SFT's data (sft, "
+                        "the default) or also every earlier round's relabelled games (all; sft_warmstart "
+                        "--dagger-aggregate)")
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"))
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
@@ -520,6 +524,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.sft_dagger_data is not None and not (args.sft_dagger_rounds and args.sft_checkpoint):
         parser.error("--sft-dagger-data needs --sft-dagger-rounds and --sft-checkpoint (an SFT run here keeps its "
                      f"own expert games in every round); got {args.sft_dagger_data}")
+    if args.sft_dagger_aggregate is not None and not args.sft_dagger_rounds:
+        parser.error(f"--sft-dagger-aggregate needs --sft-dagger-rounds; got {args.sft_dagger_aggregate}")
     if args.sft_dagger_data is not None and not args.sft_dagger_data.is_file():
         parser.error(f"--sft-dagger-data: no such file {args.sft_dagger_data}")
     if not 0 <= args.sft_explore < 1:
@@ -574,7 +580,8 @@ def main(argv: list[str] | None = None) -> None:
                     *(["--openings", args.sft_openings] if args.sft_openings else []),
                     *(["--dagger-rounds", str(args.sft_dagger_rounds), "--dagger-episodes", args.sft_dagger_episodes]
                       if args.sft_dagger_rounds else []),
-                    *(["--dagger-data", str(args.sft_dagger_data)] if args.sft_dagger_data else [])]
+                    *(["--dagger-data", str(args.sft_dagger_data)] if args.sft_dagger_data else []),
+                    *(["--dagger-aggregate", args.sft_dagger_aggregate] if args.sft_dagger_aggregate else [])]
         for override in overrides:
             sft_args += ["--set", override]
         if sft_warmstart.main(sft_args) != 0:
@@ -674,7 +681,7 @@ def sft_settings(args: argparse.Namespace, sft_checkpoint: Path | None) -> dict 
                  "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate})
     if args.sft_dagger_rounds:
         settings |= {"dagger_rounds": args.sft_dagger_rounds, "dagger_episodes": args.sft_dagger_episodes,
-                     "dagger_checkpoint": str(sft_checkpoint)}
+                     "dagger_aggregate": args.sft_dagger_aggregate or "sft", "dagger_checkpoint": str(sft_checkpoint)}
         if args.sft_dagger_data:
             settings["dagger_data"] = str(args.sft_dagger_data)
     return settings

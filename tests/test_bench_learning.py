@@ -83,6 +83,7 @@ def test_rows_not_in_this_run_are_refused():
     with pytest.raises(SystemExit):  # DAgger rounds make a student: they need the warm start
         learning.parse_args(["--no-warm-start", "--sft-dagger-rounds", "1"])
     for dagger_data in (["--sft-dagger-data", "README.md"],  # no rounds to train in
+                        ["--sft-dagger-aggregate", "all"],  # nor here
                         ["--sft-dagger-rounds", "1", "--sft-dagger-data", "README.md"],  # the SFT here keeps its own
                         ["--sft-dagger-rounds", "1", "--sft-checkpoint", "tests", "--sft-dagger-data", "README.md"]):
         with pytest.raises(SystemExit):  # (tests/ is no checkpoint folder either)
@@ -231,18 +232,21 @@ def test_dagger_rounds_make_the_sft_row_from_a_given_checkpoint(tiny_model_dir, 
     [student] = (tmp_path / "student" / "checkpoints").glob("checkpoint-*")
     learning.main(["--profile", "ci", "--games", "liars_dice", "--steps", "0", "--models", "sft",
                    "--sft-checkpoint", str(student), "--sft-dagger-rounds", "1", "--sft-dagger-episodes", "2",
-                   "--sft-dagger-data", str(tmp_path / "student" / "sft_data.jsonl"),
+                   "--sft-dagger-data", str(tmp_path / "student" / "sft_data.jsonl"), "--sft-dagger-aggregate", "all",
                    "--output-dir", str(tmp_path / "bench"), "--workers", "1", *sets])
     printed = capsys.readouterr().out
     report = json.loads(printed[printed.index('{\n "model"'):printed.index("\n| game |")])
     [dagger] = (tmp_path / "bench" / "sft" / "dagger-1" / "checkpoints").glob("checkpoint-*")
     assert report["sft"] == {"checkpoint": str(student), "dagger_rounds": 1, "dagger_episodes": "2",
-                             "dagger_checkpoint": str(dagger),
+                             "dagger_aggregate": "all", "dagger_checkpoint": str(dagger),
                              "dagger_data": str(tmp_path / "student" / "sft_data.jsonl")}
     assert not (tmp_path / "bench" / "sft" / "sft_data.jsonl").exists()  # no expert game before the rounds
     [round_one] = [json.loads(line) for line in (tmp_path / "bench" / "sft" / "dagger.jsonl").read_text().splitlines()]
     assert round_one["adapter"] == str(student) and round_one["by_game"]["liars_dice"]["games"] == 2
     assert round_one["expert_records"] == 2  # the student's two expert games, trained on beside the round's
+    import torch
+
+    assert torch.load(dagger / "trainer_state.pt", weights_only=False)["sft"]["dagger_aggregate"] == "all"  # passed on
     assert set(report["results"]["mcts"]["liars_dice"]) == {"sft"}
 
 

@@ -304,6 +304,16 @@ def test_relabelled_games_train_the_experts_move_at_every_state_the_model_reache
                    "fast", "~/.cache/ppo-affine", None) == missed
 
 
+def test_a_conversation_given_twice_trains_once():
+    """--data X --dagger-data X: the rounds' aggregate holds X once, in first-seen order; equal dicts with their
+    keys in another order are the same record."""
+    a = {"task_id": 1, "seed": 2, "conversation": [{"role": "user", "content": "x"}]}
+    b = {"seed": 2, "task_id": 1, "conversation": [{"role": "user", "content": "y"}]}
+    reordered = {"conversation": a["conversation"], "seed": 2, "task_id": 1}
+    assert sft_warmstart.unique_records([a, b, reordered, b, a]) == [a, b]
+    assert sft_warmstart.unique_records([]) == []
+
+
 def test_relabelling_refuses_a_game_that_replays_differently_or_a_file_without_games(tmp_path):
     from sft_warmstart import read_played, relabel
 
@@ -454,8 +464,10 @@ def test_dagger_rounds_train_each_new_adapter_on_its_own_games_relabelled(tiny_m
         assert (stats["games"], stats["turns"], stats["expert_moves"]) == (3, turns, turns - missed)
         assert stats["mean_score"] == pytest.approx(sum(p["score"] for p in played) / 3)
         assert entry["records"] == len(relabelled)
-        # aggregated DAgger: each round trains on its relabelled games and on the SFT's expert games again
-        assert trained[entry["round"]] == relabelled + expert_games and entry["expert_records"] == 2
+        # aggregated DAgger: each round trains on its relabelled games and on the SFT's expert games again, by
+        # default not on an earlier round's relabelled games
+        assert trained[entry["round"]] == relabelled + expert_games
+        assert (entry["expert_records"], entry["relabelled_records"]) == (2, 0)
         # each round's SFT went on from the adapter that played its games, and moved it
         before = load_file(str(Path(entry["adapter"]) / "adapter" / "adapter_model.safetensors"))
         after = load_file(str(Path(entry["checkpoint"]) / "adapter" / "adapter_model.safetensors"))
@@ -463,22 +475,28 @@ def test_dagger_rounds_train_each_new_adapter_on_its_own_games_relabelled(tiny_m
         assert Path(entry["checkpoint"]).parent == folder / "checkpoints"
     assert not seeds_by_round[0] & seeds_by_round[1]  # each round meets states on deals of its own
     # going on from (a copy of) the last round's adapter alone (no expert game first), into the same folder: new
-    # deals, and the log holds this run's round only; --dagger-data's expert games train beside the round's
-    # relabelled ones. The deals follow the adapter's weights, not where it lies.
+    # deals, and the log holds this run's rounds only; --dagger-data's expert games train beside the round's
+    # relabelled ones. The deals follow the adapter's weights, not where it lies. With --dagger-aggregate all the
+    # second round also trains on the first round's relabelled games.
     moved = tmp_path / "elsewhere" / "checkpoint"
     shutil.copytree(rounds[1]["checkpoint"], moved)
+    digest = adapter_weights_digest(rounds[1]["checkpoint"])  # this run's second round replaces that folder
     trained.clear()
-    assert sft_warmstart.main(["--episodes", "0", "--init-adapter", str(moved), "--dagger-rounds", "1",
-                               "--dagger-data", str(out / "sft_data.jsonl"), "--output-dir", str(out), *common]) == 0
-    [again] = [json.loads(line) for line in (out / "dagger.jsonl").read_text().splitlines()]
-    assert again["adapter"] == str(moved) and again["seed"] not in {r["seed"] for r in rounds}
-    run_seed = torch.load(Path(again["checkpoint"]) / "trainer_state.pt", weights_only=False)["config"]["train"]["run"]
-    assert again["seed"] == derive_seed(run_seed["seed"], "dagger", 1, adapter_weights_digest(rounds[1]["checkpoint"]))
-    relabelled = [json.loads(line) for line in (out / "dagger-1" / "relabelled.jsonl").read_text().splitlines()]
-    [round_records] = trained  # one SFT: the round's
-    assert round_records == relabelled + expert_games and again["expert_records"] == len(expert_games) == 2
-    options = torch.load(Path(again["checkpoint"]) / "trainer_state.pt", weights_only=False)["sft"]
-    assert options["dagger_data"] == str(out / "sft_data.jsonl") and not {"played", "dagger_records"} & set(options)
+    assert sft_warmstart.main(["--episodes", "0", "--init-adapter", str(moved), "--dagger-rounds", "2",
+                               "--dagger-aggregate", "all", "--dagger-data", str(out / "sft_data.jsonl"),
+                               "--output-dir", str(out), *common]) == 0
+    again = [json.loads(line) for line in (out / "dagger.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in again] == [1, 2] and again[0]["adapter"] == str(moved)
+    assert again[0]["seed"] not in {r["seed"] for r in rounds}
+    run_seed = torch.load(Path(again[0]["checkpoint"]) / "trainer_state.pt", weights_only=False)["config"]["train"]
+    assert again[0]["seed"] == derive_seed(run_seed["run"]["seed"], "dagger", 1, digest)
+    first, second = ([json.loads(line) for line in (out / f"dagger-{n}" / "relabelled.jsonl").read_text().splitlines()]
+                     for n in (1, 2))
+    assert trained == [first + expert_games, second + expert_games + first]  # the rounds' SFTs
+    assert [(r["expert_records"], r["relabelled_records"]) for r in again] == [(2, 0), (2, len(first))]
+    options = torch.load(Path(again[1]["checkpoint"]) / "trainer_state.pt", weights_only=False)["sft"]
+    assert options["dagger_data"] == str(out / "sft_data.jsonl") and options["dagger_aggregate"] == "all"
+    assert not {"played", "dagger_records", "relabelled_records"} & set(options)
     # a student that cannot play (no server to generate with) is a one-line configuration error
     assert sft_warmstart.main(["--episodes", "0", "--init-adapter", rounds[1]["checkpoint"], "--dagger-rounds", "1",
                                "--output-dir", str(tmp_path / "no-server"), *common, "--set", "generation.backend=vllm",
