@@ -51,7 +51,7 @@ DATA_FILE = "sft_data.jsonl"
 RELABEL_FILE = "relabelled.jsonl"  # --relabel's records
 DAGGER_LOG = "dagger.jsonl"  # one line per --dagger-rounds round
 # what check_args loads from the files the options name: the options stay in a checkpoint's state, not the data
-LOADED = ("played", "dagger_records", "relabelled_records")
+LOADED = ("played", "dagger_records", "dagger_counts")
 SFT_STATE_KIND = "sft-warmstart"
 
 
@@ -375,16 +375,11 @@ def expert_moves_played(played: list[dict[str, Any]], relabelled: list[dict[str,
     return turns - sum(r.get("max_replies") is not None for r in relabelled), turns
 
 
-def unique_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`records` in order without repeats (the same conversation from --data and --dagger-data trains once)."""
-    seen: set[str] = set()
-    unique = []
-    for record in records:
-        key = json.dumps(record, sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            unique.append(record)
-    return unique
+def records_not_in(records: list[dict[str, Any]], present: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`records` less those equal to one in `present`: a conversation in both --data and --dagger-data trains
+    once; a repeat within one file stays, as it trained in the SFT."""
+    seen = {json.dumps(record, sort_keys=True) for record in present}
+    return [record for record in records if json.dumps(record, sort_keys=True) not in seen]
 
 
 def read_records(path: Path, option: str = "--data") -> list[dict[str, Any]]:
@@ -521,7 +516,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(as --relabel), and SFT goes on from that adapter on them and on this call's SFT "
                         "conversations (and --dagger-data's) for --epochs. With --init-adapter "
                         "and --episodes 0 the rounds start from that adapter, with no SFT before them: also the way "
-                        "to go on after an interrupted run, from its last round's checkpoint (new deals)")
+                        "to go on after an interrupted run, from its last round's checkpoint (new deals). "
+                        "--dagger-aggregate all adds earlier rounds' relabelled games")
     parser.add_argument("--dagger-episodes", default="128", metavar="N",
                         help="games per game and round for --dagger-rounds: a number, or a number then GAME=N items")
     parser.add_argument("--dagger-data", type=Path, metavar="FILE",
@@ -603,6 +599,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
         raise ConfigError(f"--dagger-rounds must be at least 0, got {args.dagger_rounds}.")
     if min(args.dagger_episodes.values()) < 1:
         raise ConfigError(f"--dagger-episodes must be at least 1 for every game, got {args.dagger_episodes}.")
+    if args.dagger_aggregate == "all" and not args.dagger_rounds:
+        raise ConfigError("--dagger-aggregate all keeps earlier rounds' games, but --dagger-rounds is 0.")
     if args.dagger_data is not None and not args.dagger_rounds:
         raise ConfigError("--dagger-data trains in every --dagger-rounds round, but --dagger-rounds is 0.")
     args.dagger_records = read_records(args.dagger_data, "--dagger-data") if args.dagger_data else []
@@ -666,18 +664,19 @@ def main(argv: list[str] | None = None) -> int:
             records = generate(jobs, args.workers, args.output_dir / DATA_FILE)
             console.print(f"{len(records)} expert episodes in {time.perf_counter() - started:.0f} s -> "
                           f"{args.output_dir / DATA_FILE}", highlight=False)
-        args.relabelled_records = []
+        relabelled = []
         if args.played:
-            args.relabelled_records = relabel(args.played, args, simulations, game_env.opponent_search,
-                                              config.train.model.cache_dir, args.output_dir / RELABEL_FILE,
-                                              opponent_moves=game_env.opponent_moves)
+            relabelled = relabel(args.played, args, simulations, game_env.opponent_search,
+                                 config.train.model.cache_dir, args.output_dir / RELABEL_FILE,
+                                 opponent_moves=game_env.opponent_moves)
         checkpoint = args.init_adapter  # DAgger rounds from that adapter alone, with no SFT before them
-        if records or args.relabelled_records:
-            checkpoint = warm_start(config, records + args.relabelled_records, args, args.init_adapter,
-                                    args.output_dir)
-        # aggregated DAgger: every round also trains on the expert's own conversations (measured on leduc_poker:
-        # +0.011 [0.001, 0.020] over rounds on their relabelled games alone)
-        args.dagger_records = unique_records(records + args.dagger_records)
+        if records or relabelled:
+            checkpoint = warm_start(config, records + relabelled, args, args.init_adapter, args.output_dir)
+        # aggregated DAgger: every round also trains on what this SFT trained on and on --dagger-data's
+        # conversations (measured on leduc_poker: +0.011 [0.001, 0.020] over rounds on their relabelled games alone)
+        dagger_data = records_not_in(args.dagger_records, records)
+        args.dagger_records = records + relabelled + dagger_data
+        args.dagger_counts = {"expert_records": len(records) + len(dagger_data), "relabelled_records": len(relabelled)}
         (args.output_dir / DAGGER_LOG).unlink(missing_ok=True)  # this run's rounds only
         for round_number in range(1, args.dagger_rounds + 1):
             checkpoint = dagger_round(config, args, games, round_number, checkpoint, simulations)
@@ -695,9 +694,9 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
                  simulations: int | dict[str, int] | None) -> Path:
     """One `--dagger-rounds` round: the adapter at `checkpoint` plays `--dagger-episodes` games of each game as
     evaluate.py plays them (greedy, both seats, the same --set items), against the opponent the experts met;
-    the experts relabel them, and SFT goes on from that adapter on them, on the run's expert conversations
-    (`args.dagger_records`) and on the relabelled games kept so far (`args.relabelled_records`: --relabel's, and
-    with --dagger-aggregate all every earlier round's). Returns the new checkpoint. The round's seeds come from
+    the experts relabel them, and SFT goes on from that adapter on them and on the records kept so far
+    (`args.dagger_records`: the run's expert conversations, --relabel's records and with --dagger-aggregate all
+    every earlier round's). Returns the new checkpoint. The round's seeds come from
     run.seed, the round and the weights of the adapter that plays: apart from evaluate.py's and from every other
     round's, also when a run goes on from an earlier round's checkpoint, and the same in every copy of the adapter."""
     import asyncio
@@ -730,8 +729,7 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
     records = relabel(played, args, simulations, env_spec.opponent_search, config.train.model.cache_dir,
                       folder / RELABEL_FILE, "--dagger-rounds", env_spec.opponent_moves)
     entry: dict[str, Any] = {"round": round_number, "adapter": str(checkpoint), "seed": seed, "by_game": {},
-                             "records": len(records), "expert_records": len(args.dagger_records),
-                             "relabelled_records": len(args.relabelled_records)}
+                             "records": len(records), **args.dagger_counts}
     for game in games:
         game_played = [g for g in played if g["game"] == game]
         if not game_played:
@@ -745,13 +743,13 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
                       + f" over {len(game_played)} games and played the expert's move at {matched} of {turns} turns",
                       highlight=False)
     if records:
-        training = unique_records(records + args.dagger_records + args.relabelled_records)
-        checkpoint = warm_start(config, training, args, checkpoint, folder)
+        checkpoint = warm_start(config, records + args.dagger_records, args, checkpoint, folder)
     else:  # --relabel-missed-only and not one miss: no new record, so no new step of DAgger
         console.print("the student played the expert's move at every turn: no new record, this round trains nothing",
                       highlight=False)
     if args.dagger_aggregate == "all":
-        args.relabelled_records = args.relabelled_records + records
+        args.dagger_records = args.dagger_records + records
+        args.dagger_counts["relabelled_records"] += len(records)
     with open(args.output_dir / DAGGER_LOG, "a") as log_file:
         log_file.write(json.dumps({**entry, "checkpoint": str(checkpoint)}) + "\n")
     return checkpoint

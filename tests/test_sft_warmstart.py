@@ -304,14 +304,14 @@ def test_relabelled_games_train_the_experts_move_at_every_state_the_model_reache
                    "fast", "~/.cache/ppo-affine", None) == missed
 
 
-def test_a_conversation_given_twice_trains_once():
-    """--data X --dagger-data X: the rounds' aggregate holds X once, in first-seen order; equal dicts with their
-    keys in another order are the same record."""
-    a = {"task_id": 1, "seed": 2, "conversation": [{"role": "user", "content": "x"}]}
-    b = {"seed": 2, "task_id": 1, "conversation": [{"role": "user", "content": "y"}]}
-    reordered = {"conversation": a["conversation"], "seed": 2, "task_id": 1}
-    assert sft_warmstart.unique_records([a, b, reordered, b, a]) == [a, b]
-    assert sft_warmstart.unique_records([]) == []
+def test_a_conversation_in_both_sets_trains_once():
+    """--data X --dagger-data X: --dagger-data's records less those the SFT trained on; equal dicts with their keys
+    in another order are the same record, and a repeat within one file stays."""
+    a = {"task_id": 1, "seed": 2, "messages": [{"role": "user", "content": "x"}]}
+    b = {"seed": 2, "task_id": 1, "messages": [{"role": "user", "content": "y"}]}
+    reordered = {"messages": a["messages"], "seed": 2, "task_id": 1}
+    assert sft_warmstart.records_not_in([a, b, reordered, b], [a]) == [b, b]
+    assert sft_warmstart.records_not_in([a], []) == [a] and sft_warmstart.records_not_in([], [a]) == []
 
 
 def test_relabelling_refuses_a_game_that_replays_differently_or_a_file_without_games(tmp_path):
@@ -365,6 +365,7 @@ def _cli(*args):
     # DAgger rounds with no expert game before them need an adapter to start from
     (["--dagger-rounds", "1", "--episodes", "0"], "--episodes must be at least 1"),
     (["--dagger-data", "runs/sft/sft_data.jsonl"], "--dagger-data trains in every --dagger-rounds round, but"),
+    (["--dagger-aggregate", "all"], "--dagger-aggregate all keeps earlier rounds' games, but --dagger-rounds is 0"),
     (["--dagger-rounds", "1", "--dagger-data", "runs/no-such/sft_data.jsonl"],
      "--dagger-data runs/no-such/sft_data.jsonl: cannot read conversations"),
 ])
@@ -424,6 +425,35 @@ def test_warm_start_checkpoint_starts_a_ppo_run(tiny_model_dir, tmp_path):
     assert abs(anchored["reward/kl_per_token"]) > 1e-4  # k1 is signed; tiny SFT moves little
     assert not (tmp_path / "base-anchor" / "t" / "checkpoints" / "checkpoint-1" / "reference_adapter").exists()
     assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path / "other", "--resume", str(checkpoint))) == 2
+
+
+@pytest.mark.slow
+def test_dagger_rounds_keep_the_sfts_data_and_train_a_conversation_given_twice_once(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    """--data X --relabel P --dagger-data X --dagger-rounds 1: the SFT trains on X and P's relabelled records, the
+    round on its own records, X and P's again (X once), in that order; dagger.jsonl counts X and P's apart."""
+    sets = ["--set", f"model.name_or_path={tiny_model_dir}", "--set", "model.use_4bit=false",
+            "--set", "model.dtype=float32", "--set", "run.device=cpu", "--set", "model.gradient_checkpointing=false",
+            "--set", "generation.backend=local", "--set", "generation.max_new_tokens=4"]
+    expert = _played_goofspiel(3, lambda turn, legal, expert_move: str(expert_move))
+    data = [{"game": "goofspiel", "task_id": expert["task_id"], "seed": 3, "score": expert["score"],
+             "messages": expert["conversation"]}]
+    (tmp_path / "data.jsonl").write_text(json.dumps(data[0]) + "\n")
+    (tmp_path / "played.jsonl").write_text(json.dumps(_played_goofspiel(6, lambda t, legal, e: str(min(legal)))) + "\n")
+    trained, real_warm_start = [], sft_warmstart.warm_start
+    monkeypatch.setattr(sft_warmstart, "warm_start", lambda config, records, *rest: trained.append(records)
+                        or real_warm_start(config, records, *rest))
+    out = tmp_path / "sft"
+    assert sft_warmstart.main(["--games", "goofspiel", "--data", str(tmp_path / "data.jsonl"), "--relabel",
+                               str(tmp_path / "played.jsonl"), "--dagger-data", str(tmp_path / "data.jsonl"),
+                               "--dagger-rounds", "1", "--dagger-episodes", "2", "--epochs", "1", "--workers", "1",
+                               "--output-dir", str(out), *sets]) == 0
+    given, round_one = ([json.loads(line) for line in (folder / "relabelled.jsonl").read_text().splitlines()]
+                        for folder in (out, out / "dagger-1"))
+    assert given and round_one
+    assert trained == [data + given, round_one + data + given]
+    [entry] = [json.loads(line) for line in (out / "dagger.jsonl").read_text().splitlines()]
+    assert (entry["records"], entry["expert_records"], entry["relabelled_records"]) == (len(round_one), 1, len(given))
 
 
 @pytest.mark.slow
