@@ -528,7 +528,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dagger-aggregate", choices=("sft", "all"), default="sft",
                         help="what each --dagger-rounds round trains on beside its own relabelled games: 'sft', this "
                         "call's SFT data (expert games, --data, --relabel) and --dagger-data's (measured on "
-                        "leduc_poker); 'all', also every earlier round's relabelled games, as DAgger aggregates")
+                        "leduc_poker); 'all', also every earlier round's relabelled games, as DAgger aggregates "
+                        "(on leduc_poker a worse student: it forfeited games by raising past the cap)")
     parser.add_argument("--init-adapter", type=Path, metavar="CHECKPOINT",
                         help="go on training this adapter (an earlier SFT checkpoint, or an adapter folder) "
                         "instead of a fresh LoRA, e.g. for more epochs")
@@ -696,9 +697,9 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
     evaluate.py plays them (greedy, both seats, the same --set items), against the opponent the experts met;
     the experts relabel them, and SFT goes on from that adapter on them and on the records kept so far
     (`args.dagger_records`: the run's expert conversations, --relabel's records and with --dagger-aggregate all
-    every earlier round's). Returns the new checkpoint. The round's seeds come from
-    run.seed, the round and the weights of the adapter that plays: apart from evaluate.py's and from every other
-    round's, also when a run goes on from an earlier round's checkpoint, and the same in every copy of the adapter."""
+    every earlier round's). Returns the new checkpoint. The round's seeds come from run.seed, the round and the
+    weights of the adapter that plays: apart from evaluate.py's and from every other round's, also when a run
+    goes on from an earlier round's checkpoint, and the same in every copy of the adapter."""
     import asyncio
     import gc
 
