@@ -51,7 +51,7 @@ DATA_FILE = "sft_data.jsonl"
 RELABEL_FILE = "relabelled.jsonl"  # --relabel's records
 DAGGER_LOG = "dagger.jsonl"  # one line per --dagger-rounds round
 # what check_args loads from the files the options name: the options stay in a checkpoint's state, not the data
-LOADED = ("played", "dagger_records", "dagger_counts")
+LOADED = ("played", "dagger_records", "dagger_expert_records")
 SFT_STATE_KIND = "sft-warmstart"
 
 
@@ -677,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         # conversations (measured on leduc_poker: +0.011 [0.001, 0.020] over rounds on their relabelled games alone)
         dagger_data = records_not_in(args.dagger_records, records)
         args.dagger_records = records + relabelled + dagger_data
-        args.dagger_counts = {"expert_records": len(records) + len(dagger_data), "relabelled_records": len(relabelled)}
+        args.dagger_expert_records = len(records) + len(dagger_data)  # the rest of dagger_records is relabelled
         (args.output_dir / DAGGER_LOG).unlink(missing_ok=True)  # this run's rounds only
         for round_number in range(1, args.dagger_rounds + 1):
             checkpoint = dagger_round(config, args, games, round_number, checkpoint, simulations)
@@ -730,7 +730,8 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
     records = relabel(played, args, simulations, env_spec.opponent_search, config.train.model.cache_dir,
                       folder / RELABEL_FILE, "--dagger-rounds", env_spec.opponent_moves)
     entry: dict[str, Any] = {"round": round_number, "adapter": str(checkpoint), "seed": seed, "by_game": {},
-                             "records": len(records), **args.dagger_counts}
+                             "records": len(records), "expert_records": args.dagger_expert_records,
+                             "relabelled_records": len(args.dagger_records) - args.dagger_expert_records}
     for game in games:
         game_played = [g for g in played if g["game"] == game]
         if not game_played:
@@ -750,7 +751,6 @@ def dagger_round(config, args: argparse.Namespace, games: list[str], round_numbe
                       highlight=False)
     if args.dagger_aggregate == "all":
         args.dagger_records = args.dagger_records + records
-        args.dagger_counts["relabelled_records"] += len(records)
     with open(args.output_dir / DAGGER_LOG, "a") as log_file:
         log_file.write(json.dumps({**entry, "checkpoint": str(checkpoint)}) + "\n")
     return checkpoint

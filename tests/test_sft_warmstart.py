@@ -518,15 +518,15 @@ def test_dagger_rounds_train_each_new_adapter_on_its_own_games_relabelled(tiny_m
     again = [json.loads(line) for line in (out / "dagger.jsonl").read_text().splitlines()]
     assert [r["round"] for r in again] == [1, 2] and again[0]["adapter"] == str(moved)
     assert again[0]["seed"] not in {r["seed"] for r in rounds}
-    run_seed = torch.load(Path(again[0]["checkpoint"]) / "trainer_state.pt", weights_only=False)["config"]["train"]
-    assert again[0]["seed"] == derive_seed(run_seed["run"]["seed"], "dagger", 1, digest)
+    train_config = torch.load(Path(again[0]["checkpoint"]) / "trainer_state.pt", weights_only=False)["config"]["train"]
+    assert again[0]["seed"] == derive_seed(train_config["run"]["seed"], "dagger", 1, digest)
     first, second = ([json.loads(line) for line in (out / f"dagger-{n}" / "relabelled.jsonl").read_text().splitlines()]
                      for n in (1, 2))
     assert trained == [first + expert_games, second + expert_games + first]  # the rounds' SFTs
     assert [(r["expert_records"], r["relabelled_records"]) for r in again] == [(2, 0), (2, len(first))]
     options = torch.load(Path(again[1]["checkpoint"]) / "trainer_state.pt", weights_only=False)["sft"]
     assert options["dagger_data"] == str(out / "sft_data.jsonl") and options["dagger_aggregate"] == "all"
-    assert not {"played", "dagger_records", "relabelled_records"} & set(options)
+    assert not {"played", "dagger_records", "dagger_expert_records"} & set(options)  # loaded data stays out
     # a student that cannot play (no server to generate with) is a one-line configuration error
     assert sft_warmstart.main(["--episodes", "0", "--init-adapter", rounds[1]["checkpoint"], "--dagger-rounds", "1",
                                "--output-dir", str(tmp_path / "no-server"), *common, "--set", "generation.backend=vllm",
