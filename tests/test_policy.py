@@ -80,6 +80,7 @@ def _scored_with_gradients(policy, ids, mask):
 
 # "past_key_values": the KV cache's name before transformers 5.2x (5.17 has no other), still taken by newer ones
 @pytest.mark.parametrize("cache_keyword", [None, "past_key_values"])
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # the old name, on purpose
 def test_rows_with_a_common_prefix_score_and_train_as_if_run_whole(tiny_policy, monkeypatch, cache_keyword):
     from ppo_affine import policy as policy_module
     from ppo_affine import prefixes
