@@ -50,9 +50,10 @@ DEFAULT_GAMES = "leduc_poker,liars_dice,goofspiel"
 DATA_FILE = "sft_data.jsonl"
 RELABEL_FILE = "relabelled.jsonl"  # --relabel's records
 DAGGER_LOG = "dagger.jsonl"  # one line per --dagger-rounds round
-# what check_args loads from the files the options name: the options stay in a checkpoint's state, not the data
+# what check_args and main load or derive from the files the options name: checkpoints keep the options, not the data
 LOADED = ("played", "dagger_records", "dagger_expert_records")
 SFT_STATE_KIND = "sft-warmstart"
+DAGGER_AGGREGATES = ("sft", "all")  # --dagger-aggregate: what rounds keep; the first is the default
 
 
 @dataclass(frozen=True)
@@ -525,7 +526,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "beside its relabelled games, e.g. the games an --init-adapter learned from: the turns it "
                         "plays right stay held in place (an SFT in the same call keeps its own data this way; a "
                         "conversation in both trains once)")
-    parser.add_argument("--dagger-aggregate", choices=("sft", "all"), default="sft",
+    parser.add_argument("--dagger-aggregate", choices=DAGGER_AGGREGATES, default=DAGGER_AGGREGATES[0],
                         help="what each --dagger-rounds round trains on beside its own relabelled games: 'sft', this "
                         "call's SFT data (expert games, --data, --relabel) and --dagger-data's (measured on "
                         "leduc_poker); 'all', also every earlier round's relabelled games, as DAgger aggregates "

@@ -459,7 +459,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sft-dagger-data", type=Path, metavar="FILE",
                         help="with --sft-checkpoint: expert conversations (e.g. that student's sft_data.jsonl) every "
                         "DAgger round trains on beside its relabelled games (sft_warmstart --dagger-data)")
-    parser.add_argument("--sft-dagger-aggregate", choices=("sft", "all"),
+    parser.add_argument("--sft-dagger-aggregate", choices=sft_warmstart.DAGGER_AGGREGATES,
                         help="what each DAgger round trains on beside its relabelled games: the SFT's data (sft, "
                         "the default) or also every earlier round's relabelled games (all; sft_warmstart "
                         "--dagger-aggregate)")
@@ -681,7 +681,8 @@ def sft_settings(args: argparse.Namespace, sft_checkpoint: Path | None) -> dict 
                  "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate})
     if args.sft_dagger_rounds:
         settings |= {"dagger_rounds": args.sft_dagger_rounds, "dagger_episodes": args.sft_dagger_episodes,
-                     "dagger_aggregate": args.sft_dagger_aggregate or "sft", "dagger_checkpoint": str(sft_checkpoint)}
+                     "dagger_aggregate": args.sft_dagger_aggregate or sft_warmstart.DAGGER_AGGREGATES[0],
+                     "dagger_checkpoint": str(sft_checkpoint)}
         if args.sft_dagger_data:
             settings["dagger_data"] = str(args.sft_dagger_data)
     return settings
