@@ -42,18 +42,19 @@ from rich.console import Console
 
 from ppo_affine import env_evaluate
 from ppo_affine import report
-from curriculum import Task
+from ppo_affine.envs.tasks import Task
 from ppo_affine.envs.factory import make_env
 from ppo_affine.envs.games import is_playable
 from ppo_affine.envs.tasks import (AVAILABLE_GAMES, TRACE_LEVELS, game_name_of, game_task_id, trace_level_range,
                         validator_seed)
 from ppo_affine.model_files import served_folder
-from ppo_affine.policy import adapter_folder, load_adapter_model
+from ppo_affine.model_files import load_adapter_model
 from ppo_affine.generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
 from ppo_affine.run_log import console, report_failure, rollout_progress, setup_logging
-from utils import Config, ConfigError, EnvSpec, add_config_arguments, config_from_arguments, derive_seed
+from ppo_affine.config import Config, ConfigError, EnvSpec, derive_seed
+from utils import add_config_arguments, config_for_adapter
 
 log = logging.getLogger("evaluate")
 
@@ -186,7 +187,8 @@ def local_policy(config: Config, adapter_dir: Path | None):
     """A Policy for generation: the adapter on the base, or (base only) a fresh LoRA that is switched off."""
     import torch
 
-    from ppo_affine.policy import Policy, load_base_model, load_policy, load_tokenizer, pick_device
+    from ppo_affine.model_files import load_base_model, load_tokenizer, pick_device
+    from ppo_affine.policy import Policy, load_policy
 
     cfg = config.train
     device = pick_device(cfg.run.device)
@@ -216,7 +218,7 @@ def model_runs(config: Config, adapter_dir: Path | None, compare_base: bool
             with policy.base():
                 yield
     else:
-        from ppo_affine.policy import load_generation_config, load_tokenizer
+        from ppo_affine.model_files import load_generation_config, load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model)
         rank = (json.loads((adapter_dir / "adapter_config.json").read_text())["r"] if adapter_dir else cfg.lora.r)
@@ -378,9 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     try:
-        config = config_from_arguments(args, defaults=VALIDATOR_SETTINGS, flags=flag_overrides(args))
+        config, adapter_dir = config_for_adapter(args, args.checkpoint, defaults=VALIDATOR_SETTINGS,
+                                                 flags=flag_overrides(args))
         tasks, env_specs = plan(args, config)
-        adapter_dir = adapter_folder(args.checkpoint) if args.checkpoint else None
         episodes_path = None
         if args.output_dir:
             args.output_dir.mkdir(parents=True, exist_ok=True)

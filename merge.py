@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from ppo_affine.policy import adapter_folder, load_adapter_model
+from ppo_affine.model_files import load_adapter_model
 from ppo_affine.run_log import console, report_failure, setup_logging
-from utils import ConfigError, add_config_arguments, config_from_arguments
+from ppo_affine.config import ConfigError
+from utils import add_config_arguments, config_for_adapter
 
 log = logging.getLogger("merge")
 
@@ -78,7 +79,7 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str) -> dict[str, floa
     load it back and check its weights; rename into place. Returns max logit differences to base + adapter."""
     from transformers import AutoModelForCausalLM
 
-    from ppo_affine.policy import load_dequantised_base, load_tokenizer, pick_device
+    from ppo_affine.model_files import load_dequantised_base, load_tokenizer, pick_device
     from ppo_affine.prompts import PromptBuilder
 
     # float32 for the merge itself: W + BA rounded to 16 bits would blur whether the merge is right
@@ -130,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     try:
-        config = config_from_arguments(args, flags=["model.gradient_checkpointing=false"])
+        config, adapter_dir = config_for_adapter(args, args.checkpoint or args.adapter,
+                                                 flags=["model.gradient_checkpointing=false"])
         dtype = args.dtype or (config.train.model.dtype if config.train.model.dtype != "auto" else "float32")
-        adapter_dir = adapter_folder(args.checkpoint or args.adapter)
         if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
             raise ConfigError(f"--output {args.output} already exists and is not an empty folder; "
                               "choose a new folder so no earlier model is overwritten.")

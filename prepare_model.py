@@ -19,9 +19,10 @@ from pathlib import Path
 
 from ppo_affine.generation import vllm_serve_command
 from ppo_affine.model_files import write_served_folder
-from ppo_affine.policy import pick_device
+from ppo_affine.model_files import pick_device
 from ppo_affine.run_log import report_failure, setup_logging
-from utils import ConfigError, add_config_arguments, config_from_arguments
+from ppo_affine.config import ConfigError
+from utils import add_config_arguments, config_from_arguments
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from ppo_affine.run_log import console, report_failure, rollout_progress, setup_logging
-from utils import ConfigError, EnvSpec, add_config_arguments, config_from_arguments, derive_seed
+from ppo_affine.config import ConfigError, EnvSpec, derive_seed
+from utils import add_config_arguments, config_from_arguments
 
 log = logging.getLogger("sft_warmstart")
 
@@ -397,7 +398,7 @@ def conversations_to_episodes(records: list[dict[str, Any]], builder, strategy: 
     """Rollout-shaped episodes (token sequences + turns) of recorded conversations, built the way a rollout
     prompts: the same context strategy, and each reply's ids followed by an EOS. A record's
     `explored_replies` (random moves) stay in the context and are not trained on."""
-    from curriculum import Task
+    from ppo_affine.envs.tasks import Task
     from ppo_affine.prompts import TokenHistory
     from ppo_affine.rollout import Episode, Turn, build_messages
 
@@ -622,9 +623,11 @@ def check_args(args: argparse.Namespace) -> list[str]:
     # played games are read before experts play or the model loads, so that a wrong file fails at once
     args.played = [game for source in args.relabel for game in read_played(source, args.opponent)]
     if args.init_adapter is not None:
+        from ppo_affine.checkpoint import checkpoint_holding
         from ppo_affine.policy import adapter_folder
 
-        adapter_folder(args.init_adapter)  # a wrong path fails before experts play or the model loads
+        adapter_folder(args.init_adapter)  # a wrong path or a corrupt checkpoint fails before experts play or
+        checkpoint_holding(args.init_adapter)  # the model loads
     for name in ("epochs", "batch_size", "workers", "cfr_iterations"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
@@ -767,7 +770,8 @@ def warm_start(config, records: list[dict[str, Any]], args: argparse.Namespace, 
     from ppo_affine.experience import build_sequences
     from ppo_affine.generation import eos_token_ids
     from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
-    from ppo_affine.policy import adapter_folder, load_policy, pick_device
+    from ppo_affine.model_files import pick_device
+    from ppo_affine.policy import adapter_folder, load_policy
     from ppo_affine.prompts import PromptBuilder
 
     cfg = config.train

@@ -50,9 +50,12 @@ from typing import Any
 
 import torch
 
-from ppo_affine.checkpoint import (CheckpointWriteError, find_resumable, list_checkpoints, load_trainer_state, rng_state,
-                        save_checkpoint, set_rng_state)
-from curriculum import Curriculum, Task
+from ppo_affine.checkpoint import (
+    PPO_KIND, CheckpointWriteError, check_checkpoint, checkpoint_kind, find_resumable,
+    list_checkpoints, load_trainer_state, rng_state, save_checkpoint, set_rng_state,
+)
+from curriculum import Curriculum
+from ppo_affine.envs.tasks import Task
 from ppo_affine.distributed import (ONE_PROCESS, OutOfMemoryOnRanks, RankFailed, RankLost, Ranks, SilentLogger,
                                     check_world_size, rng_state_of)
 from ppo_affine.envs.factory import make_envs, playable_filter
@@ -60,7 +63,8 @@ from ppo_affine.experience import (assign_advantages, build_sequences, correct_f
                                    sampler_gap, score_sequences, turn_rewards)
 from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
 from ppo_affine.generation import LocalGenerator, VLLMError, VLLMServers, eos_token_ids
-from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, check_4bit_support, load_policy, pick_device
+from ppo_affine.model_files import check_4bit_support, pick_device
+from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, load_policy
 from ppo_affine.ppo import AdaptiveKLController, FixedKLController
 from ppo_affine.model_files import served_folder
 from ppo_affine.prompts import PromptBuilder
@@ -68,7 +72,8 @@ from ppo_affine.rollout import Episode, RolloutRunner
 from ppo_affine.run_log import (RunLogger, console, episode_summary, report_failure, rollout_progress,
                                 setup_logging)
 from ppo_affine.update import TooManySkips, TrainingSnapshot, UpdateState, build_optimizer, ppo_update, update_signal
-from utils import Config, ConfigError, TrainConfig, add_config_arguments, config_from_arguments, derive_seed
+from ppo_affine.config import Config, ConfigError, TrainConfig, derive_seed
+from utils import add_config_arguments, config_for_adapter, config_for_checkpoint, config_from_arguments
 
 log = logging.getLogger("train_ppo")
 
@@ -116,7 +121,7 @@ class StartupError(RuntimeError):
 class Trainer:
     """Everything one run owns; `train()` is the loop."""
 
-    def __init__(self, config: Config, run_dir: Path, resume: str | None, init_adapter: Path | None = None,
+    def __init__(self, config: Config, run_dir: Path, resume_from: Path | None, init_adapter: Path | None = None,
                  ranks: Ranks = ONE_PROCESS):
         self.config, self.run_dir, self.ranks = config, run_dir, ranks
         cfg = config.train
@@ -142,7 +147,7 @@ class Trainer:
         self.step = self.saved_step = 0
         self.totals = {"episodes": 0, "episodes_failed": 0, "generated_tokens": 0}
         self.checkpoint_dir = run_dir / "checkpoints"
-        wandb_id = self._resume(resume) if resume else None
+        wandb_id = self._resume(resume_from) if resume_from else None
         if init_adapter is not None:
             self._init_adapter(init_adapter)
         self.logger = (RunLogger(run_dir, cfg.logging, config.model_dump(mode="json"), wandb_id, self.step)
@@ -412,15 +417,8 @@ class Trainer:
         self.saved_step = self.step
         log.info("saved %s", path)
 
-    def _resume(self, resume: str) -> str | None:
-        if resume == "latest":
-            checkpoint = find_resumable(self.checkpoint_dir, clean=self.ranks.is_main)
-            if checkpoint is None:
-                raise ConfigError(f"--resume latest: no complete checkpoint under {self.checkpoint_dir}.")
-        else:
-            checkpoint = Path(resume)
-            if not (checkpoint / "manifest.json").is_file():
-                raise ConfigError(f"--resume {resume}: not a checkpoint folder (no manifest.json).")
+    def _resume(self, checkpoint: Path) -> str | None:
+        """Restore everything of `checkpoint` (already checked against its manifest by `resume_checkpoint`)."""
         state = load_trainer_state(checkpoint)
         if "optimizer" not in state:
             raise ConfigError(f"--resume {checkpoint}: this checkpoint holds no PPO run to continue (e.g. an SFT "
@@ -519,11 +517,10 @@ def main(argv: list[str] | None = None) -> int:
         if not ranks.is_main:  # rank 0 reports the run; the others only their own trouble
             setup_logging(logging.WARNING, prefix=f"[rank {ranks.rank}] ")
         config = config_from_arguments(args, flags=flags)
+        config, resume_from = run_configuration(args, config, flags, ranks.is_main)  # checkpoints checked here
         cfg = config.train
         check_can_train(cfg, ranks.world_size)
         torch.manual_seed(cfg.run.seed)
-        if args.init_adapter is not None:
-            adapter_folder(args.init_adapter)  # a wrong path fails now, not after the model has loaded
         run_dir = Path(cfg.run.output_dir) / cfg.run.name
         earlier = list_checkpoints(run_dir / "checkpoints")
         if earlier and not args.resume:
@@ -532,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                               "or --output-dir DIR).")
         run_dir.mkdir(parents=True, exist_ok=True)
         ranks.start(ranks.local_device(pick_device(cfg.run.device)), cfg.run.rank_timeout_minutes)
-        trainer = ranks.all_succeed(lambda: Trainer(config, run_dir, args.resume, args.init_adapter, ranks))
+        trainer = ranks.all_succeed(lambda: Trainer(config, run_dir, resume_from, args.init_adapter, ranks))
         asyncio.run(_train_and_close(trainer))
         if trainer.stop.signal is not None:  # a scheduler that preempted the run sees it did not finish
             log.info("stopped by %s after step %d%s", signal.Signals(trainer.stop.signal).name, trainer.saved_step,
@@ -549,6 +546,39 @@ def main(argv: list[str] | None = None) -> int:
             trainer.stop.restore()
         ranks.close()
     return 0
+
+
+def run_configuration(args: argparse.Namespace, config: Config, flags: list[str], is_main: bool
+                      ) -> tuple[Config, Path | None]:
+    """The run's configuration and the checkpoint it resumes from, both settled before any model loads: a
+    checkpoint is checked against its manifest (a corrupt newest one is set aside under `--resume latest`), and
+    its saved configuration is the base a resumed run goes on with; `--init-adapter` takes its model from it."""
+    if args.resume:
+        checkpoint = resume_checkpoint(args.resume, config, is_main)
+        if checkpoint.parent.name == "checkpoints":  # the run goes on in the folder its checkpoint is in
+            run_folder = checkpoint.parent.parent
+            flags = [f"run.output_dir={run_folder.parent}", f"run.name={run_folder.name}", *flags]
+        return config_for_checkpoint(args, checkpoint, flags=flags, continue_run=True), checkpoint
+    if args.init_adapter is not None:
+        return config_for_adapter(args, args.init_adapter, flags=flags)[0], None
+    return config, None
+
+
+def resume_checkpoint(resume: str, config: Config, is_main: bool) -> Path:
+    """`--resume latest` (the newest checkpoint of the configured run that verifies) or a checkpoint path, checked."""
+    if resume == "latest":
+        checkpoint_dir = Path(config.train.run.output_dir) / config.train.run.name / "checkpoints"
+        checkpoint = find_resumable(checkpoint_dir, clean=is_main)
+        if checkpoint is None:
+            raise ConfigError(f"--resume latest: no complete checkpoint under {checkpoint_dir} (name the run with "
+                              "--set run.name=NAME or its preset, or give the checkpoint folder: --resume PATH).")
+    else:
+        checkpoint = Path(resume)
+        check_checkpoint(checkpoint)
+    if checkpoint_kind(checkpoint) not in (None, PPO_KIND):
+        raise ConfigError(f"--resume {checkpoint}: this checkpoint holds no PPO run to continue (an SFT warm "
+                          f"start); start PPO from its adapter with --init-adapter {checkpoint}.")
+    return checkpoint
 
 
 async def _train_and_close(trainer: Trainer) -> None:

@@ -297,7 +297,7 @@ class RealVLLM:
 
     def __init__(self, python: Path):
         from ppo_affine.model_files import model_source
-        from utils import load_config
+        from ppo_affine.config import load_config
 
         self.python = python
         self.model = load_config(presets=["cpu"]).train.model

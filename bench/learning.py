@@ -71,7 +71,7 @@ from ppo_affine import report
 from ppo_affine.checkpoint import find_resumable
 from ppo_affine.envs.tasks import GAME_ID_STRIDE, game_name_of
 from ppo_affine.experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS, expert_choices, expert_kind
-from utils import load_config
+from ppo_affine.config import load_config
 
 # Tuned on this machine so that a CPU budget visibly moves the model: 8 episodes and one epoch per
 # step give a steadier gradient per minute than more epochs, and 2e-4 was the fastest rate that kept

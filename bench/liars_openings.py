@@ -41,7 +41,7 @@ from ppo_affine.envs.tasks import game_task_id
 from ppo_affine.experts import (LIAR, action_bid, bid_action, bid_label, counting_bid, counting_steps,
                                 dice_compositions, highest_true_bid, true_bid_choice)
 from ppo_affine.report import mean_interval
-from utils import derive_seed
+from ppo_affine.config import derive_seed
 
 HANDS = list(itertools.combinations_with_replacement(range(1, 7), 5))  # the order dice_compositions uses
 FIRST_SEAT_SEED = 0  # an even seed: the model moves first
@@ -270,9 +270,10 @@ def probe(adapter: str, batch: int, max_new_tokens: int, overrides: list[str], r
     """Greedy openings of the cpu preset's model (with `overrides`) and `adapter` on every hand, scored
     (`score_reasons` too where the model reasons), or with `seat` "second" its bids after the MCTS's
     opening on `deals` deals (`score_second_seat`); `replies_path`: also each reply, as JSON lines."""
-    from ppo_affine.policy import adapter_folder, load_policy, pick_device
+    from ppo_affine.model_files import pick_device
+    from ppo_affine.policy import adapter_folder, load_policy
     from ppo_affine.prompts import PromptBuilder
-    from utils import load_config
+    from ppo_affine.config import load_config
 
     config = load_config(presets=["cpu"], overrides=overrides).train
     adapter_dir = None if adapter == "base" else adapter_folder(Path(adapter))  # a wrong path fails before the load

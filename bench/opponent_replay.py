@@ -21,12 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import sft_warmstart
+from ppo_affine.envs.opponent_moves import OpponentMoves
+from ppo_affine.experts import expert_kind
 
-import sft_warmstart  # noqa: E402
-from ppo_affine.envs.opponent_moves import OpponentMoves  # noqa: E402
-from ppo_affine.experts import expert_kind  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def evaluate_run(checkpoint: str, args: argparse.Namespace, output_dir: Path, moves_file: Path | None) -> dict:

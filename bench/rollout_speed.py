@@ -15,14 +15,14 @@ import time
 
 import torch
 
-from curriculum import Task
+from ppo_affine.envs.tasks import Task
 from ppo_affine.envs.factory import make_envs
 from ppo_affine.envs.tasks import game_task_id
 from ppo_affine.generation import LocalGenerator
 from ppo_affine.policy import load_policy
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import RolloutRunner
-from utils import load_config
+from ppo_affine.config import load_config
 
 
 def plain_generate(policy, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int] | None = None) -> int:

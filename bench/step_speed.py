@@ -69,7 +69,7 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
     from ppo_affine import prefixes
     from ppo_affine.experience import build_sequences
     from ppo_affine.run_log import opponent_seconds
-    from utils import load_config
+    from ppo_affine.config import load_config
 
     games, opponent, strategy, extra, share = SETTINGS[name]
     if not share:  # every row through the model whole: the same step as before prefixes were shared

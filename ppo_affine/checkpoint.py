@@ -1,11 +1,14 @@
-"""Atomic checkpoints that survive kill -9 (see RELIABILITY.md).
+"""Atomic checkpoints that survive kill -9 (docs/reliability.md).
 
 Layout: `<run>/checkpoints/checkpoint-<step>/` holding `adapter/` (peft format), `value_head.pt`,
 `trainer_state.pt` (optimizer, KL controller, curriculum, RNG states, counters) and a
 `manifest.json` (sizes + sha256) written last. A checkpoint is built in a `.tmp-*` folder beside
 the target, fsynced, renamed into place, and only then is `latest` updated and old ones pruned.
 A write that fails (a full disk above all) removes its `.tmp-*` folder and leaves the previous
-checkpoints as they were.
+checkpoints as they were. Every reader checks a checkpoint against its manifest before it loads
+anything (`check_checkpoint`); a corrupt one is set aside as `corrupt-checkpoint-<step>`, outside
+the pattern that resume and pruning count, so pruning keeps the newest checkpoints that verify.
+`config.json` holds the configuration the run was written with, for the programs that read it.
 """
 from __future__ import annotations
 
@@ -23,16 +26,25 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ppo_affine.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.pt"
+CONFIG_FILE = "config.json"  # the run's resolved configuration (also inside trainer_state.pt)
+SET_ASIDE_PREFIX = "corrupt-"
+PPO_KIND = "ppo"  # a checkpoint's kind in its manifest: a PPO run resumes, an SFT warm start ("sft") does not
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (the disk is full); the previous ones are intact."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that is missing, unfinished or corrupt; the message names the file that is wrong."""
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -105,6 +117,7 @@ def save_checkpoint(checkpoint_dir: Path, step: int, write_model: Callable[[Path
         os.fsync(handle.fileno())
     os.replace(pointer_tmp, checkpoint_dir / "latest")
     _fsync_dir(checkpoint_dir)
+    _VERIFIED[final.resolve()] = _signature(final)  # its hashes were computed from these very files
     _prune(checkpoint_dir, keep_last)
     return final
 
@@ -114,8 +127,10 @@ def _write_files(tmp: Path, step: int, write_model: Callable[[Path], None], trai
     tmp.mkdir()
     write_model(tmp)
     torch.save(trainer_state, tmp / STATE_FILE)
+    if "config" in trainer_state:  # readable without torch.load, before any model is loaded
+        (tmp / CONFIG_FILE).write_text(json.dumps(trainer_state["config"], indent=1) + "\n")
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {"step": step, "files": {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+    manifest = {"step": step, "kind": trainer_state.get("kind", PPO_KIND), "files": {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
                                         for p in files}}
     _fsync_tree(tmp)
     with open(tmp / MANIFEST, "w") as handle:
@@ -165,7 +180,16 @@ def list_checkpoints(checkpoint_dir: Path) -> list[tuple[int, Path]]:
 
 
 def _prune(checkpoint_dir: Path, keep_last: int) -> None:
-    for _, path in list_checkpoints(checkpoint_dir)[:-keep_last]:
+    """Keep the newest `keep_last` checkpoints that verify; one that does not is set aside, never counted."""
+    kept = 0
+    for _, path in reversed(list_checkpoints(checkpoint_dir)):
+        if kept < keep_last:
+            try:
+                check_checkpoint(path)
+                kept += 1
+            except CheckpointError as exc:
+                set_aside(path, exc)
+            continue
         # renamed first: a kill mid-delete leaves a .tmp- folder (cleaned at the next resume), never a
         # half-deleted checkpoint-N that looks like a checkpoint
         doomed = checkpoint_dir / f".tmp-pruned-{path.name}-{os.getpid()}"
@@ -173,17 +197,68 @@ def _prune(checkpoint_dir: Path, keep_last: int) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-def verify(checkpoint: Path) -> bool:
+# Checkpoints this process has hashed, by folder, with the sizes and times of their files then: pruning after
+# every save re-hashes none of the kept ones unless a file changed since.
+_VERIFIED: dict[Path, tuple] = {}
+
+
+def _signature(checkpoint: Path) -> tuple:
+    return tuple((str(p.relative_to(checkpoint)), p.stat().st_size, p.stat().st_mtime_ns)
+                 for p in sorted(checkpoint.rglob("*")) if p.is_file())
+
+
+def check_checkpoint(checkpoint: Path) -> None:
+    """Raise CheckpointError naming the first file that is missing or differs from the manifest (size, then sha256);
+    a folder with no manifest is not a checkpoint (an unfinished save, or another kind of folder)."""
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        raise CheckpointError(f"checkpoint {checkpoint} does not exist (expected a folder "
+                              "<run>/checkpoints/checkpoint-<step>).")
     manifest_path = checkpoint / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{checkpoint} is not a finished checkpoint: it has no {MANIFEST}.")
     try:
-        manifest = json.loads(manifest_path.read_text())
-        for name, entry in manifest["files"].items():
-            path = checkpoint / name
-            if path.stat().st_size != entry["size"] or _sha256(path) != entry["sha256"]:
-                return False
+        signature = _signature(checkpoint)
+        if _VERIFIED.get(checkpoint.resolve()) == signature:
+            return
+        entries = json.loads(manifest_path.read_text())["files"]
+        for name, entry in entries.items():
+            _check_file(checkpoint / name, entry)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{manifest_path} is unreadable ({type(exc).__name__}: {exc}): the checkpoint "
+                              "cannot be checked.") from None
+    _VERIFIED[checkpoint.resolve()] = signature
+
+
+def _check_file(path: Path, entry: dict[str, Any]) -> None:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete.")
+    size = path.stat().st_size
+    if size != entry["size"]:
+        raise CheckpointError(f"{path} is {size:,} bytes where its manifest says {entry['size']:,}: "
+                              "the checkpoint is corrupt.")
+    if _sha256(path) != entry["sha256"]:
+        raise CheckpointError(f"{path} does not match the sha256 in its manifest: the checkpoint is corrupt.")
+
+
+def verify(checkpoint: Path) -> bool:
+    try:
+        check_checkpoint(checkpoint)
         return True
-    except (OSError, ValueError, KeyError):
+    except CheckpointError:
         return False
+
+
+def set_aside(checkpoint: Path, problem: Exception) -> Path:
+    """Rename a bad checkpoint to corrupt-checkpoint-<step>[-k] (kept for inspection, never resumed or counted)."""
+    target = checkpoint.with_name(SET_ASIDE_PREFIX + checkpoint.name)
+    copy = 1
+    while target.exists():
+        copy += 1
+        target = checkpoint.with_name(f"{SET_ASIDE_PREFIX}{checkpoint.name}-{copy}")
+    os.replace(checkpoint, target)
+    log.warning("%s: set aside as %s (delete it once you have looked)", problem, target.name)
+    return target
 
 
 def clean_temporaries(checkpoint_dir: Path) -> None:
@@ -196,13 +271,51 @@ def clean_temporaries(checkpoint_dir: Path) -> None:
 
 def find_resumable(checkpoint_dir: Path, clean: bool = True) -> Path | None:
     """The highest-step checkpoint whose manifest verifies (older ones are the fallback); `clean` removes
-    unfinished ones first (in data-parallel runs rank 0 alone writes, so it alone cleans)."""
+    unfinished ones first and sets corrupt ones aside (in data-parallel runs rank 0 alone writes, so it alone
+    cleans)."""
     if clean:
         clean_temporaries(checkpoint_dir)
     for step, path in reversed(list_checkpoints(checkpoint_dir)):
-        if verify(path):
+        try:
+            check_checkpoint(path)
             return path
-        log.warning("checkpoint %s is incomplete or corrupt; falling back to an older one", path.name)
+        except CheckpointError as exc:
+            if clean:
+                set_aside(path, exc)
+            else:
+                log.warning("%s", exc)
+            log.warning("falling back to an older checkpoint than %s", path.name)
+    return None
+
+
+def checkpoint_holding(path: Path) -> Path | None:
+    """The checkpoint that `path` is, or sits in (its adapter folder), checked against its manifest before anything
+    loads it; None for a bare adapter folder, which has no manifest to check against."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist.")
+    for candidate in (path, path.parent):
+        if (candidate / MANIFEST).is_file():
+            check_checkpoint(candidate)
+            return candidate
+    if CHECKPOINT_RE.match(path.name):
+        check_checkpoint(path)  # a checkpoint-<step> folder without its manifest: an unfinished save
+    return None
+
+
+def checkpoint_kind(checkpoint: Path) -> str | None:
+    """'ppo' or 'sft' from the manifest; None for a checkpoint from before manifests named their kind."""
+    return json.loads((Path(checkpoint) / MANIFEST).read_text()).get("kind")
+
+
+def saved_config(checkpoint: Path) -> dict[str, Any] | None:
+    """The configuration a checkpoint was written with ({"train", "env", "curriculum"}), or None for a folder that
+    holds none (a bare adapter). Checkpoints from before config.json read it from trainer_state.pt."""
+    checkpoint = Path(checkpoint)
+    if (checkpoint / CONFIG_FILE).is_file():
+        return json.loads((checkpoint / CONFIG_FILE).read_text())
+    if (checkpoint / STATE_FILE).is_file():
+        return load_trainer_state(checkpoint).get("config")
     return None
 
 

@@ -26,18 +26,18 @@ from urllib.parse import urlparse
 
 import httpx
 
-from curriculum import Task
+from ppo_affine.envs.tasks import Task
 from ppo_affine.envs.affinetes_env import AffinetesEnv, RemoteCallError
 from ppo_affine.envs.tasks import game_name_of
 from ppo_affine.generation import VLLMError, VLLMGenerator
 from ppo_affine.model_files import served_folder
 from ppo_affine.run_log import rollout_progress
-from utils import Config, ConfigError, derive_seed
+from ppo_affine.config import Config, ConfigError, derive_seed
 
 log = logging.getLogger("evaluate")
 
 VALIDATOR_TIMEOUT_S = 1800.0  # what validators pass as evaluate(timeout=...)
-DECISION_PROMPT_START = "Current State:"  # every decision's user message starts so (spec 3c); feedback does not
+DECISION_PROMPT_START = "Current State:"  # every decision's user message starts so (docs/protocols.md, 'The evaluate() conversation'); feedback does not
 API_ERROR = "[API_ERROR]"
 
 

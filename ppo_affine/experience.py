@@ -32,7 +32,7 @@ from ppo_affine.policy import Policy, common_prefix_length
 from ppo_affine.prefixes import padded_cost, partition
 from ppo_affine.ppo import compute_gae, group_advantages, kl_penalty, masked_whiten, truncated_importance_weights
 from ppo_affine.rollout import Episode
-from utils import PPOConfig
+from ppo_affine.config import PPOConfig
 
 
 @dataclass

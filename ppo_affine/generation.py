@@ -31,7 +31,7 @@ import torch
 from ppo_affine import prefixes
 from ppo_affine.envs.base import EpisodeLost
 from ppo_affine.policy import kv_cache_keyword
-from utils import GenerationConfig, derive_seed
+from ppo_affine.config import GenerationConfig, derive_seed
 
 log = logging.getLogger(__name__)
 

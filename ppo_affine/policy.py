@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,8 @@ from torch import nn
 
 from ppo_affine.ppo import logprobs_and_entropy_from_logits, logprobs_from_logits
 from ppo_affine import prefixes
-from ppo_affine.model_files import model_source
-from utils import ConfigError, LoraConfig, ModelConfig
+from ppo_affine.model_files import load_base_model, load_tokenizer
+from ppo_affine.config import ConfigError, LoraConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,152 +33,6 @@ _REFERENCE = "reference"  # its peft adapter name beside the trained "default"
 def _adapter_does_not_fit(adapter_dir: Path, exc: Exception) -> ConfigError:
     return ConfigError(f"The adapter in {adapter_dir} does not fit this model's LoRA (check lora.r and "
                        f"model.name_or_path): {str(exc).splitlines()[0][:200]}")
-
-
-def pick_device(requested: str) -> torch.device:
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run.device is 'cuda' but no CUDA GPU is visible. Set run.device to 'auto' or 'cpu'.")
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
-
-
-def _torch_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def _cannot_load(path: str, exc: OSError) -> ConfigError:
-    reason = " ".join(str(exc).split())[:300]
-    return ConfigError(f"Could not load model.name_or_path={path!r}: {reason} Check the path, or that the Hub is "
-                       "reachable for a Hub id. To try the trainer offline on a CPU: --preset cpu (SmolLM2-135M, "
-                       "installed as a package).")
-
-
-def load_tokenizer(model_cfg: ModelConfig):
-    from transformers import AutoTokenizer
-
-    path = model_source(model_cfg)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
-    except OSError as exc:
-        raise _cannot_load(path, exc) from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if tokenizer.chat_template is None:
-        raise ConfigError(f"The tokenizer of {path} has no chat template; a chat model is required.")
-    return tokenizer
-
-
-def load_generation_config(model_cfg: ModelConfig):
-    """The model's generation config (its EOS ids matter) without loading weights; None if it has none."""
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(model_source(model_cfg))
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def nf4_quantization(compute_dtype: torch.dtype):
-    """The 4-bit scheme of model.use_4bit: NF4 with double-quantised block scales, matmuls in `compute_dtype`."""
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=compute_dtype)
-
-
-def check_4bit_support(device: torch.device, compute_dtype: torch.dtype = torch.float32) -> None:
-    """A ConfigError naming model.use_4bit unless bitsandbytes quantises, multiplies and backpropagates NF4 on
-    `device` (a missing package, a platform without its kernels)."""
-    try:
-        import bitsandbytes as bnb
-
-        weight = torch.randn(64, 64, device=device, dtype=compute_dtype)
-        packed, state = bnb.functional.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
-        inputs = torch.randn(2, 64, device=device, dtype=compute_dtype, requires_grad=True)
-        with torch.enable_grad():  # callers may load a model under no_grad
-            bnb.matmul_4bit(inputs, packed, quant_state=state).sum().backward()
-    except Exception as exc:  # any failure of the probe means the same thing: no NF4 here
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise ConfigError(
-            f"model.use_4bit is true, but bitsandbytes cannot run 4-bit NF4 on {device.type} here "
-            f"({type(exc).__name__}: {reason}). Set model.use_4bit=false (--set model.use_4bit=false) to train "
-            "in full precision."
-        ) from None
-
-
-def load_base_model(model_cfg: ModelConfig, device: torch.device):
-    """The frozen base model: Hub id, local folder or GGUF; NF4 4-bit when asked (CUDA or CPU), with its
-    matmuls in model.dtype."""
-    from transformers import AutoModelForCausalLM
-
-    path = model_source(model_cfg)
-    kwargs: dict = {"trust_remote_code": model_cfg.trust_remote_code}
-    dtype = _torch_dtype(model_cfg.dtype, device)
-    if model_cfg.use_4bit:
-        check_4bit_support(device, dtype)
-        kwargs["quantization_config"] = nf4_quantization(dtype)
-        kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": device.type}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
-    except OSError as exc:
-        raise _cannot_load(path, exc) from None
-    if model_cfg.use_4bit:
-        from peft import prepare_model_for_kbit_training
-
-        # freezes the base and keeps its norms and embeddings in float32; checkpointing is set below, as without 4-bit
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        for module in model.modules():
-            if hasattr(module, "support_avx512bf16_for_cpu"):
-                # Else bitsandbytes repacks a layer for a bfloat16 CPU kernel at its first forward without
-                # gradients: scores would no longer match the update's passes (and layers narrower than its
-                # 64-wide blocks fail).
-                module.support_avx512bf16_for_cpu = False
-    else:
-        model.to(device)
-    if model_cfg.gradient_checkpointing:
-        # transformers 5.2x renamed gradient_checkpointing_enable (the old name warns)
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable({"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    model.config.use_cache = not model_cfg.gradient_checkpointing
-    return model
-
-
-def load_dequantised_base(model_cfg: ModelConfig, device: torch.device):
-    """The base model in plain torch layers as the trainer computes with it: for model.use_4bit its NF4 weights
-    dequantised to model.dtype (what adapters trained on it saw), else the weights as stored."""
-    model = load_base_model(model_cfg, device)
-    if not model_cfg.use_4bit:
-        return model
-    dtype = _torch_dtype(model_cfg.dtype, device)
-    bnb_log = logging.getLogger("transformers.integrations.bitsandbytes")
-    level = bnb_log.level
-    bnb_log.setLevel(logging.ERROR)  # it announces the dtype it dequantises to, as a warning
-    try:
-        model = model.dequantize(dtype=dtype)
-    finally:
-        bnb_log.setLevel(level)
-    return model.to(dtype)  # the norms and embeddings that prepare_model_for_kbit_training kept in float32 too
-
-
-def load_adapter_model(base, adapter_dir: Path, base_name: str):
-    """PeftModel of `adapter_dir` on `base`; a clear error when the adapter was made for another model."""
-    from peft import PeftModel
-
-    try:
-        return PeftModel.from_pretrained(base, str(adapter_dir))
-    except (RuntimeError, ValueError, KeyError) as exc:
-        trained_on = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        raise ConfigError(
-            f"The adapter in {adapter_dir} does not fit the configured base model {base_name!r} (it was "
-            f"trained on {trained_on!r}): {str(exc).strip().splitlines()[0][:200]}. Pass the training run's "
-            "config (--config/--preset, or --set model.name_or_path=...)."
-        ) from None
 
 
 def resolve_lora_targets(model: nn.Module, wanted: list[str]) -> list[str]:

@@ -13,11 +13,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from curriculum import Task
+from ppo_affine.envs.tasks import Task
 from ppo_affine.envs.base import Env, EpisodeLost, StepResult
 from ppo_affine.envs.openspiel_text import strip_think
 from ppo_affine.prompts import PromptBuilder, TokenHistory
-from utils import GenerationConfig, derive_seed
+from ppo_affine.config import GenerationConfig, derive_seed
 
 log = logging.getLogger(__name__)
 

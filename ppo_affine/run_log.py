@@ -17,7 +17,7 @@ from rich.logging import RichHandler
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from utils import LoggingConfig
+from ppo_affine.config import LoggingConfig
 
 console = Console(stderr=True)
 PLAIN_PROGRESS_SECONDS = 60.0

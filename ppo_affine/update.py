@@ -21,7 +21,7 @@ from ppo_affine.experience import TrainSequence, collate, plan_micro_batches
 from ppo_affine.policy import Policy
 from ppo_affine.ppo import (explained_variance_from_moments, explained_variance_moments, kl_penalty, pearson_correlation,
                  policy_loss, value_loss, weighted_mean)
-from utils import PPOConfig
+from ppo_affine.config import PPOConfig
 
 log = logging.getLogger(__name__)
 

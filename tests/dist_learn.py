@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from curriculum import Task
+from ppo_affine.envs.tasks import Task
 from ppo_affine.distributed import ONE_PROCESS, Ranks
 from ppo_affine.rollout import Episode, Turn
 
@@ -53,7 +53,7 @@ def hand_built_episodes(tokenizer, scores: list[float]) -> list[Episode]:
 def learn_once(model_dir: Path, run_dir: Path, case: str, ranks: Ranks = ONE_PROCESS) -> dict:
     """A fresh Trainer's first learn phase on the case's episodes; its weights and metrics afterwards."""
     import train_ppo
-    from utils import load_config
+    from ppo_affine.config import load_config
 
     sets, scores, group_ids = CASES[case]
     overrides = [f"model.name_or_path={model_dir}", "model.use_4bit=false", "model.dtype=float32",

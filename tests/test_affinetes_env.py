@@ -617,7 +617,7 @@ def replaying_runner(policy, env):
     from ppo_affine.generation import Generation
     from ppo_affine.prompts import PromptBuilder
     from ppo_affine.rollout import RolloutRunner
-    from utils import GenerationConfig
+    from ppo_affine.config import GenerationConfig
 
     class RepliesOne:
         def __init__(self):
@@ -631,7 +631,7 @@ def replaying_runner(policy, env):
 
 
 def test_an_episode_its_restarted_server_forgot_is_replayed_from_its_start(tiny_policy):
-    from curriculum import Task
+    from ppo_affine.envs.tasks import Task
 
     game = AffineGame()
     steps = []
@@ -654,7 +654,7 @@ def test_an_episode_its_restarted_server_forgot_is_replayed_from_its_start(tiny_
 
 
 def test_an_env_server_that_keeps_forgetting_episodes_fails_the_episode_after_the_replays(tiny_policy):
-    from curriculum import Task
+    from ppo_affine.envs.tasks import Task
     from ppo_affine.rollout import MAX_REPLAYS
 
     game = AffineGame()
@@ -674,7 +674,7 @@ def test_an_env_server_that_keeps_forgetting_episodes_fails_the_episode_after_th
 
 def test_an_env_server_killed_and_restarted_mid_rollout_is_waited_for_and_its_episodes_replayed(tiny_policy,
                                                                                                game_server, caplog):
-    from curriculum import Task
+    from ppo_affine.envs.tasks import Task
 
     env = url_env(game_server.url)
     runner = replaying_runner(tiny_policy, env)

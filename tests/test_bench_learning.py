@@ -66,7 +66,7 @@ def test_train_seat_puts_ppo_in_one_seat_only(monkeypatch, tmp_path):
         learning.train(["liars_dice"], 2, tmp_path, [], None, "mcts", seat=args.train_seat)
     stages = json.loads(next(a for a in seen[0] if a.startswith("curriculum.stages="))[len("curriculum.stages="):])
     assert [source["seat"] for source in stages[0]["tasks"]] == [0]
-    from curriculum import CurriculumConfig
+    from ppo_affine.curriculum_config import CurriculumConfig
     CurriculumConfig.model_validate({"stages": stages})  # the loop's own config accepts it
 
 

@@ -1,12 +1,14 @@
 """bench/teacher_score.py: per-game records and the paired difference against an earlier run."""
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import teacher_score  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("bench_teacher_score", ROOT / "bench" / "teacher_score.py")
+teacher_score = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(teacher_score)
 
 
 def _run(capsys, *argv: str) -> dict:

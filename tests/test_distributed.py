@@ -17,7 +17,7 @@ import train_ppo
 from ppo_affine.checkpoint import find_resumable, load_trainer_state, verify
 from ppo_affine.distributed import OutOfMemoryOnRanks, Ranks, check_world_size, rng_state_of
 from ppo_affine.testing import fake_vllm as fake_vllm_server
-from utils import ConfigError, PPOConfig
+from ppo_affine.config import ConfigError, PPOConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 import evaluate
-from curriculum import Task
+from ppo_affine.envs.tasks import Task
 from ppo_affine.env_evaluate import env_record
 from ppo_affine.testing import fake_vllm
 from test_affinetes_env import FakeServer, success

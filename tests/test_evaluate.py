@@ -7,16 +7,16 @@ import pytest
 import torch
 
 import evaluate
-from curriculum import Task
+from ppo_affine.envs.tasks import Task
 from ppo_affine.rollout import Episode, Turn
-from utils import ConfigError
+from ppo_affine.config import ConfigError
 
 
 # ---------------------------------------------------------------------- task planning
 def test_games_without_seed_use_validator_seeds_of_consecutive_config_ids():
     tasks = evaluate.game_tasks("goofspiel", 3, None, "mcts", "openspiel")
     assert [t.task_id for t in tasks] == [0, 1, 2]
-    assert tasks[0].seed == 251295477  # sha256("game:0"), the validators' seed (specs §10)
+    assert tasks[0].seed == 251295477  # sha256("game:0"), the validators' seed (docs/protocols.md, 'How validators call it')
     leduc = evaluate.game_tasks("leduc_poker", 1, None, "random", "openspiel")[0]
     assert (leduc.task_id, leduc.seed, leduc.opponent, leduc.stage) == (200000000, 1580322239, "random", "eval")
 
@@ -199,7 +199,7 @@ def test_an_env_that_fails_to_start_leaves_nothing_open(monkeypatch, tmp_path):
     generator and that scratch folder are closed and gone all the same."""
     import tempfile
 
-    from utils import EnvSpec, load_config
+    from ppo_affine.config import EnvSpec, load_config
 
     closed = []
 

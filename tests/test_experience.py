@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from curriculum import Task
+from ppo_affine.envs.tasks import Task
 from ppo_affine.experience import (_loss_weights, assign_advantages, batch_cost, build_sequences, collate,
                                    correct_for_the_sampler, plan_micro_batches)
 from ppo_affine.rollout import Episode, Turn
-from utils import PPOConfig
+from ppo_affine.config import PPOConfig
 
 PROMPT, GLUE = [1, 2, 3], [4, 5]
 

@@ -9,7 +9,7 @@ from ppo_affine.generation import LocalGenerator, VLLMGenerator, eos_token_ids
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import RolloutRunner
 from test_rollout import CountingEnv, _tasks
-from utils import GenerationConfig
+from ppo_affine.config import GenerationConfig
 
 
 def play(policy, reuse: bool, temperature: float, strategy: str = "full"):

@@ -7,7 +7,7 @@ import torch
 
 from ppo_affine import model_files
 from ppo_affine.model_files import SOURCE_FILE, converted_folder, model_source
-from utils import LoraConfig, ModelConfig
+from ppo_affine.config import LoraConfig, ModelConfig
 
 
 def test_a_gguf_is_converted_once_and_again_only_when_the_file_changes(tmp_path, monkeypatch):
@@ -80,7 +80,7 @@ def test_4bit_quantises_a_gguf_model_from_its_converted_folder(tmp_path, monkeyp
     import peft
     import transformers
 
-    from ppo_affine.policy import load_base_model
+    from ppo_affine.model_files import load_base_model
 
     def fake_convert(gguf, folder, trust_remote_code):
         folder.mkdir()

@@ -1,7 +1,7 @@
-"""The embedded Affine OpenSpiel env against /work/shared/specs/affine-openspiel.md.
+"""The embedded Affine OpenSpiel env against docs/protocols.md, 'The game env (Affine OpenSpiel)'.
 
-Expected values are written out from the spec; where a value depends on a random stream the
-test replays that stream with numpy and pyspiel directly, as the spec says the real env does.
+Expected values are written out from that page; where a value depends on a random stream the
+test replays that stream with numpy and pyspiel directly, as the page says the real env does.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ async def play_episode(env: OpenSpielEnv, task_id: int, seed: int, opponent: str
     return results
 
 
-# ---------------------------------------------------------------- task ids (spec section 1)
+# ---------------------------------------------------------------- task ids (protocols.md, 'Task ids and games')
 DECODE_TABLE = [
     (0, "goofspiel", 0, 0, {"players": 2, "num_cards": 8, "points_order": "random"}),
     (1, "goofspiel", 0, 1, {"players": 2, "num_cards": 10, "points_order": "random"}),
@@ -126,7 +126,8 @@ def test_reset_on_an_unplayable_task_returns_an_error_result():
     assert result["info"]["score"] == 0.0 and result["info"]["success"] is False
 
 
-# ---------------------------------------------------------------- every game plays (spec sections 2, 6)
+# ---------------------------------------------------------------- every game plays
+# (protocols.md, 'The opponents' and 'The evaluate() call and its result')
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("game", AVAILABLE_GAMES)
 def test_every_game_completes_against_random(game, fmt):
@@ -178,7 +179,8 @@ def test_leduc_plays_against_mcts_with_the_spec_budget():
     assert final["done"] and final["info"]["score"] in {(r + 13) / 26 for r in range(-13, 14)}
 
 
-# ---------------------------------------------------------------- opponents and seats (spec 2.3, 6.3, 7)
+# ---------------------------------------------------------------- opponents and seats
+# (protocols.md, 'The opponents' and 'Seeds')
 def _bots(game: str, fmt: str, player: int, opponent: str, sims: int | None = None, search: str = "exact"):
     """The exact search's budgets can be read off its bot; the C++ bot does not show them."""
     params = decode_task_id(game_task_id(game))["game_params"]
@@ -239,7 +241,8 @@ def test_model_seat_in_four_player_games(fmt, seed, expected_seat):
 @pytest.mark.parametrize("game", ["hearts", "euchre", "bridge"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_openenv_four_player_games_work_with_the_random_opponent(game, seed):
-    # The real env's single random bot asks for player 0's legal actions and crashes here (spec 8.6).
+    # The real env's single random bot asks for player 0's legal actions and crashes here
+    # (protocols.md, 'Where the real env fails', 6).
     final = run(play_episode(OpenSpielEnv("openenv"), game_task_id(game), seed=seed, opponent="random"))[-1]
     assert final["done"] and "error" not in final["info"]
 
@@ -370,7 +373,8 @@ def test_goofspiel_applies_the_joint_bid_in_evaluate_format():
 
 
 def test_goofspiel_openenv_shows_legal_cards_and_plays_the_chosen_one():
-    # The real env shows "Waiting for Player -2" and remaps the cards from round 2 on (spec 8.7).
+    # The real env shows "Waiting for Player -2" and remaps the cards from round 2 on
+    # (protocols.md, 'Where the real env fails', 7).
     env = OpenSpielEnv("openenv")
     result = run(env.reset(game_task_id("goofspiel"), seed=0))
     assert "Waiting for Player" not in result["observation"] and "  7 -> [P0]Bid: 8" in result["observation"]
@@ -379,7 +383,8 @@ def test_goofspiel_openenv_shows_legal_cards_and_plays_the_chosen_one():
     assert _hands(result["observation"])[0] == ["1", "2", "3", "4", "5", "6"]
 
 
-# ---------------------------------------------------------------- actions and parsing (spec 4.2, 6.5-6.7)
+# ---------------------------------------------------------------- actions and parsing
+# (protocols.md, 'The reset/step protocol' and 'The evaluate() conversation')
 GARBAGE = ["", "hello", "-1", "99999", "9" * 10_000, "lorem ipsum " * 900, "♠♥ 你好 🂡 ٣", "<think>7</think>3",
            None]
 # hex 5x5, seed 0: the model opens, all 25 cells (ids 0-24) are legal.
@@ -462,7 +467,7 @@ def test_strip_think(raw, expected):
     ("007", [7], ["a"], 7),
     ("5", [1, 2], ["5 cards", "x"], None),  # an illegal bare number does not fall through to labels
     ("between 30 and 29, I pick 29", [29, 30], ["x", "y"], 29),  # ascending ids, first whole word
-    ("1-1", [0, 1], ["1-1", "1-2"], 1),  # the spec's example: the id rule wins over the label
+    ("1-1", [0, 1], ["1-1", "1-2"], 1),  # protocols.md's example: the id rule wins over the label
     ("a12b then 12", [12], ["z"], 12),
     ("a12b", [12], ["z"], None),
     ("I play c4", [19, 26], ["d3", "c4"], 26),
@@ -488,7 +493,7 @@ def test_parse_openenv_action(text, legal, expected):
     assert parse_openenv_action(text, legal) == expected
 
 
-# ---------------------------------------------------------------- scoring (spec section 5)
+# ---------------------------------------------------------------- scoring (protocols.md, 'Scores')
 @pytest.mark.parametrize("returns, player, zero_sum, lo, hi, expected", [
     ([1.0, -1.0], 0, True, -1, 1, 1.0),
     ([0.0, 0.0], 1, True, -1, 1, 0.5),
@@ -530,7 +535,8 @@ def test_evaluate_rewards_are_zero_until_the_final_score():
     assert all(r["reward"] == 0.0 for r in results[:-1]) and results[-1]["reward"] == results[-1]["info"]["score"]
 
 
-# ---------------------------------------------------------------- state descriptions (spec 3b)
+# ---------------------------------------------------------------- state descriptions
+# (protocols.md, 'State descriptions')
 class _FakeState:
     def __init__(self, observation: str = "", information_state: str = ""):
         self._observation, self._information_state = observation, information_state
@@ -544,7 +550,7 @@ class _FakeState:
 
 @pytest.mark.parametrize("cards, total", [("HT CJ", 20), ("CT CA", 21), ("HT SA S9", 20), ("SA HA", 12), ("D9 C3", 12)])
 def test_blackjack_total_counts_a_ten(cards, total):
-    # The real env's int("T") crashes every hand holding a ten (spec 8.4).
+    # The real env's int("T") crashes every hand holding a ten (protocols.md, 'Where the real env fails', 4).
     state = _FakeState(f"Current Phase: Player Turn\nCurrent Player: 0\nPlayer 0: Cards: {cards}\n"
                        "Dealer: Cards: ?? HA\n")
     assert describe_blackjack(state, 0).endswith(f"\nYour total: {total} points")
@@ -595,7 +601,7 @@ def test_liars_dice_description_shows_the_standing_bid():
     assert "Number of dice per player: 5\nTotal dice in game: 10\nNumber of players: 2" in second["observation"]
 
 
-# ---------------------------------------------------------------- protocol (spec 3a, 3d, 4)
+# ---------------------------------------------------------------- protocol (protocols.md, 'The reset/step protocol')
 def test_evaluate_messages_and_info():
     env = OpenSpielEnv("evaluate")
     first = run(env.reset(game_task_id("othello"), seed=0, opponent="random"))
@@ -654,7 +660,7 @@ def test_reset_rejects_unknown_opponents_and_arguments():
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_seeds_near_two_to_the_32_do_not_overflow(fmt):
-    # The real env's RandomState(seed + offset) raises past 2**32 - 1 (spec section 7).
+    # The real env's RandomState(seed + offset) raises past 2**32 - 1 (protocols.md, 'Seeds').
     final = run(play_episode(OpenSpielEnv(fmt), game_task_id("hearts"), seed=2**32 - 1, opponent="random"))[-1]
     assert final["done"] and "error" not in final["info"]
 
@@ -672,7 +678,7 @@ def test_missing_task_and_seed_come_from_the_env_seed():
     assert all(0 <= t < 10**11 and 0 <= s < 2**32 for t, s in draws(5))
 
 
-# ---------------------------------------------------------------- determinism and concurrency (spec 7)
+# ---------------------------------------------------------------- determinism and concurrency (protocols.md, 'Seeds')
 def _trace(results: list[dict]) -> list[tuple]:
     return [(r["observation"], r["reward"], r["done"], r["info"].get("last_opponent_action")) for r in results]
 

@@ -104,7 +104,7 @@ def test_the_file_appears_only_once_an_mcts_opponent_plays(tmp_path):
 
 def test_evaluations_share_a_file_only_for_local_game_envs_that_name_none(tmp_path):
     import evaluate
-    from utils import EnvSpec
+    from ppo_affine.config import EnvSpec
 
     path = tmp_path / "moves.sqlite"
     assert evaluate.shared_opponent_moves(EnvSpec(kind="openspiel"), path).opponent_moves == str(path)

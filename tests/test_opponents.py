@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-import curriculum
+from ppo_affine import curriculum_config as curriculum
 from ppo_affine.distributed import Ranks
 from ppo_affine.envs import factory
 from ppo_affine.envs.games import GAMES
-from utils import ConfigError, EnvSpec, load_config
+from ppo_affine.config import ConfigError, EnvSpec, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("opponent_parity", ROOT / "bench" / "opponent_parity.py")

@@ -4,12 +4,12 @@ import contextlib
 import pytest
 import torch
 
-from curriculum import Task
+from ppo_affine.envs.tasks import Task
 from ppo_affine.experience import assign_advantages, build_sequences, score_sequences
 from ppo_affine.policy import adapter_weights_digest, load_policy, resolve_lora_targets
 from ppo_affine.rollout import Episode, Turn
 from ppo_affine.update import UpdateState, build_optimizer, ppo_update
-from utils import ConfigError, LoraConfig, ModelConfig, PPOConfig
+from ppo_affine.config import ConfigError, LoraConfig, ModelConfig, PPOConfig
 
 
 def _batch(policy, prompt="<|im_start|>user\nplay<|im_end|>\n<|im_start|>assistant\n", response="3 7"):

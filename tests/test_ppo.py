@@ -389,7 +389,7 @@ def test_adaptive_kl_controller_trajectory_short_horizon():
 def test_default_controller_moves_beta_within_a_short_run():
     # defaults: target 0.05 nats per token, horizon 100 episodes; 20 steps of 8 episodes at KL 0.1 per token
     # (error clipped to +0.2): beta = 0.2 * (1 + 0.2 * 8 / 100)^20 = 0.2 * 1.016^20 = 0.274729
-    from utils import PPOConfig
+    from ppo_affine.config import PPOConfig
 
     cfg = PPOConfig()
     controller = AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)

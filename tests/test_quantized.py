@@ -15,9 +15,10 @@ from transformers import AutoModelForCausalLM
 import merge
 import prepare_model
 import train_ppo
-from ppo_affine.policy import load_dequantised_base, load_policy
+from ppo_affine.model_files import load_dequantised_base
+from ppo_affine.policy import load_policy
 from test_train import TEST_DEVICE, deterministic, metrics, tiny_args
-from utils import ConfigError, LoraConfig, ModelConfig
+from ppo_affine.config import ConfigError, LoraConfig, ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = torch.device(TEST_DEVICE)

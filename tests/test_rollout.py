@@ -4,12 +4,12 @@ import uuid
 
 import pytest
 
-from curriculum import Task
+from ppo_affine.envs.tasks import Task
 from ppo_affine.envs.base import EpisodeLost, step_result
 from ppo_affine.generation import Generation, LocalGenerator, cut_at_eos
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import MAX_OUTAGE_REPLAYS, MAX_REPLAYS, RolloutRunner, build_messages
-from utils import GenerationConfig
+from ppo_affine.config import GenerationConfig
 
 CONVERSATION = [
     {"role": "system", "content": "rules"},

@@ -74,7 +74,7 @@ def test_progress_without_a_terminal_prints_a_plain_line_per_interval(monkeypatc
 
 
 def test_a_steps_summary_adds_up_the_opponents_own_seconds_over_its_episodes():
-    from curriculum import Task
+    from ppo_affine.envs.tasks import Task
     from ppo_affine.rollout import Episode
 
     def episode(task_id: int, seconds: float | None, error: str | None = None) -> Episode:

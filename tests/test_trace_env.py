@@ -1,5 +1,5 @@
-"""The embedded trace env: the spec's injection, prompt, cleaning and scoring rules, episodes, the
-degenerate-task option and the embedded program generator. Nothing here touches the Hub: the `hf`
+"""The embedded trace env: the Affine trace env's injection, prompt, cleaning and scoring rules (docs/protocols.md,
+'The trace env'), episodes, the degenerate-task option and the embedded program generator. Nothing here touches the Hub: the `hf`
 source is fed rows directly."""
 from __future__ import annotations
 
@@ -279,7 +279,7 @@ def test_empty_ground_truth_lets_an_empty_answer_score_one_by_default():
         reset = await env.reset(task_id=0)
         assert reset["info"]["degenerate"] == "empty_output"
         step = await env.step("", reset["episode_id"])
-        assert step["reward"] == 1.0  # the spec's scoring hole, reproduced
+        assert step["reward"] == 1.0  # the Affine env's scoring hole, reproduced
 
     asyncio.run(main())
 

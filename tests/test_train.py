@@ -193,7 +193,7 @@ def test_the_sampler_correction_weighs_the_vllm_sampled_tokens_and_logs_its_weig
 
 
 def test_the_sampler_correction_with_local_generation_says_it_has_nothing_to_correct(caplog):
-    from utils import load_config
+    from ppo_affine.config import load_config
 
     cfg = load_config(presets=["cpu"], overrides=["ppo.sampler_correction=true"]).train
     with caplog.at_level(logging.WARNING, logger="train_ppo"):
@@ -219,7 +219,7 @@ def test_resume_against_the_same_vllm_server_and_adapters_unloaded_at_exit(tiny_
 @pytest.mark.slow  # starts a fake vLLM server (about 20 s)
 def test_a_leftover_adapter_name_gets_a_fresh_one(tiny_policy, fake_vllm, tmp_path):
     from ppo_affine.generation import VLLMGenerator
-    from utils import GenerationConfig
+    from ppo_affine.config import GenerationConfig
 
     tiny_policy.save(tmp_path)
 
@@ -296,7 +296,7 @@ def test_negative_learning_rate_is_rejected_with_the_field_and_value(tmp_path):
 
 
 def test_per_game_mcts_budgets_name_known_games():
-    from utils import ConfigError, load_config
+    from ppo_affine.config import ConfigError, load_config
 
     config = load_config(presets=["cpu"], overrides=['env.envs.openspiel.mcts_simulations={"liars_dice": 300}'])
     assert config.env.envs["openspiel"].mcts_simulations == {"liars_dice": 300}
@@ -548,3 +548,61 @@ def test_a_vllm_server_that_dies_mid_rollout_is_waited_for_and_its_episodes_repl
     # the restarted server got the step-0 adapter back before serving the replays, then each new one
     assert [name.split("-step-")[1].split("-")[0] for name in stats["loaded"]] == ["0", "1", "2"]
     assert all(r["vllm/logprob_gap"] < 1e-3 for r in records)
+
+
+def corrupt_cpu_checkpoint(folder: Path) -> Path:
+    """checkpoint-6 of a cpu-preset run under `folder`, its trainer state truncated as a crashed copy leaves it."""
+    from ppo_affine.checkpoint import save_checkpoint
+    from ppo_affine.config import load_config
+
+    config = load_config(presets=["cpu"]).model_dump(mode="json")
+
+    def write_model(checkpoint: Path) -> None:
+        (checkpoint / "adapter").mkdir()
+        (checkpoint / "adapter" / "adapter_config.json").write_text("{}")
+
+    saved = save_checkpoint(folder / "cpu-demo" / "checkpoints", 6, write_model, {"step": 6, "config": config},
+                            keep_last=2)
+    with open(saved / "trainer_state.pt", "r+b") as handle:
+        handle.truncate(10)
+    return saved
+
+
+@pytest.mark.parametrize("program", ["train_ppo.py --resume", "evaluate.py --games leduc_poker --checkpoint",
+                                     "merge.py --output OUT --checkpoint"])
+def test_a_corrupt_checkpoint_is_one_line_naming_the_file_before_any_model_loads(tmp_path, program):
+    checkpoint = corrupt_cpu_checkpoint(tmp_path)
+    before = sorted(p for p in tmp_path.rglob("*"))
+    script, *options = program.replace("OUT", str(tmp_path / "merged")).split()
+    result = subprocess.run([sys.executable, str(ROOT / script), *options, str(checkpoint)], capture_output=True,
+                            text=True, timeout=300, cwd=tmp_path)  # no preset: the default model is never loaded
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    message = result.stderr.strip()
+    assert len(message.splitlines()) == 1, message
+    assert f"{checkpoint / 'trainer_state.pt'} is 10 bytes where its manifest says" in message
+    assert sorted(p for p in tmp_path.rglob("*")) == before  # no run folder, no output folder, nothing renamed
+
+
+def test_resume_latest_without_a_checkpoint_says_where_it_looked_and_creates_nothing(tmp_path):
+    result = _run_cli("--preset", "cpu", "--output-dir", str(tmp_path / "runs"), "--resume", "latest")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"no complete checkpoint under {tmp_path / 'runs' / 'cpu-demo' / 'checkpoints'}" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_good_one_outlives_it(tiny_model_dir, tmp_path, capfd):
+    run = tmp_path / "t"
+    assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2", "--set",
+                                    "checkpointing.save_every=1", "--set", "checkpointing.keep_last=2")) == 0
+    with open(run / "checkpoints" / "checkpoint-2" / "trainer_state.pt", "r+b") as handle:
+        handle.truncate(1000)
+    capfd.readouterr()
+    assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3", "--resume", "latest")) == 0
+    printed = " ".join(capfd.readouterr().err.split())  # the console wraps long lines
+    assert "trainer_state.pt is 1,000 bytes where its manifest says" in printed
+    assert "set aside as corrupt-checkpoint-2" in printed
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir())
+    assert kept == ["checkpoint-2", "checkpoint-3", "corrupt-checkpoint-2"]  # steps 2 and 3 trained again from 1
+    assert verify(run / "checkpoints" / "checkpoint-2") and verify(run / "checkpoints" / "checkpoint-3")
+    assert [r["step"] for r in metrics(run)][-2:] == [2, 3]

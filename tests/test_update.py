@@ -4,12 +4,12 @@ import torch
 
 from ppo_affine import policy as policy_module
 from ppo_affine.distributed import ONE_PROCESS
-from curriculum import Task
+from ppo_affine.envs.tasks import Task
 from ppo_affine.experience import assign_advantages, build_sequences, collate, score_sequences
 from ppo_affine.rollout import Episode, Turn
 from ppo_affine.update import (MinibatchWeights, TrainingSnapshot, UpdateState, build_optimizer, micro_batch_loss,
                                ppo_update, update_signal)
-from utils import PPOConfig
+from ppo_affine.config import PPOConfig
 
 
 def episodes_for(policy, n=6):

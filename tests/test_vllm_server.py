@@ -102,9 +102,9 @@ def test_env_evaluate_scores_equal_the_in_process_scores(trained, tmp_path):
         assert env_path[key]["conversation"][:len(record["conversation"])] == record["conversation"], key
 
     # vLLM renders each chat request into exactly the token ids our own path sends for that conversation
-    from ppo_affine.policy import load_tokenizer
+    from ppo_affine.model_files import load_tokenizer
     from ppo_affine.prompts import PromptBuilder
-    from utils import load_config
+    from ppo_affine.config import load_config
 
     builder = PromptBuilder(load_tokenizer(load_config(presets=["cpu"]).train.model), max_len)
     base = httpx.get(f"{URL}/models", timeout=10).json()["data"][0]["id"]
@@ -119,7 +119,7 @@ def test_env_evaluate_scores_equal_the_in_process_scores(trained, tmp_path):
 
 def test_a_context_longer_than_the_server_allows_is_refused_at_start():
     from ppo_affine.generation import VLLMError, VLLMGenerator
-    from utils import GenerationConfig
+    from ppo_affine.config import GenerationConfig
 
     served = httpx.get(f"{URL}/models", timeout=10).json()["data"][0]
     generator = VLLMGenerator(URL, served["id"], None, GenerationConfig(max_prompt_tokens=served["max_model_len"]),

@@ -1,5 +1,5 @@
 """Print docs/configuration.md: every config field with its type, default and description, read from the
-pydantic models in utils.py and curriculum.py (tests/test_config_reference.py keeps the file in step).
+pydantic models in ppo_affine/config.py and ppo_affine/curriculum_config.py (tests/test_config_reference.py keeps the file in step).
 
 Run:  python tools/config_reference.py > docs/configuration.md
 """
@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from curriculum import CurriculumConfig, Stage, TaskSource
-from utils import BASE_CONFIG_FILES, CONFIG_DIR, EnvConfig, EnvSpec, TrainConfig
+from ppo_affine.curriculum_config import CurriculumConfig, Stage, TaskSource
+from ppo_affine.config import BASE_CONFIG_FILES, CONFIG_DIR, EnvConfig, EnvSpec, TrainConfig
 
 INTRO = """# Configuration reference
 

@@ -2,7 +2,8 @@
 
 - Episodes are pinned to the instance that served their reset. affinetes routes each call of a
   multi-replica env to a random replica and the remote keeps an episode in one process's memory
-  (specs/affinetes-protocol.md B.2, B.7), so we hold one affinetes env per replica or URL instead.
+  (docs/protocols.md, 'Loading an env and its modes' and 'What an Actor must provide'), so we hold
+  one affinetes env per replica or URL instead.
   A reset goes to the instance with the fewest live episodes, skipping for 30 s one whose call
   just failed transiently (a dead server would otherwise cost every reset a retry).
 - Nothing raises into the training loop. A call that cannot complete ends its episode with a
@@ -511,7 +512,8 @@ def _validated(reply: Any, method: str) -> StepResult:
 
 
 def _evaluate_result(reply: Any, method: str) -> dict[str, Any]:
-    """An evaluate() reply: a JSON object with a numeric score (spec section 6.9), else malformed_response."""
+    """An evaluate() reply: a JSON object with a numeric score, else malformed_response
+    (docs/protocols.md, 'The evaluate() call and its result')."""
     score = reply.get("score") if isinstance(reply, dict) else None
     if not isinstance(score, (int, float)) or isinstance(score, bool):
         shown = f"score {score!r}" if isinstance(reply, dict) else type(reply).__name__

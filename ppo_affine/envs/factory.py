@@ -22,7 +22,7 @@ def game_workers(spec, meets_search: bool, ranks_on_machine: int = 1) -> int:
 
 
 def make_env(spec, seed: int, meets_search: bool = True, ranks_on_machine: int = 1) -> Env:
-    """One env backend from an `EnvSpec` (utils.py); `meets_search`: whether an MCTS opponent will play."""
+    """One env backend from an `EnvSpec` (ppo_affine/config.py); `meets_search`: whether an MCTS opponent will play."""
     if spec.mode in ("docker", "url"):
         from ppo_affine.envs.affinetes_env import AffinetesEnv
 

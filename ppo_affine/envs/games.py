@@ -4,7 +4,8 @@ curriculum can filter task ids cheaply).
 For each of the 22 Affine games: the parameters the Affine env derives from a config id, the
 parameter names open_spiel does not know (repaired or fatal), the MCTS opponent's budget, an
 optional state-description override, and a rules text written for this project.
-Facts and numbers follow /work/shared/specs/affine-openspiel.md sections 1, 2 and 3b.
+Facts and numbers follow docs/protocols.md, 'Task ids and games', 'Parameter sets that do not load',
+'The opponents' and 'State descriptions'.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The Affine game env's `evaluate()`: play one whole game against an OpenAI-compatible chat endpoint and
-return the real env's result dict (specs/affine-openspiel.md section 6). `python -m ppo_affine.envs.server --env
-openspiel` offers it, so evaluate.py can score a model through an env's evaluate() without Docker.
+return the real env's result dict (docs/protocols.md, 'The evaluate() call and its result').
+`python -m ppo_affine.envs.server --env openspiel` offers it, so evaluate.py can score a model through an
+env's evaluate() without Docker.
 
 The game, its prompts and its parser are our embedded env's `evaluate` format (ppo_affine/envs/openspiel_env.py),
 the same the trainer plays. What this module adds is the validators' side of the call:
@@ -153,7 +154,8 @@ class GameEvaluator:
                        model: str = "deepseek-ai/DeepSeek-V3", base_url: str = "https://llm.chutes.ai/v1",
                        timeout: float = 1800, temperature: float | None = None, api_key: str | None = None,
                        opponent: str = "mcts", collect_logprobs: bool = False) -> dict[str, Any]:
-        """The real env's signature and result (spec section 6); see the module docstring."""
+        """The real env's signature and result (docs/protocols.md, 'The evaluate() call and its result');
+        see the module docstring."""
         started = time.monotonic()
         task_id = self._rng.randrange(TASK_ID_SPACE) if task_id is None else int(task_id)
         seed = self._rng.randrange(SEED_SPACE) if seed is None else int(seed)

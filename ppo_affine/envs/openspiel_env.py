@@ -1,5 +1,5 @@
 """The Affine OpenSpiel game env, embedded: many concurrent episodes of the 22 games behind the async
-OpenEnv interface of ppo_affine/envs/base.py, faithful to /work/shared/specs/affine-openspiel.md.
+OpenEnv interface of ppo_affine/envs/base.py, faithful to docs/protocols.md, 'The game env (Affine OpenSpiel)'.
 
 The per-game table and task-id decoding live in games.py, one game's logic and protocol in
 openspiel_episode.Episode (synchronous; it also builds the opponents, `opponent_search` picking the

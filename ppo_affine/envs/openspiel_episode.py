@@ -1,7 +1,7 @@
 """One Affine OpenSpiel game, synchronous: the pyspiel state, the bots in the other seats, and the
 protocol of one observation format (texts, parsing, attempts, rewards, scores).
 
-Spec: /work/shared/specs/affine-openspiel.md. `evaluate` replays the validators' evaluate() game
+Protocol: docs/protocols.md, 'The game env (Affine OpenSpiel)'. `evaluate` replays the validators' evaluate() game
 turn by turn: LLM seat (seed % 2) % n, one bot per other seat (random on RandomState(seed+4+p);
 MCTS rollouts on seed+5+p, tree on seed+6+p), chance from RandomState(seed), joint moves at
 simultaneous nodes, the three-rule parser after think-tag stripping, and a lost game after 3
@@ -59,7 +59,7 @@ def load_game(game_name: str, params: tuple[tuple[str, Any], ...]) -> pyspiel.Ga
 
 def compute_score(returns: list[float], player: int, zero_sum: bool, min_utility: float,
                   max_utility: float) -> float:
-    """Affine's score in [0, 1] (spec section 5): min/max normalisation for zero-sum and 1-player
+    """Affine's score in [0, 1] (docs/protocols.md, 'Scores'): min/max normalisation for zero-sum and 1-player
     games, place among the players for general-sum games of 3+, else win/draw/loss."""
     mine = returns[player]
     if zero_sum or len(returns) == 1:
@@ -128,8 +128,9 @@ def is_search_bot(bot: pyspiel.Bot) -> bool:
 
 
 def has_search_opponent(game: pyspiel.Game, spec: GameSpec) -> bool:
-    """Whether `opponent: mcts` gets an MCTS bot (spec 6.3): only games with an MCTS budget and no
-    simultaneous moves, which MCTS cannot search; all others play a uniform random opponent."""
+    """Whether `opponent: mcts` gets an MCTS bot (docs/protocols.md, 'The opponents'): only games with an
+    MCTS budget and no simultaneous moves, which MCTS cannot search; all others play a uniform random
+    opponent."""
     return spec.mcts is not None and game.get_type().dynamics != pyspiel.GameType.Dynamics.SIMULTANEOUS
 
 
@@ -148,7 +149,7 @@ def search_used(spec: GameSpec, search: str) -> str:
 
 def build_bots(game: pyspiel.Game, spec: GameSpec, observation_format: str, player: int, seed: int,
                opponent: str, mcts_simulations: int | None, search: str = "fast") -> dict[int, pyspiel.Bot]:
-    """A bot for every seat but the model's (spec sections 2 and 6.3); empty for 1-player games.
+    """A bot for every seat but the model's (docs/protocols.md, 'The opponents'); empty for 1-player games.
     `search="fast"` takes the C++ search for the games where it is proven the same (`spec.fast_search`)."""
     if search not in SEARCHES:
         raise ValueError(f"opponent search must be one of {SEARCHES}, got {search!r}")
@@ -195,7 +196,7 @@ class Episode:
         num_players = self.game.num_players()
         evaluate = observation_format == "evaluate"
         self.player = (seed % 2) % num_players if evaluate else seed % num_players
-        if isinstance(mcts_simulations, dict):  # per-game budgets; games not named keep the spec's
+        if isinstance(mcts_simulations, dict):  # per-game budgets; games not named keep the validators'
             mcts_simulations = mcts_simulations.get(self.game_name)
         self.bots = build_bots(self.game, self.spec, observation_format, self.player, seed, opponent, mcts_simulations,
                                opponent_search)
@@ -364,8 +365,8 @@ class Episode:
             summary = text.evaluate_summary(self.game_name, self.player, self.returns, self.score,
                                             self.max_parse_attempts)
             return self._result(summary, reward=self.score)
-        # openenv rewards (spec 4.6-4.8): raw rewards until the end, then the score; the running
-        # total adds the score only when the model's own move ended the game.
+        # openenv rewards (docs/protocols.md, 'The reset/step protocol'): raw rewards until the end, then
+        # the score; the running total adds the score only when the model's own move ended the game.
         if others is None:
             self.cumulative_reward += self.score
         else:

@@ -1,8 +1,8 @@
 """What the model reads and writes in the Affine game env: prompts, observation texts and action parsing.
 
-Two formats (spec /work/shared/specs/affine-openspiel.md): `evaluate`, the validators' conversation
-(sections 3c, 6.5-6.7), and `openenv`, the reset/step texts (sections 3a, 4.2). Layouts follow the
-spec; the sentences are our own. Pure functions on strings and ints, no pyspiel.
+Two formats (docs/protocols.md): `evaluate`, the validators' conversation
+('The evaluate() conversation'), and `openenv`, the reset/step texts ('The reset/step protocol').
+Layouts follow the real env's; the sentences are our own. Pure functions on strings and ints, no pyspiel.
 """
 from __future__ import annotations
 

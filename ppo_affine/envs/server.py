@@ -7,7 +7,7 @@ Clients connect with `affinetes.load_env(mode="url", base_url="http://HOST:PORT"
 answers, so affinetes picks function_based) or with `mode: "url"` in the trainer's env config.
 This is our own small app rather than affinetes' template server, because the template exposes
 every public callable of the served module and answers `/call` for underscore names as well
-(specs/affinetes-protocol.md B.4); this one answers exactly reset/step/state/stop, plus for the
+(docs/protocols.md, 'The template server'); this one answers exactly reset/step/state/stop, plus for the
 game env the validators' `evaluate` (a whole game against an LLM endpoint, ppo_affine/envs/llm_play.py). It
 runs one process with one worker: episodes live in this process's memory.
 """

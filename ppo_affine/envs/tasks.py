@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 # The Affine game env's fixed game order; task_id // 100_000_000 indexes it modulo 22.
 AVAILABLE_GAMES: list[str] = [
@@ -52,3 +53,15 @@ def validator_seed(env_name: str, task_id: int) -> int:
     """The seed Affine validators derive when none is given: sha256("<env>:<task_id>") mod 2**32."""
     digest = hashlib.sha256(f"{env_name}:{task_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") % 2**32
+
+
+@dataclass(frozen=True)
+class Task:
+    """One episode to play: which env and task, its seed and opponent, where it was drawn from."""
+
+    env: str
+    task_id: int
+    seed: int
+    opponent: str | None
+    stage: str
+    replay: bool

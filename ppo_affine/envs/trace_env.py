@@ -1,10 +1,11 @@
 """The Affine trace env, in-process: predict the exact stdout of a program with injected debug prints.
 
-Faithful to /work/shared/specs/affine-trace.md: program cleaning (A.3), the `__DBG_N__` injector
-seeded by the task id (A.4), ground truth = stripped stdout, partial on a crash and "" on a timeout
-(A.5), the prompt's structure (A.6), answer cleaning and whitespace/case-blind comparison (A.7) and
-the single-turn reset/step/state/stop protocol (A.9), including its report that reveals the answer
-and the 1.0 an empty answer earns when the expected output is empty.
+Faithful to docs/protocols.md, 'The trace env': program cleaning ('Cleaning the program'), the
+`__DBG_N__` injector seeded by the task id ('Print injection'), ground truth = stripped stdout, partial
+on a crash and "" on a timeout ('Ground truth'), the prompt's structure ('The trace prompt'), answer
+cleaning and whitespace/case-blind comparison ('Cleaning and comparing the answer') and the
+single-turn reset/step/state/stop protocol ('The trace reset/step protocol'), including its report
+that reveals the answer and the 1.0 an empty answer earns when the expected output is empty.
 
 Departures: programs run in ppo_affine/envs/sandbox.py (rlimits, bubblewrap) instead of bare `subprocess.run`,
 off the event loop, with a fixed hash seed; a run killed for flooding stdout or for CPU time counts
@@ -47,7 +48,8 @@ FINISHED_KEPT = 4096  # finished episodes that state/step can still report befor
 
 # ---------------------------------------------------------------- the task: cleaning and injection
 def clean_program_source(source: str) -> str:
-    """Strip a surrounding ``` fence (language tag included) and whitespace, as the spec's A.3 does."""
+    """Strip a surrounding ``` fence (language tag included) and whitespace, as the real env does
+    (docs/protocols.md, 'Cleaning the program')."""
     text = source.strip()
     if text.startswith("```"):
         text = text.split("\n", 1)[1] if "\n" in text else ""
@@ -66,7 +68,7 @@ def _target_names(target: ast.expr) -> list[str]:
 
 
 class _DebugPrintInjector(ast.NodeTransformer):
-    """Adds up to six `print('__DBG_n__', ...)` calls after assignments and ifs (spec A.4).
+    """Adds up to six `print('__DBG_n__', ...)` calls after assignments and ifs (docs/protocols.md, 'Print injection').
 
     Only the module body and the bodies of `for`, `if` and `def` go through `_process_body`;
     every other statement (while, try, with, class, async def) is walked generically, so the ifs,
@@ -151,7 +153,7 @@ class _DebugPrintInjector(ast.NodeTransformer):
 
 def inject_debug_prints(source: str, seed: int) -> tuple[str, bool]:
     """(program text the model sees, parsed): the cleaned source with debug prints injected, or on a
-    syntax error the spec's comment line followed by the cleaned source."""
+    syntax error the real env's comment line followed by the cleaned source."""
     cleaned = clean_program_source(source)
     try:
         tree = ast.parse(cleaned)
@@ -162,7 +164,7 @@ def inject_debug_prints(source: str, seed: int) -> tuple[str, bool]:
 
 
 def build_prompt(program: str, inputs: str) -> str:
-    """The single user message (spec A.6); our wording, the real env's structure."""
+    """The single user message (docs/protocols.md, 'The trace prompt'); our wording, the real env's structure."""
     return (
         "Predict the exact and complete standard output (stdout) of the Python program below, "
         "including the output of every print statement.\n\n"
@@ -182,7 +184,7 @@ _FENCED_BLOCK = re.compile(r"```[a-zA-Z]*\n?(.*?)\n?```", re.DOTALL)
 
 def clean_prediction(text: str) -> str:
     """Think blocks out (case-sensitive), text after a stray closing tag, the first fenced block's
-    contents if there is one, then strip (spec A.7)."""
+    contents if there is one, then strip (docs/protocols.md, 'Cleaning and comparing the answer')."""
     text = _THINKING_BLOCK.sub("", _THINK_BLOCK.sub("", text))
     for closing in ("</think>", "</thinking>"):
         if closing in text:
@@ -204,8 +206,8 @@ def score_prediction(prediction: str, ground_truth: str) -> float:
 
 
 def ground_truth_of(run: RunResult) -> tuple[str, str | None]:
-    """(ground truth, why the task is degenerate or None) from one sandboxed run (spec A.5)."""
-    if run.killed_reason in ("timeout", "output_limit", "cpu_time"):  # all three stand for the spec's timeout
+    """(ground truth, why the task is degenerate or None) from one sandboxed run (docs/protocols.md, 'Ground truth')."""
+    if run.killed_reason in ("timeout", "output_limit", "cpu_time"):  # all three stand for the real env's timeout
         return "", run.killed_reason
     truth = run.stdout.strip()
     if run.returncode != 0:
@@ -491,7 +493,8 @@ def _read_row(row: Any, index: int, dataset_name: str) -> tuple[str, str]:
 
 
 def _report(score: float, prediction: str, ground_truth: str) -> str:
-    """The step observation: score, test result, and both outputs cut to 500 characters (spec A.9)."""
+    """The step observation: score, test result, and both outputs cut to 500 characters (docs/protocols.md,
+    'The trace reset/step protocol')."""
     def cut(text: str) -> str:
         return text[:REPORT_CHARS] + ("..." if len(text) > REPORT_CHARS else "")
 

