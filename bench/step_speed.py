@@ -67,7 +67,7 @@ def plain_generate_rate(policy, prompts: list[list[int]], batch_size: int, max_n
 def run_setting(name: str, args: argparse.Namespace) -> dict:
     import train_ppo
     from ppo_affine import prefixes
-    from ppo_affine.experience import build_sequences
+    from ppo_affine.batching import build_sequences
     from ppo_affine.run_log import opponent_seconds
     from ppo_affine.config import load_config
 
@@ -81,7 +81,7 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
                  f"generation.max_new_tokens={args.max_new_tokens}", "generation.max_prompt_tokens=4096",
                  "run.max_steps=1", "run.name=step-speed", *args.set]
     config = load_config(presets=[args.preset], overrides=overrides)
-    trainer = train_ppo.Trainer(config, Path(tempfile.mkdtemp(prefix="step-speed-")), resume=None)
+    trainer = train_ppo.Trainer(config, Path(tempfile.mkdtemp(prefix="step-speed-")), resume_from=None)
     policy = trainer.policy
 
     async def one_step():

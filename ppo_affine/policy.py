@@ -112,6 +112,16 @@ class Policy(nn.Module):
         finally:
             self.model.set_adapter("default")  # trainable again; the reference stays frozen
 
+    @contextlib.contextmanager
+    def evaluating(self):
+        """Eval mode (no dropout) for a pass without gradients, then back to the mode it was in."""
+        was_training = self.training
+        self.eval()
+        try:
+            yield
+        finally:
+            self.train(was_training)
+
     def set_reference_adapter(self, adapter_dir: Path) -> None:
         """Anchor the KL penalty to this peft adapter instead of the base model (a frozen copy)."""
         if self.has_reference_adapter:

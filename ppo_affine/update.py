@@ -3,7 +3,9 @@
 `ppo_update` (epochs and minibatches, the KL stop) -> `accumulate_gradients` (one minibatch: this
 rank's micro-batches in `backward_micro_batches`, forward, `micro_batch_loss`, backward, then the
 statistics over the ranks) -> `step_optimizer` (gradients summed over the ranks, clipped, then the
-step, or a skip when they are not finite).
+step, or a skip when they are not finite). What every level reads of the step (the PPO config, beta,
+the temperature, the token budget, the critic warm-up) is one `UpdateSettings`. `update_signal`
+re-scores the batch afterwards to check the update's direction.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 
 from ppo_affine.distributed import ONE_PROCESS, Ranks
-from ppo_affine.experience import TrainSequence, collate, plan_micro_batches
+from ppo_affine.batching import Batch, TrainSequence, micro_batches
 from ppo_affine.policy import Policy
 from ppo_affine.ppo import (explained_variance_from_moments, explained_variance_moments, kl_penalty, pearson_correlation,
                  policy_loss, value_loss, weighted_mean)
@@ -86,29 +88,31 @@ def build_optimizer(policy: Policy, cfg: PPOConfig, value_lr: float) -> torch.op
     )
 
 
-def ppo_update(
-    policy: Policy,
-    optimizer: torch.optim.Optimizer,
-    sequences: list[TrainSequence],
-    cfg: PPOConfig,
-    kl_coef: float,
-    temperature: float,
-    generator: torch.Generator,
-    state: UpdateState,
-    value_only: bool = False,
-    task_ids: list[int] | None = None,
-    ranks: Ranks = ONE_PROCESS,
-    check_stop: Callable[[], None] = lambda: None,
-) -> dict[str, float]:
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What every level of one step's update reads."""
+    ppo: PPOConfig
+    kl_coef: float  # beta this step (group mode puts the KL into the loss)
+    temperature: float  # the sampling temperature: replies are scored at the distribution they were drawn from
+    micro_batch_tokens: int  # the token budget of one forward/backward pass (halved after CUDA runs out of memory)
+    shuffle_seed: int  # seeds this step's minibatch order
+    value_only: bool = False  # critic warm-up: the value head alone trains, on a detached trunk
+
+
+def ppo_update(policy: Policy, optimizer: torch.optim.Optimizer, sequences: list[TrainSequence],
+               settings: UpdateSettings, state: UpdateState, *, task_ids: list[int] | None = None,
+               ranks: Ranks = ONE_PROCESS, check_stop: Callable[[], None] = lambda: None) -> dict[str, float]:
     """`ppo_epochs` passes; returns the mean of each logged statistic over optimizer steps.
 
     Before each optimizer step the minibatch's approximate KL (k3, per token) to the rollout policy
     is known from its forward pass; past `kl_stop` the step is not taken and the epochs end.
-    `value_only` trains the value head alone on a detached trunk (critic warm-up).
     With several ranks `sequences` is this rank's share of the batch (shares in rank order):
     minibatches are drawn over the whole batch, each rank trains its members of each, and weights,
     statistics and gradients are summed over the ranks, so every rank takes the same steps.
-    `check_stop` runs before every minibatch (on every rank alike) and raises to abandon the update."""
+    `task_ids` name the batch's tasks in the warning of a skipped step. `check_stop` runs before every
+    minibatch (on every rank alike) and raises to abandon the update."""
+    cfg = settings.ppo
+    generator = torch.Generator().manual_seed(settings.shuffle_seed)
     stats: dict[str, list[float]] = {}
     early_stop = False
     first, total = ranks.offset(len(sequences))
@@ -121,7 +125,7 @@ def ppo_update(
                 continue
             check_stop()
             mine = [sequences[i - first] for i in minibatch if first <= i < first + len(sequences)]
-            gradients = accumulate_gradients(policy, mine, cfg, kl_coef, temperature, value_only, ranks)
+            gradients = accumulate_gradients(policy, mine, settings, ranks)
             step_stats = step_optimizer(optimizer, gradients, cfg, state, task_ids or [], ranks)
             early_stop = step_stats.pop("update/kl_stopped", 0.0) > 0
             for key, value in step_stats.items():
@@ -171,21 +175,22 @@ class AccumulatedGradients:
     stats: dict[str, float]  # the minibatch's statistics over every rank
 
 
-def micro_batch_loss(policy: Policy, batch: dict[str, torch.Tensor], cfg: PPOConfig, kl_coef: float,
-                     temperature: float, value_only: bool, weights: MinibatchWeights) -> MicroBatchLoss:
+def micro_batch_loss(policy: Policy, batch: Batch, settings: UpdateSettings, weights: MinibatchWeights
+                     ) -> MicroBatchLoss:
     """The clipped policy loss, entropy bonus and (group mode) KL loss, and the clipped value loss, of one
     collated micro-batch."""
-    use_critic, train_policy = cfg.advantage == "gae", not value_only
-    scored = policy.score(batch["input_ids"], None, batch["response_mask"], with_values=use_critic,
+    cfg, kl_coef = settings.ppo, settings.kl_coef
+    use_critic, train_policy = cfg.advantage == "gae", not settings.value_only
+    scored = policy.score(batch.input_ids, None, batch.response_mask, with_values=use_critic,
                           with_logprobs=train_policy, with_entropy=train_policy and cfg.entropy_coef > 0,
-                          detach_trunk=value_only, temperature=temperature)
+                          detach_trunk=settings.value_only, temperature=settings.temperature)
     loss = torch.zeros((), device=policy.device)
     terms: dict[str, float] = {}
     means: dict[str, float] = {}
     if train_policy:
-        pg_loss, pg_stats = policy_loss(scored.logprobs, batch["old_logprobs"], batch["advantages"],
-                                        batch["token_weights"], cfg.cliprange, total_weight=weights.policy,
-                                        importance_weights=batch["importance_weights"] if cfg.sampler_correction
+        pg_loss, pg_stats = policy_loss(scored.logprobs, batch.old_logprobs, batch.advantages, batch.token_weights,
+                                        cfg.cliprange, total_weight=weights.policy,
+                                        importance_weights=batch.importance_weights if cfg.sampler_correction
                                         else None)
         loss = loss + pg_loss
         terms["policy/loss"] = pg_loss.item()
@@ -194,23 +199,23 @@ def micro_batch_loss(policy: Policy, batch: dict[str, torch.Tensor], cfg: PPOCon
             token_entropy = scored.entropy
             if cfg.entropy_cap is not None:  # a token at or past the cap gets no gradient from the bonus
                 token_entropy = token_entropy.clamp(max=cfg.entropy_cap)
-            entropy = weighted_mean(token_entropy, batch["token_weights"], weights.policy)
+            entropy = weighted_mean(token_entropy, batch.token_weights, weights.policy)
             loss = loss - cfg.entropy_coef * entropy
             terms["policy/entropy_bonus"] = entropy.item()
         if not use_critic and kl_coef > 0:  # group mode keeps the reference close through the loss
-            kl_loss = weighted_mean(kl_penalty(scored.logprobs, batch["ref_logprobs"], "k3"), batch["token_weights"],
+            kl_loss = weighted_mean(kl_penalty(scored.logprobs, batch.ref_logprobs, "k3"), batch.token_weights,
                                     weights.policy)
             loss = loss + kl_coef * kl_loss
             terms["policy/kl_loss"] = kl_loss.item()
     if not (use_critic and weights.value > 0):
         return MicroBatchLoss(loss, terms, means)
-    vf_loss, vf_stats = value_loss(scored.values, batch["old_values"], batch["returns"], batch["value_weights"],
+    vf_loss, vf_stats = value_loss(scored.values, batch.old_values, batch.returns, batch.value_weights,
                                    cfg.cliprange_value, total_weight=weights.value)
     terms["value/loss"] = vf_loss.item()
     means.update({f"value/{k}": float(v) for k, v in vf_stats.items()})
-    value_mask = batch["value_weights"] != 0
+    value_mask = batch.value_weights != 0
     return MicroBatchLoss(loss + cfg.vf_coef * vf_loss, terms, means, scored.values.detach()[value_mask],
-                          batch["returns"][value_mask])
+                          batch.returns[value_mask])
 
 
 @dataclass
@@ -222,16 +227,15 @@ class MicroBatchPasses:
     returns: list[torch.Tensor]  # and their targets
 
 
-def accumulate_gradients(policy: Policy, minibatch: list[TrainSequence], cfg: PPOConfig, kl_coef: float,
-                         temperature: float, value_only: bool, ranks: Ranks) -> AccumulatedGradients:
+def accumulate_gradients(policy: Policy, minibatch: list[TrainSequence], settings: UpdateSettings, ranks: Ranks
+                         ) -> AccumulatedGradients:
     """Forward and backward through this rank's part of a minibatch, micro-batches packed by the token budget,
     the gradients adding up in `.grad`. A non-finite loss ends the pass; statistics are over every rank. CUDA out
     of memory on any rank raises OutOfMemoryOnRanks on every rank."""
-    use_critic = cfg.advantage == "gae"
+    use_critic = settings.ppo.advantage == "gae"
     weights = MinibatchWeights.of(minibatch, use_critic, ranks)
     policy.zero_grad(set_to_none=True)  # this minibatch's gradients alone
-    passes = ranks.agree_on_memory(
-        lambda: backward_micro_batches(policy, minibatch, cfg, kl_coef, temperature, value_only, weights))
+    passes = ranks.agree_on_memory(lambda: backward_micro_batches(policy, minibatch, settings, weights))
     finite = not ranks.any(not passes.finite)
     stats = ranks.sum_stats(passes.sums)
     if use_critic:  # over every value position of the minibatch, every rank's part included
@@ -243,18 +247,17 @@ def accumulate_gradients(policy: Policy, minibatch: list[TrainSequence], cfg: PP
     return AccumulatedGradients(finite, stats)
 
 
-def backward_micro_batches(policy: Policy, minibatch: list[TrainSequence], cfg: PPOConfig, kl_coef: float,
-                           temperature: float, value_only: bool, weights: MinibatchWeights) -> MicroBatchPasses:
+def backward_micro_batches(policy: Policy, minibatch: list[TrainSequence], settings: UpdateSettings,
+                           weights: MinibatchWeights) -> MicroBatchPasses:
     """This rank's micro-batches of a minibatch, forward and backward, without any exchange: a non-finite loss
     ends the pass."""
     passes = MicroBatchPasses(finite=True, sums={}, values=[], returns=[])
     # values and their returns are kept over the whole minibatch: a micro-batch may hold only a few value
     # positions, too few for a variance
-    for group in plan_micro_batches([s.input_ids for s in minibatch], cfg.micro_batch_tokens,
-                                    policy.shares_prefixes_with_gradients()):
-        batch = collate([minibatch[i] for i in group], policy.tokenizer.pad_token_id, policy.device)
-        share = float(batch["response_mask"].sum()) / weights.tokens  # of the minibatch's token statistics
-        part = micro_batch_loss(policy, batch, cfg, kl_coef, temperature, value_only, weights)
+    for batch in micro_batches(minibatch, settings.micro_batch_tokens, policy.tokenizer.pad_token_id, policy.device,
+                               policy.shares_prefixes_with_gradients()):
+        share = float(batch.response_mask.sum()) / weights.tokens  # of the minibatch's token statistics
+        part = micro_batch_loss(policy, batch, settings, weights)
         if part.values is not None:
             passes.values.append(part.values)
             passes.returns.append(part.returns)
@@ -309,12 +312,12 @@ def _count_a_skip(state: UpdateState, cfg: PPOConfig, task_ids: list[int]) -> No
 
 
 @torch.no_grad()
-def update_signal(policy: Policy, sequences: list[TrainSequence], token_budget: int, temperature: float,
+def update_signal(policy: Policy, sequences: list[TrainSequence], settings: UpdateSettings,
                   ranks: Ranks = ONE_PROCESS) -> dict[str, float]:
     """Did the update push each reply the way its advantage says? Re-scores the batch (this rank's share)
     and relates every reply's advantage (the mean over its tokens) to the change of its log-probability
     (summed over its tokens) since the rollout: a healthy update has a clearly positive correlation."""
-    mine = ranks.agree_on_memory(lambda: _advantages_and_changes(policy, sequences, token_budget, temperature))
+    mine = ranks.agree_on_memory(lambda: _advantages_and_changes(policy, sequences, settings))
     pairs = [pair for part in ranks.gather(mine) for pair in part]
     advantage, change = torch.tensor([a for a, _ in pairs]), torch.tensor([c for _, c in pairs])
     positive, negative = advantage > 0, advantage < 0
@@ -326,23 +329,18 @@ def update_signal(policy: Policy, sequences: list[TrainSequence], token_budget: 
 
 
 @torch.no_grad()
-def _advantages_and_changes(policy: Policy, sequences: list[TrainSequence], token_budget: int, temperature: float
+def _advantages_and_changes(policy: Policy, sequences: list[TrainSequence], settings: UpdateSettings
                             ) -> list[tuple[float, float]]:
     """(mean advantage, summed log-prob change since the rollout) of every reply of this rank's sequences."""
-    was_training = policy.training
-    policy.eval()
     pairs = []
-    try:
-        for group in plan_micro_batches([s.input_ids for s in sequences], token_budget):
-            chunk = [sequences[i] for i in group]
-            batch = collate(chunk, policy.tokenizer.pad_token_id, policy.device)
-            mask = batch["response_mask"].bool()
-            new = policy.score(batch["input_ids"], None, batch["response_mask"], with_values=False,
-                               temperature=temperature).logprobs
-            for row, sequence in enumerate(chunk):
+    with policy.evaluating():
+        for batch in micro_batches(sequences, settings.micro_batch_tokens, policy.tokenizer.pad_token_id,
+                                   policy.device):
+            mask = batch.response_mask.bool()
+            new = policy.score(batch.input_ids, None, batch.response_mask, with_values=False,
+                               temperature=settings.temperature).logprobs
+            for row, sequence in enumerate(batch.sequences):
                 change = new[row][mask[row]].cpu() - sequence.old_logprobs
                 pairs += [(float(sequence.advantages[span].mean()), float(change[span].sum()))
                           for span in sequence.span_slices()]
-    finally:
-        policy.train(was_training)
     return pairs

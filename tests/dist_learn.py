@@ -62,7 +62,7 @@ def learn_once(model_dir: Path, run_dir: Path, case: str, ranks: Ranks = ONE_PRO
                  "value_head.learning_rate=1e-2", "ppo.kl_stop=null", f"curriculum.stages={STAGES}", *sets]
     config = load_config(overrides=overrides)
     torch.manual_seed(0)
-    trainer = train_ppo.Trainer(config, run_dir, resume=None, ranks=ranks)
+    trainer = train_ppo.Trainer(config, run_dir, resume_from=None, ranks=ranks)
     metrics = trainer.learn_with_oom_retry(hand_built_episodes(trainer.policy.tokenizer, scores), group_ids)
     weights = {name: parameter.detach().clone() for name, parameter in trainer.policy.named_parameters()
                if parameter.requires_grad}

@@ -1,10 +1,12 @@
-"""experience.py: episode sequences, turn-level credit, loss weights, on hand-built episodes."""
+"""batching.py, advantages.py and experience.py's sampler correction: episode sequences, micro-batches, turn-level
+credit, loss weights, on hand-built episodes."""
 import pytest
 import torch
 
 from ppo_affine.envs.tasks import Task
-from ppo_affine.experience import (_loss_weights, assign_advantages, batch_cost, build_sequences, collate,
-                                   correct_for_the_sampler, plan_micro_batches)
+from ppo_affine.advantages import _loss_weights, assign_advantages
+from ppo_affine.batching import build_sequences, collate, plan_micro_batches
+from ppo_affine.experience import batch_cost, correct_for_the_sampler
 from ppo_affine.rollout import Episode, Turn
 from ppo_affine.config import PPOConfig
 
@@ -42,7 +44,7 @@ def test_an_append_only_episode_is_one_sequence_with_a_span_per_turn():
     assert sequence.input_ids == [1, 2, 3, 7, 7, 4, 5, 7, 7, 4, 5, 7, 7]
     assert sequence.spans == [(3, 5), (7, 9), (11, 13)] and sequence.turns == [0, 1, 2]
     batch = collate([sequence], pad_id=0, device=torch.device("cpu"))
-    assert batch["response_mask"].tolist() == [[0, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]]
+    assert batch.response_mask.tolist() == [[0, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]]
 
 
 def test_turns_in_separate_sequences_become_separate_training_rows():
@@ -183,7 +185,7 @@ def test_sampler_correction_weighs_the_tokens_vllm_sampled_and_leaves_the_traine
     assert own.importance_weights.tolist() == [1.0, 1.0]
     assert stats == pytest.approx({"tis/weight_mean": 1.3388669, "tis/clip_fraction": 1 / 3})
     batch = collate([sampled, own], pad_id=0, device=torch.device("cpu"))
-    torch.testing.assert_close(batch["importance_weights"],
+    torch.testing.assert_close(batch.importance_weights,
                                torch.tensor([[0, 0, 1.6487213, 2.0, 0.3678794], [0, 0, 0, 1.0, 1.0]]))
 
 

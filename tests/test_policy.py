@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from ppo_affine.envs.tasks import Task
-from ppo_affine.experience import assign_advantages, build_sequences, score_sequences
+from ppo_affine.advantages import assign_advantages
+from ppo_affine.batching import build_sequences
+from ppo_affine.experience import score_sequences
 from ppo_affine.policy import adapter_weights_digest, load_policy, resolve_lora_targets
 from ppo_affine.rollout import Episode, Turn
-from ppo_affine.update import UpdateState, build_optimizer, ppo_update
+from ppo_affine.update import UpdateSettings, UpdateState, build_optimizer, ppo_update
 from ppo_affine.config import ConfigError, LoraConfig, ModelConfig, PPOConfig
 
 
@@ -218,8 +220,7 @@ def test_ppo_learns_a_synthetic_first_token_reward(tiny_policy):
 
     expected_reward_before = float(first_token_probs()[rewarded].sum())
     state = UpdateState()
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(20):
+    for step in range(20):
         firsts = torch.multinomial(first_token_probs(), cfg.batch_size, replacement=True).tolist()
         episodes = [
             Episode(task=Task("synthetic", i, i, None, "s", False), env_kind="synthetic",
@@ -230,7 +231,8 @@ def test_ppo_learns_a_synthetic_first_token_reward(tiny_policy):
         sequences = build_sequences(episodes)
         score_sequences(tiny_policy, sequences, cfg.micro_batch_tokens, 1.0, with_values=True)
         assign_advantages(sequences, episodes, cfg, kl_coef=0.0, group_ids=None)
-        ppo_update(tiny_policy, optimizer, sequences, cfg, 0.0, 1.0, generator, state)
+        settings = UpdateSettings(cfg, 0.0, 1.0, cfg.micro_batch_tokens, shuffle_seed=step)
+        ppo_update(tiny_policy, optimizer, sequences, settings, state)
     expected_reward_after = float(first_token_probs()[rewarded].sum())
     assert 0.03 < expected_reward_before < 0.2
     assert expected_reward_after > 0.8, f"expected reward {expected_reward_before:.3f} -> {expected_reward_after:.3f}"

@@ -5,10 +5,12 @@ import torch
 from ppo_affine import policy as policy_module
 from ppo_affine.distributed import ONE_PROCESS
 from ppo_affine.envs.tasks import Task
-from ppo_affine.experience import assign_advantages, build_sequences, collate, score_sequences
+from ppo_affine.advantages import assign_advantages
+from ppo_affine.batching import build_sequences, collate
+from ppo_affine.experience import score_sequences
 from ppo_affine.rollout import Episode, Turn
-from ppo_affine.update import (MinibatchWeights, TrainingSnapshot, UpdateState, build_optimizer, micro_batch_loss,
-                               ppo_update, update_signal)
+from ppo_affine.update import (MinibatchWeights, TrainingSnapshot, UpdateSettings, UpdateState, build_optimizer,
+                               micro_batch_loss, ppo_update, update_signal)
 from ppo_affine.config import PPOConfig
 
 
@@ -26,6 +28,11 @@ def episodes_for(policy, n=6):
     return episodes
 
 
+def settings(cfg, seed=0, value_only=False):
+    """One step's update settings: beta 0, temperature 1, the config's token budget."""
+    return UpdateSettings(cfg, 0.0, 1.0, cfg.micro_batch_tokens, shuffle_seed=seed, value_only=value_only)
+
+
 def prepared(policy, cfg):
     episodes = episodes_for(policy)
     sequences = build_sequences(episodes)
@@ -37,7 +44,7 @@ def prepared(policy, cfg):
 def current_logprobs(policy, sequences):
     batch = collate(sequences, policy.tokenizer.pad_token_id, policy.device)
     with torch.no_grad():
-        return policy.score(batch["input_ids"], None, batch["response_mask"], with_values=False).logprobs
+        return policy.score(batch.input_ids, None, batch.response_mask, with_values=False).logprobs
 
 
 def test_critic_warm_up_moves_the_value_head_and_not_the_policy(tiny_policy):
@@ -47,8 +54,7 @@ def test_critic_warm_up_moves_the_value_head_and_not_the_policy(tiny_policy):
     value_before = tiny_policy.value_head.weight.detach().clone()
     logprobs_before = current_logprobs(tiny_policy, sequences)
     optimizer = build_optimizer(tiny_policy, cfg, value_lr=1e-2)
-    stats = ppo_update(tiny_policy, optimizer, sequences, cfg, 0.0, 1.0, torch.Generator().manual_seed(0),
-                       UpdateState(), value_only=True)
+    stats = ppo_update(tiny_policy, optimizer, sequences, settings(cfg, value_only=True), UpdateState())
     assert "value/loss" in stats and "policy/loss" not in stats
     assert all(torch.equal(p, lora_before[n]) for n, p in tiny_policy.named_parameters() if "lora_" in n)
     assert torch.equal(current_logprobs(tiny_policy, sequences), logprobs_before)
@@ -60,8 +66,7 @@ def test_a_minibatch_past_kl_stop_is_not_stepped_and_ends_the_epochs(tiny_policy
     cfg = PPOConfig(learning_rate=5e-2, ppo_epochs=4, kl_stop=1e-6)
     sequences = prepared(tiny_policy, cfg)
     state = UpdateState()
-    stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-2), sequences, cfg, 0.0, 1.0,
-                       torch.Generator().manual_seed(0), state)
+    stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-2), sequences, settings(cfg), state)
     assert stats["update/early_stopped"] == 1.0 and stats["update/epochs_run"] == 2.0
     assert state.optimizer_steps == 1
 
@@ -75,13 +80,11 @@ def test_no_entropy_is_computed_in_the_update_when_its_coefficient_is_zero(tiny_
         raise AssertionError("full-vocabulary entropy computed in the update")
 
     monkeypatch.setattr(policy_module, "logprobs_and_entropy_from_logits", forbidden)
-    stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-3), sequences, cfg, 0.0, 1.0,
-                       torch.Generator().manual_seed(0), UpdateState())
+    stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-3), sequences, settings(cfg), UpdateState())
     assert "policy/entropy_bonus" not in stats
     cfg = PPOConfig(learning_rate=1e-3, ppo_epochs=1, entropy_coef=0.01)
     monkeypatch.undo()
-    stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-3), sequences, cfg, 0.0, 1.0,
-                       torch.Generator().manual_seed(0), UpdateState())
+    stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-3), sequences, settings(cfg), UpdateState())
     assert stats["policy/entropy_bonus"] > 0
 
 
@@ -90,7 +93,7 @@ def adapter_gradients(policy, cfg, sequences):
     batch = collate(sequences, policy.tokenizer.pad_token_id, policy.device)
     weights = MinibatchWeights.of(sequences, use_critic=True, ranks=ONE_PROCESS)
     policy.zero_grad(set_to_none=True)
-    result = micro_batch_loss(policy, batch, cfg, 0.0, 1.0, False, weights)
+    result = micro_batch_loss(policy, batch, settings(cfg), weights)
     result.loss.backward()
     return result.terms, {n: p.grad.clone() for n, p in policy.named_parameters() if "lora_" in n}
 
@@ -136,9 +139,8 @@ def one_update_signal(policy, cfg, episodes, group_ids=None):
     sequences = build_sequences(episodes)
     score_sequences(policy, sequences, cfg.micro_batch_tokens, 1.0, with_values=cfg.advantage == "gae")
     assign_advantages(sequences, episodes, cfg, 0.0, group_ids)
-    ppo_update(policy, build_optimizer(policy, cfg, 1e-3), sequences, cfg, 0.0, 1.0,
-               torch.Generator().manual_seed(0), UpdateState())
-    return update_signal(policy, sequences, cfg.micro_batch_tokens, 1.0)
+    ppo_update(policy, build_optimizer(policy, cfg, 1e-3), sequences, settings(cfg), UpdateState())
+    return update_signal(policy, sequences, settings(cfg))
 
 
 def test_one_update_raises_replies_with_positive_advantage_and_lowers_the_others_turn_credit(tiny_policy):
@@ -170,8 +172,7 @@ def test_explained_variance_is_taken_over_the_whole_minibatch_not_per_micro_batc
     values = torch.cat([s.old_values[s.value_weights != 0] for s in sequences])
     returns = torch.cat([s.returns[s.value_weights != 0] for s in sequences])
     expected = explained_variance(values, returns, torch.ones_like(values))
-    stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-3), sequences, cfg, 0.0, 1.0,
-                       torch.Generator().manual_seed(0), UpdateState())
+    stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-3), sequences, settings(cfg), UpdateState())
     assert stats["value/explained_variance"] == pytest.approx(expected, abs=1e-4)
 
 
@@ -189,7 +190,7 @@ def test_the_sampler_correction_weighs_the_policy_loss_and_nothing_else(tiny_pol
 
     def terms(correct: bool) -> dict[str, float]:
         corrected = cfg.model_copy(update={"sampler_correction": correct})
-        return micro_batch_loss(tiny_policy, batch, corrected, 0.0, 1.0, False, weights).terms
+        return micro_batch_loss(tiny_policy, batch, settings(corrected), weights).terms
 
     plain, halved = terms(False), terms(True)
     assert plain["policy/loss"] != 0
@@ -203,7 +204,7 @@ def test_an_update_abandoned_halfway_is_undone_by_its_snapshot(tiny_policy):
     sequences = prepared(tiny_policy, cfg)
     optimizer = build_optimizer(tiny_policy, cfg, value_lr=1e-2)
     state = UpdateState()
-    ppo_update(tiny_policy, optimizer, sequences, cfg, 0.0, 1.0, torch.Generator().manual_seed(0), state)
+    ppo_update(tiny_policy, optimizer, sequences, settings(cfg), state)
     weights_before = {n: p.detach().clone() for n, p in tiny_policy.named_parameters() if p.requires_grad}
     moments_before = {n: optimizer.state[p]["exp_avg"].clone() for n, p in tiny_policy.named_parameters()
                       if p.requires_grad}
@@ -218,7 +219,7 @@ def test_an_update_abandoned_halfway_is_undone_by_its_snapshot(tiny_policy):
     for _ in range(2):  # a retried step may be abandoned again: the snapshot must survive a restore
         checks.clear()
         with pytest.raises(Stop):
-            ppo_update(tiny_policy, optimizer, sequences, cfg, 0.0, 1.0, torch.Generator().manual_seed(1), state,
+            ppo_update(tiny_policy, optimizer, sequences, settings(cfg, seed=1), state,
                        check_stop=stop_at_the_third_minibatch)
         assert state.optimizer_steps == 4 + 2  # two steps were taken before the stop
         assert any(not torch.equal(p, weights_before[n]) for n, p in tiny_policy.named_parameters() if p.requires_grad)

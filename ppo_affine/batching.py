@@ -1,0 +1,158 @@
+"""Training sequences and the micro-batches every pass runs them in.
+
+The unit of scoring, the update and SFT is a `TrainSequence`: one token sequence of an episode with
+every turn it holds (prompt and observation tokens masked, each reply's tokens trained). When the chat
+template renders the conversation append-only (`prompts.TokenHistory`), a whole episode is one
+sequence and every token is processed once; otherwise a turn starts a new sequence.
+
+`micro_batches` is the one loop over micro-batches of a token budget (`plan_micro_batches` groups the
+sequences, `collate` pads each group into a `Batch`); scoring, both passes of the update and SFT use it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ppo_affine.prefixes import padded_cost, partition
+from ppo_affine.rollout import Episode
+
+
+@dataclass
+class TrainSequence:
+    episode: int  # index into the batch's episodes
+    input_ids: list[int]
+    spans: list[tuple[int, int]]  # [start, end) of each turn's reply tokens, in turn order
+    turns: list[int]  # the episode's turn index of each span
+    sampler_logprobs: list[float] | None = None
+    # Per reply token, the spans concatenated in order: [R]
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None  # of the rollout policy, for logging
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    token_weights: torch.Tensor | None = None  # policy-loss weight of each reply token
+    importance_weights: torch.Tensor | None = None  # min(pi_trainer_old / pi_sampler, C) (ppo.sampler_correction)
+    value_weights: torch.Tensor | None = None  # value-loss weight; 0 where no value is trained
+
+    @property
+    def response_len(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+    def span_slices(self) -> list[slice]:
+        """Each turn's slice of the per-reply-token tensors."""
+        slices, position = [], 0
+        for start, end in self.spans:
+            slices.append(slice(position, position + end - start))
+            position += end - start
+        return slices
+
+
+def build_sequences(episodes: list[Episode]) -> list[TrainSequence]:
+    """Every episode's token sequences that hold at least one reply token."""
+    sequences = []
+    for e, episode in enumerate(episodes):
+        by_sequence: dict[int, list[int]] = {}
+        for t, turn in enumerate(episode.turns):
+            if turn.response_ids:
+                by_sequence.setdefault(turn.sequence, []).append(t)
+        for s, turn_indices in sorted(by_sequence.items()):
+            turns = [episode.turns[t] for t in turn_indices]
+            spans = [(turn.start, turn.start + len(turn.response_ids)) for turn in turns]
+            sampler = None
+            if all(turn.sampler_logprobs is not None for turn in turns):
+                sampler = [lp for turn in turns for lp in turn.sampler_logprobs]
+            sequences.append(TrainSequence(episode=e, input_ids=episode.sequences[s][: spans[-1][1]], spans=spans,
+                                           turns=turn_indices, sampler_logprobs=sampler))
+    return sequences
+
+
+def plan_micro_batches(token_ids: list[list[int]], budget: int, share_prefixes: bool = True) -> list[list[int]]:
+    """Indices grouped into micro-batches that each put at most `budget` tokens through the model (right
+    padding included; a sequence longer than the budget gets a micro-batch of its own).
+
+    With `share_prefixes` (the policy runs a micro-batch's common prefix once, see `Policy.score`) the
+    sequences that begin alike, such as one game's rules or a group's episodes of one task and seed,
+    go together, and the split is the one that processes the fewest tokens (`prefixes.partition`).
+    Without, sequences sorted by length fill micro-batches up to rows x longest <= budget."""
+    if share_prefixes:
+        def cost(rows: int, shared: int, longest: int) -> int | None:
+            tokens = padded_cost(rows, shared, longest)
+            return tokens if tokens <= budget else None
+
+        return [rows for rows, _ in partition(token_ids, cost)]
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for index in sorted(range(len(token_ids)), key=lambda i: len(token_ids[i])):
+        # sorted ascending: the newest member is the longest
+        if current and len(token_ids[index]) * (len(current) + 1) > budget:
+            groups.append(current)
+            current = []
+        current.append(index)
+    if current:
+        groups.append(current)
+    return groups
+
+
+@dataclass
+class Batch:
+    """One right-padded micro-batch, row r holding `sequences[r]`. Right padding needs no attention mask: causal
+    attention never looks at the padding after a row. A per-reply-token field sits at the row's reply positions
+    (0 elsewhere), and is None when the sequences do not carry it yet (scoring and SFT read the tokens alone)."""
+    sequences: list[TrainSequence]
+    input_ids: torch.Tensor  # [B, T] long, padded with the pad id
+    response_mask: torch.Tensor  # [B, T] 1 at reply tokens
+    old_logprobs: torch.Tensor | None  # [B, T]
+    ref_logprobs: torch.Tensor | None  # [B, T]
+    old_values: torch.Tensor | None  # [B, T]
+    advantages: torch.Tensor | None  # [B, T]
+    returns: torch.Tensor | None  # [B, T]
+    token_weights: torch.Tensor | None  # [B, T]
+    value_weights: torch.Tensor | None  # [B, T]
+    importance_weights: torch.Tensor | None  # [B, T]
+
+
+def collate(sequences: list[TrainSequence], pad_id: int, device: torch.device) -> Batch:
+    """`sequences` as one `Batch` on `device`. A per-reply-token field that some of the sequences carry and others
+    do not is an error: a zero in its place would train on a number nobody computed."""
+    width = max(len(s.input_ids) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((len(sequences), width), dtype=torch.float32)
+    positions = [torch.cat([torch.arange(start, end) for start, end in s.spans]) for s in sequences]
+    for row, sequence in enumerate(sequences):
+        input_ids[row, : len(sequence.input_ids)] = torch.tensor(sequence.input_ids)
+        response_mask[row, positions[row]] = 1
+
+    def per_token(name: str, values: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """[R] tensors of each row at its reply positions in a [B, T] tensor; None when no row has one."""
+        if all(value is None for value in values):
+            return None
+        if any(value is None for value in values):
+            raise ValueError(f"{name} is set on {sum(v is not None for v in values)} of {len(values)} sequences: "
+                             "score every sequence and assign its advantages before an update collates it")
+        placed = torch.zeros((len(sequences), width), dtype=torch.float32)
+        for row, value in enumerate(values):
+            placed[row, positions[row]] = value
+        return placed.to(device)
+
+    return Batch(
+        sequences=sequences, input_ids=input_ids.to(device), response_mask=response_mask.to(device),
+        old_logprobs=per_token("old_logprobs", [s.old_logprobs for s in sequences]),
+        ref_logprobs=per_token("ref_logprobs", [s.ref_logprobs for s in sequences]),
+        old_values=per_token("old_values", [s.old_values for s in sequences]),
+        advantages=per_token("advantages", [s.advantages for s in sequences]),
+        returns=per_token("returns", [s.returns for s in sequences]),
+        token_weights=per_token("token_weights", [s.token_weights for s in sequences]),
+        value_weights=per_token("value_weights", [s.value_weights for s in sequences]),
+        importance_weights=per_token("importance_weights", [s.importance_weights for s in sequences]),
+    )
+
+
+def micro_batches(sequences: list[TrainSequence], token_budget: int, pad_id: int, device: torch.device,
+                  share_prefixes: bool = True) -> Iterator[Batch]:
+    """`sequences` in micro-batches of at most `token_budget` tokens through the model (`plan_micro_batches`),
+    each collated; `share_prefixes` as there (False where gradient checkpointing keeps a pass from sharing)."""
+    for rows in plan_micro_batches([s.input_ids for s in sequences], token_budget, share_prefixes):
+        yield collate([sequences[i] for i in rows], pad_id, device)
