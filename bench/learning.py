@@ -37,8 +37,10 @@ SFT adapter) starts from that adapter; `--sft-dagger-rounds N` first runs N DAgg
 (`sft_warmstart.py --dagger-rounds`), after the SFT (whose expert games every round trains on again) or from
 `--sft-checkpoint` (`--sft-dagger-data FILE`: the expert games to train on beside). Against MCTS the table
 also has a `ceiling` row for leduc_poker: the best response to the opponent (experts.py
-`best_response`), the most any player scores. Evaluation is `evaluate.py`'s (greedy, full
-conversation, seeds derived from EVAL_SEED that training never draws); every played episode goes to
+`best_response`), the most any player scores. Every row, the teachers' and the ceiling's too, meets the
+opponent the run's config sets (its budgets and search: `--set env.envs.openspiel.opponent_search=exact` reaches
+them all), and the best response keeps its opponent model in `model.cache_dir`. Evaluation is `evaluate.py`'s
+(greedy, full conversation, seeds derived from EVAL_SEED that training never draws); every played episode goes to
 `<output-dir>/eval-<opponent>.jsonl`, the PPO run's curves to `<output-dir>/plots/`; `--eval-episodes 48
 --eval-skip 16` plays seeds 17–48 of a game whose first 16 an earlier run played (episode i's seed does
 not depend on the count), so two runs' files together are the 48-seed evaluation: `--tables-from A B`
@@ -52,6 +54,8 @@ each reply's log-probability against its advantage (logging.signal_check_every; 
 clearly positive correlation). `--teacher-moves` replays every evaluated game with its teacher answering
 at each turn and prints how often each model played the teacher's move: a student that never leaves one
 move (leduc_poker's Call at every turn) shows there, where its score does not say why PPO cannot move it.
+`--output-dir` holds every file of a run: the bench clears it at start only if it made it (its `.bench-learning`
+file), makes it if new or empty, and refuses any other folder, leaving its files as they were.
 """
 from __future__ import annotations
 
@@ -71,7 +75,8 @@ from ppo_affine import report
 from ppo_affine.checkpoint import find_resumable
 from ppo_affine.envs.tasks import GAME_ID_STRIDE, game_name_of
 from ppo_affine.experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS, expert_choices, expert_kind
-from ppo_affine.config import load_config
+from ppo_affine.policy import adapter_folder
+from ppo_affine.config import EnvSpec, load_config
 
 # Tuned on this machine so that a CPU budget visibly moves the model: 8 episodes and one epoch per
 # step give a steadier gradient per minute than more epochs, and 2e-4 was the fastest rate that kept
@@ -95,6 +100,8 @@ GAME_OVERRIDES = {"gin_rummy": ["generation.max_turns=60", "generation.max_promp
 # two costs nothing more for the ID-only games.
 REASON_REPLY_TOKENS = 40
 EVAL_SEED = 900_000  # training draws its seeds from the curriculum's generator; these are derived apart
+# written into every --output-dir the bench makes: the one mark of a folder it may clear (never a user's own)
+OUTPUT_MARKER = ".bench-learning"
 
 
 def count(per_game: dict[str, int], game: str) -> int:
@@ -145,7 +152,7 @@ def play(config, games: list[str], episodes: dict[str, int], opponent: str, adap
     less each game's first `skip`; each record is also appended to `episodes_path`."""
     tasks = eval_tasks(games, episodes, opponent, skip)
     specs = evaluate.eval_env_specs(config, {"openspiel"})
-    adapter_dir = evaluate.adapter_folder(adapter) if adapter else None
+    adapter_dir = adapter_folder(adapter) if adapter else None
     records = asyncio.run(evaluate.evaluate(config, tasks, specs, adapter_dir, with_base and adapter is not None,
                                             None))
     for record in records:
@@ -196,7 +203,8 @@ def print_tables_from(sources: list[str], args: argparse.Namespace) -> None:
         rows += opponent_rows
     moves = None
     if args.teacher_moves:
-        moves = teacher_moves(records, args, load_config(presets=["cpu"], overrides=args.set))
+        moves = teacher_moves(records, args, load_config(presets=["cpu"], overrides=[*opponent_overrides(args),
+                                                                                    *args.set]))
     print(json.dumps({"sources": sources, "results": results, "teacher_moves": moves}, indent=1))
     print_table(rows, results)
     if moves:
@@ -234,8 +242,7 @@ def teacher_moves(records: list[dict], args: argparse.Namespace, config) -> dict
     replay: same task, seed and opponent), so a student that never leaves one move shows as a rate a score
     hides. Games without a teacher, and rows without conversations (teachers, ceiling), are left out."""
     relabel_args = sft_warmstart.replay_options(args.expert_choices, args.workers)
-    game_env = next((s for s in config.env.envs.values() if s.kind == "openspiel"), None)
-    search = game_env.opponent_search if game_env else "fast"
+    spec = game_env(config)
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         if isinstance(r.get("conversation"), list) and not r.get("error") and has_expert(r["game"]):
@@ -246,9 +253,9 @@ def teacher_moves(records: list[dict], args: argparse.Namespace, config) -> dict
     sources = [{**r, "source": f"{model}'s {game} game (task {r['task_id']}, seed {r['seed']})"}
                for opponent, game, model in keys for r in groups[(opponent, game, model)]]
     try:
-        per_game = iter(sft_warmstart.relabel_each(sources, relabel_args, args.mcts_simulations, search,
+        per_game = iter(sft_warmstart.relabel_each(sources, relabel_args, spec.mcts_simulations, spec.opponent_search,
                                                    config.train.model.cache_dir, "--teacher-moves",
-                                                   game_env.opponent_moves if game_env else None))
+                                                   spec.opponent_moves))
     except sft_warmstart.ConfigError as exc:
         sys.exit(str(exc))
     result: dict = {}
@@ -272,17 +279,22 @@ def print_teacher_moves(moves: dict) -> None:
                       f"| {row['turns']} |")
 
 
-def expert_records(games: list[str], episodes: dict[str, int], opponent: str,
-                   simulations: int | dict[str, int] | None, workers: int, experts: dict[str, str],
-                   label: str = "expert", skip: int = 0, opponent_moves: str | None = None) -> list[dict]:
-    """The experts themselves on the same tasks and seeds, as evaluation records labelled `label`;
-    `opponent_moves`: the file of the opponent's moves the models' games recorded (EnvSpec.opponent_moves)."""
+def expert_records(games: list[str], episodes: dict[str, int], opponent: str, config, workers: int,
+                   experts: dict[str, str], label: str = "expert", skip: int = 0) -> list[dict]:
+    """The experts themselves on the same tasks and seeds, as evaluation records labelled `label`, against the
+    opponent the models' rows meet: `config`'s game env (its MCTS budgets, search and file of recorded moves)
+    and model.cache_dir (where the best response keeps its opponent model)."""
+    spec = game_env(config)
+    simulations = spec.mcts_simulations
+
     def budget(game: str) -> int | None:
         return simulations.get(game) if isinstance(simulations, dict) else simulations
 
+    sft_warmstart.warn_teachers_aimed_elsewhere(games, experts, opponent)
     jobs = [sft_warmstart.expert_job(game_name_of(t.task_id), t.task_id, t.seed, opponent,
                                      opponent_simulations=budget(game_name_of(t.task_id)), experts=experts,
-                                     opponent_moves=opponent_moves)
+                                     opponent_search=spec.opponent_search, cache_dir=config.train.model.cache_dir,
+                                     opponent_moves=spec.opponent_moves)
             for t in eval_tasks(games, episodes, opponent, skip)]
     played = sft_warmstart.generate(jobs, workers, None)
     return [{"model": label, "game": r["game"], "task_id": r["task_id"], "seed": r["seed"], "opponent": opponent,
@@ -464,7 +476,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the default) or also every earlier round's relabelled games (all; sft_warmstart "
                         "--dagger-aggregate)")
     parser.add_argument("--workers", type=int, default=2, help="processes playing expert episodes")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"))
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-learning"),
+                        help=f"cleared at start if this bench made it (its {OUTPUT_MARKER} file), made if new or "
+                        "empty; any other folder is refused")
     parser.add_argument("--set", action="append", default=[], help="extra train_ppo --set overrides")
     parser.add_argument("--teacher-moves", action="store_true",
                         help="also replay every evaluated game with its game's teacher (--experts) answering at each "
@@ -541,12 +555,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_overrides(args: argparse.Namespace, games: list[str]) -> list[str]:
     """The config overrides SFT, PPO and evaluation share, the user's `--set` items last so that they win."""
-    overrides = [*TRAIN_OVERRIDES, f"generation.max_new_tokens={args.max_new_tokens}"]
-    # one MCTS strength for SFT data, training and evaluation (default: the validators'); random opponents ignore it
-    if args.mcts_simulations is not None:
-        overrides.append(f"env.envs.openspiel.mcts_simulations={json.dumps(args.mcts_simulations)}")
+    overrides = [*TRAIN_OVERRIDES, f"generation.max_new_tokens={args.max_new_tokens}", *opponent_overrides(args)]
     overrides += [item for game in games for item in GAME_OVERRIDES.get(game, [])]
     return overrides + args.set
+
+
+def opponent_overrides(args: argparse.Namespace) -> list[str]:
+    """One MCTS strength for SFT data, training, evaluation and the teachers' rows (default: the validators');
+    random opponents ignore it."""
+    if args.mcts_simulations is None:
+        return []
+    return [f"env.envs.openspiel.mcts_simulations={json.dumps(args.mcts_simulations)}"]
+
+
+def game_env(config) -> EnvSpec:
+    """The run's game env: the opponent every row of the table meets (its MCTS budgets, search and recorded moves)."""
+    return next((s for s in config.env.envs.values() if s.kind == "openspiel"), EnvSpec(kind="openspiel"))
+
+
+def claim_output_dir(folder: Path) -> None:
+    """`folder` emptied for this run and marked as the bench's: one the bench made earlier (its OUTPUT_MARKER inside)
+    is cleared, a new or empty one is made; any other folder is refused, before anything runs or is touched."""
+    marker = folder / OUTPUT_MARKER
+    if marker.is_file():
+        shutil.rmtree(folder)
+    elif folder.exists() and not (folder.is_dir() and not any(folder.iterdir())):
+        sys.exit(f"--output-dir {folder} exists and was not made by this bench (no {OUTPUT_MARKER} file in it), which "
+                 "clears its output folder at start: give a new or empty folder, or delete this one yourself")
+    folder.mkdir(parents=True, exist_ok=True)
+    marker.write_text("bench/learning.py made this folder and clears it when a run names it as --output-dir\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -557,8 +594,7 @@ def main(argv: list[str] | None = None) -> None:
     games = args.games.split(",")
     opponents = args.opponents.split(",")
     overrides = run_overrides(args, games)
-    shutil.rmtree(args.output_dir, ignore_errors=True)  # this bench's own scratch folder
-    args.output_dir.mkdir(parents=True)
+    claim_output_dir(args.output_dir)
     timings: dict[str, float] = {}
     variants = eval_variants(games, args.eval_counts)
 
@@ -600,7 +636,6 @@ def main(argv: list[str] | None = None) -> None:
     # every model meets the same seeds: each records the opponent's moves that the next replays where games repeat
     moves_file = f"env.envs.openspiel.opponent_moves={json.dumps(str(args.output_dir / 'opponent-moves.sqlite'))}"
     config = load_config(presets=["cpu"], overrides=[moves_file, *overrides, "generation.temperature=0"])
-    opponent_moves = next(s.opponent_moves for s in config.env.envs.values() if s.kind == "openspiel")
     trained_label = "sft+ppo" if args.warm_start else "ppo"
     models = [m for m in (MODELS if args.warm_start else ("base", "ppo")) if m in args.model_rows]
     results, rows, ceilings, evaluated = {}, [], {}, []
@@ -625,13 +660,13 @@ def main(argv: list[str] | None = None) -> None:
         timings["eval_seconds"] += time.perf_counter() - started
         started = time.perf_counter()
         if args.warm_start and "expert" in models:
-            experts_played = expert_records(played, args.eval_counts, opponent, args.mcts_simulations, args.workers,
-                                            args.expert_choices, skip=args.eval_skip, opponent_moves=opponent_moves)
+            experts_played = expert_records(played, args.eval_counts, opponent, config, args.workers,
+                                            args.expert_choices, skip=args.eval_skip)
             append_records(episodes_path, experts_played)
             records += experts_played
         table_models = list(models)
         if opponent == "mcts":
-            ceiling = ceiling_records(played, args, records, opponent_moves)
+            ceiling = ceiling_records(played, args, records, config)
             append_records(episodes_path, ceiling)
             records += ceiling
             table_models += sorted({r["model"] for r in records if r["model"] == "ceiling"})
@@ -658,7 +693,8 @@ def main(argv: list[str] | None = None) -> None:
                       "ppo_presets": ["cpu", WARM_START_PRESET] if args.warm_start else ["cpu"],
                       "ppo_overrides": overrides, "extra_overrides": args.set,
                       "eval_episodes_per_game": args.eval_counts, "eval_skip": args.eval_skip,
-                      "mcts_simulations": args.mcts_simulations,
+                      "mcts_simulations": game_env(config).mcts_simulations,
+                      "opponent_search": game_env(config).opponent_search,
                       "experts": {g: expert_kind(g, args.expert_choices) for g in games if has_expert(g)},
                       "sft": sft_settings(args, sft_checkpoint),
                       "checkpoint": str(trained) if trained else None,
@@ -688,10 +724,9 @@ def sft_settings(args: argparse.Namespace, sft_checkpoint: Path | None) -> dict 
     return settings
 
 
-def ceiling_records(games: list[str], args: argparse.Namespace, records: list[dict],
-                    opponent_moves: str | None = None) -> list[dict]:
+def ceiling_records(games: list[str], args: argparse.Namespace, records: list[dict], config) -> list[dict]:
     """The best response's own games vs MCTS where one is known (leduc_poker): the teacher's records when
-    the teacher is that best response, else played on the same tasks."""
+    the teacher is that best response, else played on the same tasks against `config`'s opponent."""
     ceiling = []
     for game, kind in CEILING_EXPERTS.items():
         if game not in games:
@@ -699,8 +734,8 @@ def ceiling_records(games: list[str], args: argparse.Namespace, records: list[di
         if has_expert(game) and expert_kind(game, args.expert_choices) == kind:
             ceiling += [{**r, "model": "ceiling"} for r in records if r["model"] == "expert" and r["game"] == game]
         else:
-            ceiling += expert_records([game], args.eval_counts, "mcts", args.mcts_simulations, args.workers,
-                                      {game: kind}, label="ceiling", skip=args.eval_skip, opponent_moves=opponent_moves)
+            ceiling += expert_records([game], args.eval_counts, "mcts", config, args.workers, {game: kind},
+                                      label="ceiling", skip=args.eval_skip)
     return ceiling
 
 

@@ -6,9 +6,9 @@
 - `best_response` (leduc_poker): the best response to the validators' MCTS opponent itself
   (opponent_model.py): an equilibrium strategy guards against bluffs that an opponent who sees
   every card never needs, this one exploits how that opponent actually plays.
-- `mcts` (sequential games with an MCTS opponent in the env): the env's MCTS opponent in its fast
-  implementation (open_spiel's C++ search, random rollouts), on the true state like the opponent, at a
-  configurable number of simulations.
+- `mcts` (sequential games with an MCTS opponent in the env): the env's MCTS opponent in the implementation
+  the game table allows (open_spiel's C++ search where `GameSpec.fast_search`, else the exact one: gin_rummy),
+  random rollouts, on the true state like the opponent, at a configurable number of simulations.
 - `true_bids` (liars_dice): aimed at an opponent that sees every die, which answers a bid by raising
   to the highest bid that holds (nothing true is left above it) and calls Liar on a false one. So a
   raise wins only if it is itself the highest bid that holds: over the opponent hands under which
@@ -43,7 +43,7 @@ import pyspiel
 
 from ppo_affine import opponent_model
 from ppo_affine.envs.games import GAMES
-from ppo_affine.envs.openspiel_episode import mcts_bot
+from ppo_affine.envs.openspiel_episode import mcts_bot, search_used
 
 KINDS = ("cfr", "best_response", "mcts", "true_bids", "count_bids", "montecarlo", "prize", "simple_gin")
 # game -> the experts that play it, the default first; other games with an MCTS opponent: ("mcts",)
@@ -53,6 +53,9 @@ CHOICES = {
     "goofspiel": ("prize", "montecarlo"),
     "gin_rummy": ("simple_gin", "mcts"),
 }
+# teachers built to beat the validators' MCTS opponent (it sees every card and die): against another they play
+# their answer to a player who is not there
+AIMED_AT_MCTS = frozenset({"best_response", "true_bids", "count_bids"})
 GOOFSPIEL_EXPERTS = CHOICES["goofspiel"]
 DEFAULT_GOOFSPIEL_EXPERT = GOOFSPIEL_EXPERTS[0]
 OPPONENT_MODEL_SAMPLES = 32  # searches per state behind the best response (opponent_model.py)
@@ -125,8 +128,9 @@ class Expert:
             model = opponent_model.load_or_build(str(game), opponent_budget, OPPONENT_MODEL_SAMPLES, cache_dir)
             self.responses = model["best_response"][player]
         elif kind == "mcts":
-            n_rollouts = GAMES[game.get_type().short_name].mcts[1]
-            self.bot = mcts_bot(game, (budget, n_rollouts), seed + 1, seed, "fast")
+            spec = GAMES[game.get_type().short_name]
+            # the C++ search only where the game table allows it (gin_rummy's C++ rollouts crash the process)
+            self.bot = mcts_bot(game, (budget, spec.mcts[1]), seed + 1, seed, search_used(spec, "fast"))
         elif kind == "simple_gin":
             self.bot = pyspiel.make_simple_gin_rummy_bot(game.get_parameters(), player)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
@@ -61,7 +62,8 @@ def mcts_action_frequencies(game: pyspiel.Game, budget: tuple[int, int], samples
     """history string -> {action: share of `samples` searches that chose it}, for every decision state."""
     histories = decision_histories(game)
     chunks = [histories[i::jobs] for i in range(jobs)]
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    # spawn, not fork: an expert builds this table in a process that may hold a loaded model and its threads
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         parts = list(pool.map(_frequencies, [str(game)] * jobs, chunks, [budget] * jobs, [samples] * jobs,
                               [seed] * jobs))
     table: dict[str, dict[int, float]] = {}

@@ -107,6 +107,64 @@ def test_inputs_inside_the_output_dir_are_refused_before_the_bench_clears_it(tmp
     assert args.sft_dagger_data == tmp_path / "data.jsonl"
 
 
+def test_a_folder_the_bench_did_not_make_is_refused_before_anything_runs_and_keeps_its_files(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    (runs / "my-run").mkdir(parents=True)
+    (runs / "my-run" / "metrics.jsonl").write_text("{}\n")
+    monkeypatch.setattr(learning.sft_warmstart, "main", lambda argv: pytest.fail("the warm start ran"))
+    with pytest.raises(SystemExit, match=r"--output-dir .*runs exists and was not made by this bench"):
+        learning.main(["--output-dir", str(runs)])
+    assert sorted(p.relative_to(runs).as_posix() for p in runs.rglob("*")) == ["my-run", "my-run/metrics.jsonl"]
+
+
+def test_a_folder_the_bench_made_is_cleared_for_the_next_run_and_a_new_one_is_made(tmp_path):
+    out = tmp_path / "bench"
+    learning.claim_output_dir(out)  # a new folder
+    (out / "eval-mcts.jsonl").write_text("{}\n")  # an earlier run's files
+    learning.claim_output_dir(out)
+    assert [p.name for p in out.iterdir()] == [learning.OUTPUT_MARKER]
+    (tmp_path / "empty").mkdir()
+    learning.claim_output_dir(tmp_path / "empty")  # an empty folder loses nothing
+    assert (tmp_path / "empty" / learning.OUTPUT_MARKER).is_file()
+
+
+def test_every_row_meets_the_opponent_and_cache_folder_the_run_is_configured_with(tmp_path, monkeypatch, capsys):
+    """The models' rows (evaluate.py's env spec), the teachers' and the ceiling's jobs and the warm start all meet
+    the exact search at the budget --set names, and the best response keeps its opponent model in model.cache_dir."""
+    from ppo_affine.envs.tasks import game_name_of
+
+    seen = {"sft": [], "rows": [], "jobs": []}
+
+    def warm_start(argv):
+        seen["sft"] = argv
+        return 0
+
+    def play(config, *args, **kwargs):
+        seen["rows"].append(learning.game_env(config))
+        return []
+
+    def generate(jobs, workers, path):
+        seen["jobs"] += jobs
+        return [{"game": game_name_of(j.task_id), "task_id": j.task_id, "seed": j.seed, "llm_player_id": j.seed % 2,
+                 "score": 0.5, "messages": []} for j in jobs]
+
+    monkeypatch.setattr(learning.sft_warmstart, "main", warm_start)
+    monkeypatch.setattr(learning, "play", play)
+    monkeypatch.setattr(learning.sft_warmstart, "generate", generate)
+    out, cache = tmp_path / "bench", tmp_path / "cache"
+    learning.main(["--profile", "ci", "--games", "leduc_poker,liars_dice", "--steps", "0", "--models", "base,expert",
+                   "--output-dir", str(out), "--set", "env.envs.openspiel.opponent_search=exact",
+                   "--set", "env.envs.openspiel.mcts_simulations=7", "--set", f"model.cache_dir={cache}"])
+    capsys.readouterr()
+    assert "env.envs.openspiel.opponent_search=exact" in seen["sft"] and f"model.cache_dir={cache}" in seen["sft"]
+    assert [(row.opponent_search, row.mcts_simulations) for row in seen["rows"]] == [("exact", 7)]
+    # liars_dice's teacher, leduc_poker's (cfr) and the ceiling's best response, on the same two seeds each
+    assert sorted((j.game, j.kind) for j in seen["jobs"]) == [
+        ("leduc_poker", "best_response")] * 2 + [("leduc_poker", "cfr")] * 2 + [("liars_dice", "true_bids")] * 2
+    assert {(j.opponent_search, j.opponent_simulations, j.cache_dir, j.opponent_moves) for j in seen["jobs"]} == {
+        ("exact", 7, str(cache), str(out / "opponent-moves.sqlite"))}
+
+
 def test_eval_skip_plays_the_later_episodes_of_a_longer_evaluation_on_the_same_seeds():
     first = learning.eval_tasks(["goofspiel", "leduc_poker"], {"*": 4}, "mcts")
     longer = learning.eval_tasks(["goofspiel", "leduc_poker"], {"*": 10}, "mcts")
@@ -171,7 +229,7 @@ def test_the_ci_profile_runs_every_phase_and_row_on_the_four_validator_games(tin
     learning.main(["--profile", "ci", "--output-dir", str(tmp_path / "bench"), "--workers", "1", "--teacher-moves",
                    *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]])
     printed = capsys.readouterr().out
-    report = json.loads(printed[:printed.index("\n| game |")])
+    report = json.loads(printed[printed.index('{\n "model"'):printed.index("\n| game |")])
     games = ["leduc_poker", "liars_dice", "goofspiel", "gin_rummy"]
     for game in games:  # every model that played, replayed against its teacher
         moves = report["teacher_moves"]["mcts"][game]

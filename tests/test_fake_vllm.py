@@ -38,3 +38,21 @@ def test_an_unknown_model_name_is_a_404(server):
 def test_without_runtime_lora_updating_the_adapter_endpoints_do_not_exist(tiny_model_dir):
     server = TestClient(fake_vllm.build_app(str(tiny_model_dir), runtime_lora=False))
     assert server.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"}).status_code == 404
+
+
+@pytest.mark.parametrize("mode,scale", [("raw_logprobs", 1.0), ("processed_logprobs", 2.0)])
+def test_log_probs_are_the_models_or_the_tempered_ones_as_vllms_logprobs_mode_says(tiny_model_dir, mode, scale):
+    """At temperature 0.5 tempering doubles every gap between two log-probs; raw log-probs keep it."""
+    server = TestClient(fake_vllm.build_app(str(tiny_model_dir), served_name="tiny", logprobs_mode=mode))
+    prompt = [5, 6, 7, 8]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    reply = server.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.5,
+                                                 "logprobs": 3, "return_tokens_as_token_ids": True}).json()
+    [top] = reply["choices"][0]["logprobs"]["top_logprobs"]
+    best, *rest = [int(t) for t in logp.topk(3).indices]
+    assert {f"token_id:{best}", *(f"token_id:{t}" for t in rest)} <= set(top.keys())
+    for other in rest:
+        gap = top[f"token_id:{best}"] - top[f"token_id:{other}"]
+        assert gap == pytest.approx(scale * float(logp[best] - logp[other]), rel=1e-4)

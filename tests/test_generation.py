@@ -202,3 +202,35 @@ def test_an_answering_vllm_that_fails_a_request_is_an_error_not_a_wait(tiny_poli
     generator = vllm_generator(tiny_policy, broken, request_retries=0)
     with pytest.raises(VLLMError, match="failed after 1 attempts: HTTP 500"):
         asyncio.run(generator.generate([1, 2], order_key=0, seed=5))
+
+
+def served_check(app, tokenizer, temperature: float, sampler_logprobs: bool = True) -> None:
+    """VLLMGenerator.check_server against the fake vLLM app in this process."""
+    async def check():
+        generator = VLLMGenerator("http://fake/v1", "tiny", tokenizer, GenerationConfig(temperature=temperature),
+                                  16, {0})
+        generator.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+        try:
+            await generator.check_server(sampler_logprobs)
+        finally:
+            await generator.client.aclose()
+
+    asyncio.run(check())
+
+
+def test_training_at_a_temperature_refuses_a_server_returning_raw_logprobs_naming_the_flag(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from ppo_affine.generation import VLLMError
+    from ppo_affine.testing import fake_vllm
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    raw = fake_vllm.build_app(str(tiny_model_dir), served_name="tiny")  # vLLM's default
+    with pytest.raises(VLLMError, match=r"raw log-probs, not those .* generation.temperature=0.7.*restart it with "
+                                        r"--logprobs-mode processed_logprobs"):
+        served_check(raw, tokenizer, 0.7)
+    served_check(raw, tokenizer, 1.0)  # the same numbers at temperature 1
+    served_check(raw, tokenizer, 0.7, sampler_logprobs=False)  # an evaluation uses no log-probs
+    processed = fake_vllm.build_app(str(tiny_model_dir), served_name="tiny", logprobs_mode="processed_logprobs")
+    for temperature in (0.7, 1.3):
+        served_check(processed, tokenizer, temperature)

@@ -113,3 +113,50 @@ def test_evaluations_share_a_file_only_for_local_game_envs_that_name_none(tmp_pa
     remote = EnvSpec(kind="openspiel", mode="url", url="http://127.0.0.1:1")
     assert evaluate.shared_opponent_moves(remote, path).opponent_moves is None
     assert evaluate.shared_opponent_moves(EnvSpec(kind="trace"), path) == EnvSpec(kind="trace")
+
+
+def test_an_illegal_recorded_move_is_searched_again_with_one_warning(tmp_path, caplog):
+    import sqlite3
+
+    log = tmp_path / "moves.sqlite"
+    searched = play("leduc_poker", 3, "low", None)
+    play("leduc_poker", 3, "low", log)
+    for _ in range(2):
+        with sqlite3.connect(log) as connection:
+            connection.execute("UPDATE moves SET action = 7")  # leduc_poker's actions are 0, 1 and 2
+        with caplog.at_level("WARNING", logger="ppo_affine.envs.opponent_moves"):
+            replayed = play("leduc_poker", 3, "low", log)
+        assert replayed[:2] == searched[:2] and replayed[2] == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"opponent_moves: {log} recorded move 7 where it is not legal (a damaged file, or one written by other code); "
+        "the opponent searches there instead"]
+    assert play("leduc_poker", 3, "low", log)[2] >= 1  # the searched moves replaced the illegal ones
+
+
+def test_moves_recorded_by_another_search_or_open_spiel_version_are_never_replayed(tmp_path, monkeypatch):
+    import functools
+
+    import pyspiel
+
+    from ppo_affine.envs import openspiel_episode
+
+    log = tmp_path / "moves.sqlite"
+    assert play("leduc_poker", 3, "low", log)[2] == 0
+    assert play("leduc_poker", 3, "low", log, search="exact")[2] == 0  # the other implementation
+    with monkeypatch.context() as patched:
+        patched.setattr(pyspiel, "__version__", "0.0.1")
+        assert play("leduc_poker", 3, "low", log)[2] == 0
+    # a search whose settings or code changed is another search, with no format number to bump
+    identity = openspiel_episode.search_identity.__wrapped__
+    with monkeypatch.context() as patched:
+        patched.setattr(openspiel_episode, "search_identity", functools.lru_cache(identity))
+        patched.setattr(openspiel_episode, "UCT_C", 2.0)
+        assert play("leduc_poker", 3, "low", log)[2] == 0
+    assert play("leduc_poker", 3, "low", log)[2] >= 1  # the same search replays its own moves
+    before = identity("exact")
+
+    class ChangedRollouts(openspiel_episode.AffineRolloutEvaluator):
+        pass
+
+    monkeypatch.setattr(openspiel_episode, "AffineRolloutEvaluator", ChangedRollouts)
+    assert identity("exact") != before  # the code that runs the search is part of what keys its moves

@@ -28,6 +28,8 @@ the legal cards and plays the joint move as chosen. Seeds are reduced mod 2**32 
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
 import time
 from typing import Any
 
@@ -147,6 +149,15 @@ def search_used(spec: GameSpec, search: str) -> str:
     return search if spec.fast_search else "exact"
 
 
+@functools.lru_cache(maxsize=None)
+def search_identity(search: str) -> str:
+    """What fixes a seeded search's moves besides the game, seed, seat, budget and history: its implementation, its
+    settings and a digest of the code that seeds, builds and runs it. Recorded opponent moves are keyed by it, so
+    that a changed search never replays another's moves."""
+    code = "".join(inspect.getsource(part) for part in (_rng, mcts_bot, build_bots, AffineRolloutEvaluator))
+    return f"{search} uct_c={UCT_C} tree_mb={SEARCH_TREE_MB} code={hashlib.sha256(code.encode()).hexdigest()[:16]}"
+
+
 def build_bots(game: pyspiel.Game, spec: GameSpec, observation_format: str, player: int, seed: int,
                opponent: str, mcts_simulations: int | None, search: str = "fast") -> dict[int, pyspiel.Bot]:
     """A bot for every seat but the model's (docs/protocols.md, 'The opponents'); empty for 1-player games.
@@ -206,7 +217,7 @@ class Episode:
         self._move_key_fields = dict(
             game=self.game_name, params=decoded["game_params"], seed=seed, observation_format=observation_format,
             budget=search_budget(self.game, self.spec, opponent, mcts_simulations),
-            search=search_used(self.spec, opponent_search))
+            search=search_identity(search_used(self.spec, opponent_search)))
         self._skipped_searches: list[tuple[pyspiel.Bot, pyspiel.State]] = []
         self.opponent_moves_replayed = 0
         self.chance_rng = _rng(seed if evaluate else seed + 100)
@@ -314,7 +325,7 @@ class Episode:
         key = None
         if self.move_log is not None:
             key = move_key(seat=seat, history=self.state.history(), **self._move_key_fields)
-            recorded = self.move_log.get(key)
+            recorded = self.move_log.get(key, self.state.legal_actions(seat))
             if recorded is not None:
                 # the search this skips would have drawn from the bot's streams: run it before the next real one
                 self._skipped_searches.append((bot, self.state.clone()))

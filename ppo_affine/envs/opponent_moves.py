@@ -4,7 +4,11 @@ their games differ.
 The opponent is seeded per game (openspiel_episode.build_bots): its move at a state is fixed by the
 game, the seed, the seat, its budget and implementation, and the history that led there, since its
 random streams have been drawn by the searches of every earlier opponent move of that history. So a
-move found here for the same key is the move a search would make. A replayed move does not draw from
+move found here for the same key is the move a search would make. The key holds what produced the move:
+open_spiel's version and the search's identity (openspiel_episode.search_identity: implementation,
+settings and a digest of the code that builds and runs it), so a file written by another search, budget
+or version is never replayed; a recorded move that is not legal where it is replayed (a damaged or
+foreign file) is searched again, with one warning. A replayed move does not draw from
 the streams, though; the episode keeps the states it skipped and, at its first move not found here,
 runs those searches first (their moves discarded), so the search that follows starts from the draws
 it would have had. Games that repeat another model's to the end cost no search at all.
@@ -15,23 +19,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sqlite3
 import threading
+from collections.abc import Collection
 from typing import Any
 
 import pyspiel
 
-# Bump when anything that decides an opponent's move changes without showing in the key.
-FORMAT = 1
+log = logging.getLogger(__name__)
 _connections: dict[tuple[int, str], sqlite3.Connection] = {}
 _lock = threading.Lock()  # in-process episodes search on threads; they share the process's connection
+_warned_illegal: set[str] = set()  # files whose illegal recorded move this process has warned about
 
 
 def move_key(*, game: str, params: dict[str, Any], seed: int, observation_format: str, seat: int,
              budget: tuple[int, int], search: str, history: list[int]) -> str:
-    """Everything that fixes the seeded opponent's move at this point of one game."""
-    fields = [FORMAT, pyspiel.__version__, game, sorted(params.items()),
+    """Everything that fixes the seeded opponent's move at this point of one game; `search` is the search's
+    identity (openspiel_episode.search_identity), the open_spiel version is added here."""
+    fields = [pyspiel.__version__, game, sorted(params.items()),
               seed, observation_format, seat, list(budget), search, history]
     return hashlib.sha256(json.dumps(fields, default=str).encode()).hexdigest()
 
@@ -57,7 +64,7 @@ class OpponentMoves:
             raise ValueError(f"opponent_moves: cannot create {self.path}: {folder} is not writable")
 
     def _connection(self) -> sqlite3.Connection:
-        # one connection per process: a connection cannot cross the fork/spawn into a worker
+        # one connection per process, opened in it: a connection inherited through a fork is never used
         key = (os.getpid(), self.path)
         if key not in _connections:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -71,14 +78,25 @@ class OpponentMoves:
             _connections[key] = connection
         return _connections[key]
 
-    def get(self, key: str) -> int | None:
+    def get(self, key: str, legal: Collection[int] | None = None) -> int | None:
+        """The recorded move, or None: none recorded, or one that is not in `legal` (warned once per file)."""
         with _lock:
             row = self._connection().execute("SELECT action FROM moves WHERE key = ?", (key,)).fetchone()
-        return None if row is None else int(row[0])
+        if row is None:
+            return None
+        action = int(row[0])
+        if legal is not None and action not in legal:
+            if self.path not in _warned_illegal:
+                _warned_illegal.add(self.path)
+                log.warning("opponent_moves: %s recorded move %d where it is not legal (a damaged file, or one "
+                            "written by other code); the opponent searches there instead", self.path, action)
+            return None
+        return action
 
     def put(self, key: str, action: int) -> None:
+        # REPLACE: a searched move overwrites an illegal one recorded under its key
         with _lock:
-            self._connection().execute("INSERT OR IGNORE INTO moves (key, action) VALUES (?, ?)", (key, int(action)))
+            self._connection().execute("INSERT OR REPLACE INTO moves (key, action) VALUES (?, ?)", (key, int(action)))
 
     def __len__(self) -> int:
         with _lock:
