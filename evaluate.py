@@ -54,7 +54,7 @@ from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
 from ppo_affine.run_log import console, report_failure, rollout_progress, setup_logging
 from ppo_affine.config import Config, ConfigError, EnvSpec, derive_seed
-from utils import add_config_arguments, config_for_adapter
+from utils import add_config_arguments, config_for_adapter, program_parser
 
 log = logging.getLogger("evaluate")
 
@@ -291,7 +291,7 @@ def shared_opponent_moves(spec: EnvSpec, path: Path) -> EnvSpec:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = program_parser(__doc__)
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint", type=Path,
                        help="checkpoint folder (<run>/checkpoints/checkpoint-N) or adapter folder")

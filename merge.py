@@ -28,7 +28,7 @@ import torch
 from ppo_affine.model_files import load_adapter_model
 from ppo_affine.run_log import console, report_failure, setup_logging
 from ppo_affine.config import ConfigError
-from utils import add_config_arguments, config_for_adapter
+from utils import add_config_arguments, config_for_adapter, program_parser
 
 log = logging.getLogger("merge")
 
@@ -116,7 +116,7 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str) -> dict[str, floa
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = program_parser(__doc__)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", type=Path, help="checkpoint folder (<run>/checkpoints/checkpoint-N)")
     source.add_argument("--adapter", type=Path, help="a peft adapter folder (holds adapter_config.json)")

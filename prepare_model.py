@@ -7,8 +7,12 @@ Hub id or a local folder is served as it is. With `model.use_4bit` the trainer c
 NF4-dequantised weights, so those are written once to `model.cache_dir` and served instead: vLLM
 then samples from the policy the trainer scores. `--output DIR` copies the folder somewhere else.
 
+`--cache list` shows the model folders in `model.cache_dir` (size, what each was made from) and
+`--cache clear` removes them (each is made again when next needed).
+
 Run:  python prepare_model.py --preset cpu
       python prepare_model.py --preset cpu --output models/smollm2-135m
+      python prepare_model.py --cache list
 """
 from __future__ import annotations
 
@@ -18,17 +22,19 @@ import sys
 from pathlib import Path
 
 from ppo_affine.generation import vllm_serve_command
-from ppo_affine.model_files import write_served_folder
-from ppo_affine.model_files import pick_device
+from ppo_affine.model_files import DIGEST_INDEX, cached_folders, pick_device, write_served_folder
 from ppo_affine.run_log import report_failure, setup_logging
 from ppo_affine.config import ConfigError
-from utils import add_config_arguments, config_from_arguments
+from utils import add_config_arguments, config_from_arguments, program_parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = program_parser(__doc__)
     parser.add_argument("--output", type=Path, help="also copy the folder here (a new or empty folder)")
     parser.add_argument("--port", type=int, default=8000, help="port in the printed commands")
+    parser.add_argument("--cache", choices=["list", "clear"],
+                        help="list the converted and dequantised model folders in model.cache_dir, or remove them; "
+                        "writes nothing else")
     add_config_arguments(parser, set_example="model.cache_dir=/data/models")
     return parser.parse_args(argv)
 
@@ -39,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_arguments(args)
         model = config.train.model
+        if args.cache:
+            return manage_cache(Path(model.cache_dir).expanduser(), args.cache)
         folder = write_served_folder(model, pick_device(config.train.run.device))
         if args.output is not None:
             if args.output.exists() and any(args.output.iterdir()):
@@ -59,6 +67,21 @@ def main(argv: list[str] | None = None) -> int:
           f"--port {args.port}\n")
     print(f"then: python train_ppo.py {' '.join('--preset ' + p for p in args.preset)} --set generation.backend=vllm "
           f"--set env.vllm_url=http://127.0.0.1:{args.port}/v1")
+    return 0
+
+
+def manage_cache(cache_root: Path, action: str) -> int:
+    folders = cached_folders(cache_root)
+    for folder, size, made_from in folders:
+        print(f"{size / 1e6:9.1f} MB  {folder}  <- {made_from}")
+    total = sum(size for _, size, _ in folders)
+    if action == "clear":
+        for folder, _, _ in folders:
+            shutil.rmtree(folder)
+        (cache_root / DIGEST_INDEX).unlink(missing_ok=True)
+        print(f"removed {len(folders)} folders ({total / 1e6:.1f} MB) from {cache_root}")
+    else:
+        print(f"{len(folders)} folders, {total / 1e6:.1f} MB in {cache_root}")
     return 0
 
 

@@ -59,21 +59,24 @@ from ppo_affine.envs.tasks import Task
 from ppo_affine.distributed import (ONE_PROCESS, OutOfMemoryOnRanks, RankFailed, RankLost, Ranks, SilentLogger,
                                     check_world_size, rng_state_of)
 from ppo_affine.envs.factory import make_envs, playable_filter
-from ppo_affine.experience import (assign_advantages, build_sequences, correct_for_the_sampler, final_reward,
-                                   sampler_gap, score_sequences, turn_rewards)
+from ppo_affine.advantages import assign_advantages, final_reward, turn_rewards
+from ppo_affine.batching import build_sequences
+from ppo_affine.experience import correct_for_the_sampler, sampler_gap, score_sequences
 from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
 from ppo_affine.generation import LocalGenerator, VLLMError, VLLMServers, eos_token_ids
 from ppo_affine.model_files import check_4bit_support, pick_device
 from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, load_policy
 from ppo_affine.ppo import AdaptiveKLController, FixedKLController
-from ppo_affine.model_files import served_folder
+from ppo_affine.model_files import served_folder, write_served_folder
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
 from ppo_affine.run_log import (RunLogger, console, episode_summary, report_failure, rollout_progress,
                                 setup_logging)
-from ppo_affine.update import TooManySkips, TrainingSnapshot, UpdateState, build_optimizer, ppo_update, update_signal
+from ppo_affine.vllm_server import ManagedVLLMServer, VLLMServerError
+from ppo_affine.update import (TooManySkips, TrainingSnapshot, UpdateSettings, UpdateState, build_optimizer, ppo_update,
+                               update_signal)
 from ppo_affine.config import Config, ConfigError, TrainConfig, derive_seed
-from utils import add_config_arguments, config_for_adapter, config_for_checkpoint, config_from_arguments
+from utils import add_config_arguments, config_for_adapter, config_for_checkpoint, config_from_arguments, program_parser
 
 log = logging.getLogger("train_ppo")
 
@@ -145,6 +148,7 @@ class Trainer:
         self.micro_batch_tokens = cfg.ppo.micro_batch_tokens  # halved after a CUDA out-of-memory error
         self._warned_cut_off = False
         self.step = self.saved_step = 0
+        self.saved_path: Path | None = None  # the newest checkpoint this run wrote or resumed from
         self.totals = {"episodes": 0, "episodes_failed": 0, "generated_tokens": 0}
         self.checkpoint_dir = run_dir / "checkpoints"
         wandb_id = self._resume(resume_from) if resume_from else None
@@ -163,7 +167,7 @@ class Trainer:
         cfg = self.config.train
         self.ranks.broadcast_parameters(p for group in self.optimizer.param_groups for p in group["params"])
         if isinstance(self.generator, VLLMServers):
-            await self.ranks.all_succeed_async(self.generator.check_server())
+            await self.ranks.all_succeed_async(self.generator.check_server(sampler_logprobs=True))
             await self.push_adapter()
         while self.step < cfg.run.max_steps and not self.stopping():
             before = self.curriculum.state_dict(), dict(self.totals)
@@ -314,30 +318,28 @@ class Trainer:
         # this rank's share of the batch; sums over the whole batch go through self.ranks
         mine = self.ranks.share(len(episodes), cfg.ppo.group_size if group_ids is not None else 1)
         sequences = [sequence for sequence in build_sequences(episodes) if sequence.episode in mine]
-        ppo = cfg.ppo.model_copy(update={"micro_batch_tokens": self.micro_batch_tokens})
-        shuffle = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "minibatches", self.step))
+        settings = UpdateSettings(cfg.ppo, self.kl_ctl.value, self.temperature, self.micro_batch_tokens,
+                                  shuffle_seed=derive_seed(cfg.run.seed, "minibatches", self.step),
+                                  value_only=self.step < cfg.value_head.warmup_steps)
         with training_allocations():
             metrics = self.ranks.agree_on_memory(lambda: score_sequences(
                 self.policy, sequences, self.micro_batch_tokens, self.temperature,
                 with_values=cfg.ppo.advantage == "gae"))
             self.check_stop()
+            gap = sampler_gap(sequences, self.ranks.sum)
+            if gap is not None:
+                metrics["vllm/logprob_gap"] = gap
             if cfg.ppo.sampler_correction:
                 metrics.update(correct_for_the_sampler(sequences, cfg.ppo.sampler_correction_cap, self.ranks.sum))
             metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids,
                                              self.ranks.sum))
-            metrics.update(ppo_update(self.policy, self.optimizer, sequences, ppo, self.kl_ctl.value,
-                                      self.temperature, shuffle, self.update_state,
-                                      value_only=self.step < cfg.value_head.warmup_steps,
+            metrics.update(ppo_update(self.policy, self.optimizer, sequences, settings, self.update_state,
                                       task_ids=[episodes[i].task.task_id for i in mine], ranks=self.ranks,
                                       check_stop=self.check_stop))
             every = cfg.logging.signal_check_every
             if every and (self.step + 1) % every == 0:
-                metrics.update(update_signal(self.policy, sequences, self.micro_batch_tokens, self.temperature,
-                                             self.ranks))
+                metrics.update(update_signal(self.policy, sequences, settings, self.ranks))
         metrics["perf/update_seconds"] = time.perf_counter() - started
-        gap = sampler_gap(sequences, self.ranks.sum)
-        if gap is not None:
-            metrics["vllm/logprob_gap"] = gap
         self.kl_ctl.update(metrics["reward/kl_per_token"], len(episodes))
         return metrics
 
@@ -414,7 +416,7 @@ class Trainer:
         }
         path = self.ranks.from_main(lambda: save_checkpoint(self.checkpoint_dir, self.step, self.policy.save, state,
                                                             self.config.train.checkpointing.keep_last))
-        self.saved_step = self.step
+        self.saved_step, self.saved_path = self.step, path
         log.info("saved %s", path)
 
     def _resume(self, checkpoint: Path) -> str | None:
@@ -430,6 +432,7 @@ class Trainer:
         self.update_state = UpdateState(**state["update_state"])
         self.totals = state["totals"]
         self.step = self.saved_step = state["step"]
+        self.saved_path = checkpoint
         self._keep_a_halved_token_budget(state)
         rng = rng_state_of(self.ranks, state["rng"])
         if rng is not None:  # else: a rank the saving run did not have keeps the state its seed gave it
@@ -470,7 +473,7 @@ class Trainer:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = program_parser(__doc__)
     add_config_arguments(parser, set_example="ppo.learning_rate=2e-5")
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument("--resume", help="checkpoint folder, or 'latest'")
@@ -503,6 +506,14 @@ def check_can_train(cfg: TrainConfig, world_size: int) -> None:
                     "samples the tokens itself (every weight is 1)")
     if cfg.model.use_4bit:  # before anything is loaded or started
         check_4bit_support(pick_device(cfg.run.device))
+    owned = cfg.generation.vllm_server.python
+    if owned is not None:
+        if world_size > 1:
+            raise ConfigError("generation.vllm_server.python starts one vLLM server for one process; with several "
+                              "ranks start one server per GPU yourself and list them in env.vllm_url.")
+        if not os.access(Path(owned).expanduser(), os.X_OK):
+            raise ConfigError(f"generation.vllm_server.python={owned!r} is not an executable file: give the Python of "
+                              "vLLM's virtual environment (README: Training on a GPU with vLLM).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -511,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = [f"run.output_dir={args.output_dir}"] if args.output_dir else []
     if args.max_steps is not None:
         flags.append(f"run.max_steps={args.max_steps}")
-    trainer, ranks = None, ONE_PROCESS
+    trainer, ranks, server = None, ONE_PROCESS, None
     try:
         ranks = Ranks.from_environment()  # torchrun / accelerate launch: one process per rank
         if not ranks.is_main:  # rank 0 reports the run; the others only their own trouble
@@ -529,19 +540,30 @@ def main(argv: list[str] | None = None) -> int:
                               "or --output-dir DIR).")
         run_dir.mkdir(parents=True, exist_ok=True)
         ranks.start(ranks.local_device(pick_device(cfg.run.device)), cfg.run.rank_timeout_minutes)
+        if cfg.generation.vllm_server.python is not None:  # started first: it loads while the trainer does
+            server = ManagedVLLMServer.for_run(cfg, write_served_folder(cfg.model, pick_device(cfg.run.device)),
+                                               run_dir, cpu=pick_device(cfg.run.device).type == "cpu")
+            server.start()
+            config = config.model_copy(update={"env": config.env.model_copy(update={"vllm_url": server.url})})
         trainer = ranks.all_succeed(lambda: Trainer(config, run_dir, resume_from, args.init_adapter, ranks))
+        if server is not None:
+            server.wait_ready()
         asyncio.run(_train_and_close(trainer))
+        if ranks.is_main:
+            console.print("\n".join(trainer.logger.summary(trainer.saved_path)), highlight=False, soft_wrap=True)
         if trainer.stop.signal is not None:  # a scheduler that preempted the run sees it did not finish
             log.info("stopped by %s after step %d%s", signal.Signals(trainer.stop.signal).name, trainer.saved_step,
                      "; continue with --resume latest" if trainer.saved_step else " (nothing to save yet)")
             return 128 + trainer.stop.signal
     except ConfigError as exc:
         return report_failure("Configuration error", exc, 2, shown=ranks.is_main)
-    except (TooManySkips, VLLMError, StartupError, BatchFailed, RankFailed, CheckpointWriteError,
+    except (TooManySkips, VLLMError, VLLMServerError, StartupError, BatchFailed, RankFailed, CheckpointWriteError,
             OutOfMemory) as exc:
         # rank 0 hears of every other failure
         return report_failure("Stopped", exc, 1, shown=ranks.is_main or isinstance(exc, RankLost))
     finally:
+        if server is not None:
+            server.stop()
         if trainer is not None:  # only now: a launcher's SIGTERM during the clean-up must not cut the report short
             trainer.stop.restore()
         ranks.close()

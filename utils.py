@@ -12,8 +12,27 @@ from typing import Any
 from pydantic import ValidationError
 
 from ppo_affine.checkpoint import checkpoint_holding, saved_config
-from ppo_affine.config import Config, ConfigError, load_config, override_location, parse_override, read_preset
+from ppo_affine.config import (
+    PRESET_DIR, Config, ConfigError, load_config, override_location, parse_override, read_preset,
+)
 from ppo_affine.policy import adapter_folder
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """Each option's help followed by its default, where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS) \
+                and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def program_parser(docstring: str) -> argparse.ArgumentParser:
+    """Every program's parser: its docstring's first paragraph as the description, each option's default shown."""
+    description = " ".join(docstring.split("\n\n")[0].split())
+    return argparse.ArgumentParser(description=description, formatter_class=_DefaultsShown)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, set_example: str) -> None:
@@ -21,8 +40,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, set_example: str) -> N
     parser.add_argument("--config", help="train config JSON (default config/train_config.json)")
     parser.add_argument("--env-config", help="env config JSON (default config/env_config.json)")
     parser.add_argument("--curriculum-config", help="curriculum config JSON (default config/curriculum_config.json)")
+    presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.json")))
     parser.add_argument("--preset", action="append", default=[],
-                        help="preset name (config/presets/NAME.json) or a JSON file; repeatable")
+                        help=f"preset name (config/presets/NAME.json: {presets}) or a JSON file; repeatable, merged "
+                        "in order")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help=f"override one config field, e.g. --set {set_example} (repeatable)")
 

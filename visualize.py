@@ -22,6 +22,7 @@ matplotlib.use("Agg")  # files only: no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ppo_affine.run_log import console, report_failure  # noqa: E402
+from utils import program_parser  # noqa: E402
 
 STAGE_KEY = "curriculum/stage"
 
@@ -171,11 +172,15 @@ def plot_run(metrics_path: Path, output: Path) -> list[Path]:
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = program_parser(__doc__)
     parser.add_argument("--run-dir", type=Path, required=True, help="run folder holding metrics.jsonl")
     parser.add_argument("--output", type=Path, help="folder for the PNGs (default <run-dir>/plots)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     metrics_path = args.run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
         return report_failure("Error", f"{metrics_path} does not exist. Pass --run-dir the run folder a training "

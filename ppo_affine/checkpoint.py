@@ -298,9 +298,7 @@ def checkpoint_holding(path: Path) -> Path | None:
         if (candidate / MANIFEST).is_file():
             check_checkpoint(candidate)
             return candidate
-    if CHECKPOINT_RE.match(path.name):
-        check_checkpoint(path)  # a checkpoint-<step> folder without its manifest: an unfinished save
-    return None
+    return None  # saves are renamed into place whole, so a folder without a manifest was never one of ours
 
 
 def checkpoint_kind(checkpoint: Path) -> str | None:

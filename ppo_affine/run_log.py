@@ -1,11 +1,13 @@
-"""What a run tells the person watching it: a console line per step, a rollout progress bar,
-`metrics.jsonl` in the run folder, and Weights & Biases when configured."""
+"""What a run tells the person watching it: a line per step on standard output (failures alone go to standard
+error), a rollout progress bar, a closing summary, and in the run folder `metrics.jsonl` and `train.log` (every
+line the run printed, with its time), plus Weights & Biases when configured."""
 from __future__ import annotations
 
 import json
 import logging
 import math
 import os
+import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -19,14 +21,23 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ppo_affine.config import LoggingConfig
 
-console = Console(stderr=True)
+console = Console()  # what a run says goes to standard output: `python train_ppo.py > log` keeps it
+error_console = Console(stderr=True)  # the one line of a failure
 PLAIN_PROGRESS_SECONDS = 60.0
+LOG_FILE = "train.log"
+PLAIN_FORMAT = "%(asctime)s %(levelname)s %(message)s"
 
 
 def setup_logging(level: int = logging.INFO, prefix: str = "") -> None:
-    """Rich console logging; `prefix` marks the lines of one rank among several."""
-    logging.basicConfig(level=level, format=prefix + "%(message)s", datefmt="[%X]",
-                        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)], force=True)
+    """Console logging on standard output (rich in a terminal; plain lines with their time in a file or pipe, never
+    wrapped); `prefix` marks the lines of one rank among several."""
+    if console.is_terminal:
+        handler: logging.Handler = RichHandler(console=console, show_path=False, rich_tracebacks=False)
+        logging.basicConfig(level=level, format=prefix + "%(message)s", datefmt="[%X]", handlers=[handler], force=True)
+    else:
+        handler = logging.StreamHandler(sys.stdout)
+        logging.basicConfig(level=level, format=prefix + PLAIN_FORMAT, datefmt="%H:%M:%S", handlers=[handler],
+                            force=True)
     for noisy in ("httpx", "urllib3", "filelock", "transformers", "datasets", "affinetes"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     silence_known_library_warnings()
@@ -36,7 +47,7 @@ def report_failure(heading: str, problem: BaseException | str, exit_code: int, s
     """A program's failure as one red `heading:` line (the message escaped: a `[...]` in it is text, not
     markup); returns the exit code. `shown=False` (another rank than the one that reports) prints nothing."""
     if shown:
-        console.print(f"[red]{heading}:[/red] {escape(str(problem))}", highlight=False, soft_wrap=True)
+        error_console.print(f"[red]{heading}:[/red] {escape(str(problem))}", highlight=False, soft_wrap=True)
     return exit_code
 
 
@@ -57,8 +68,15 @@ class RunLogger:
     def __init__(self, run_dir: Path, cfg: LoggingConfig, config_dump: dict[str, Any], wandb_id: str | None = None,
                  resumed_step: int = 0):
         self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = run_dir / "metrics.jsonl"
         self._truncate_after(resumed_step)  # lines after the checkpoint we start from belong to no run now
+        self.last_step: int | None = None
+        self.last_metrics: dict[str, Any] = {}
+        # every log line of the run (a resumed run appends), whatever the console shows
+        self.log_file = logging.FileHandler(run_dir / LOG_FILE, encoding="utf-8")
+        self.log_file.setFormatter(logging.Formatter(PLAIN_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
+        logging.getLogger().addHandler(self.log_file)
         self.wandb_run = None
         self.wandb_id = wandb_id
         if cfg.wandb_project and cfg.wandb_mode != "disabled":
@@ -89,7 +107,10 @@ class RunLogger:
             handle.write(json.dumps(record, sort_keys=True) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
-        console.print(self.step_line(step, metrics), highlight=False, soft_wrap=True)
+        line = self.step_line(step, metrics)
+        console.print(line, highlight=False, soft_wrap=True)
+        self.log_file.emit(logging.makeLogRecord({"msg": line, "levelname": "STEP", "levelno": logging.INFO}))
+        self.last_step, self.last_metrics = step, record
 
     def log_sample(self, step: int, episode) -> None:
         """One played conversation, for reading what the model actually does."""
@@ -112,7 +133,26 @@ class RunLogger:
             f"stage {m.get('curriculum/stage', '-')} | tok/s {f('perf/tokens_per_s', '.1f')}"
         )
 
+    def summary(self, checkpoint: Path | None) -> list[str]:
+        """The closing lines of a run: where everything is, and the last step's headline numbers."""
+        m = self.last_metrics
+        lines = [f"run folder:  {self.run_dir}",
+                 f"checkpoint:  {checkpoint if checkpoint is not None else 'none saved'}",
+                 f"metrics:     {self.metrics_path} (plots: python visualize.py --run-dir {self.run_dir})",
+                 f"log:         {self.run_dir / LOG_FILE}"]
+        if self.last_step is not None:
+            def number(key: str) -> str:
+                value = m.get(key)
+                return "-" if value is None else f"{value:.3f}"
+
+            lines.append(f"last step:   {self.last_step}: score {number('env/score_mean')}, success "
+                         f"{number('env/success_rate')}, illegal {number('env/illegal_rate')}, kl/token "
+                         f"{number('reward/kl_per_token')}")
+        return lines
+
     def close(self) -> None:
+        logging.getLogger().removeHandler(self.log_file)
+        self.log_file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
 

@@ -46,6 +46,13 @@ def test_a_group_batch_must_hold_whole_groups():
         load_config(presets=["cpu"], overrides=["ppo.advantage=group", "ppo.batch_size=6"])
 
 
+def test_an_entropy_cap_without_an_entropy_bonus_names_both_fields():
+    with pytest.raises(ConfigError, match=r"'ppo': .*entropy_cap=0.3 caps the entropy bonus, but entropy_coef is 0"):
+        load_config(presets=["cpu"], overrides=["ppo.entropy_cap=0.3"])
+    capped = load_config(presets=["cpu"], overrides=["ppo.entropy_cap=0.3", "ppo.entropy_coef=0.02"])
+    assert capped.train.ppo.entropy_cap == 0.3
+
+
 @pytest.mark.parametrize("spec,expected", [
     ('{"kind": "openspiel", "mode": "url", "url": "http://127.0.0.1:8765", "replicas": 2}',
      r"replicas=2 is for mode 'docker'.*one URL per server"),

@@ -186,7 +186,7 @@ def test_base_only_equals_the_base_side_of_a_comparison(digit_model_dir, checkpo
     (["--base-only", "--task-ids", "1900000001"], "cannot load"),
     (["--base-only", "--task-ids", "3", "--episodes", "2"], "--episodes applies to --games"),
     (["--base-only", "--compare-base", "--games", "leduc_poker"], "needs --checkpoint"),
-    (["--checkpoint", "/nonexistent/ckpt", "--games", "leduc_poker"], "neither a checkpoint folder"),
+    (["--checkpoint", "/nonexistent/ckpt", "--games", "leduc_poker"], "/nonexistent/ckpt does not exist"),
 ])
 def test_bad_options_exit_2_with_one_clear_message(tiny_model_dir, args, message, capsys):
     assert evaluate.main(tiny_args(tiny_model_dir, *args)) == 2

@@ -1,5 +1,6 @@
 """model_files.py: a GGUF model is converted once to a Hugging Face folder that every later load reads."""
 import importlib.util
+import json
 import os
 
 import pytest
@@ -41,7 +42,29 @@ def test_an_interrupted_conversion_is_redone(tmp_path, monkeypatch):
     monkeypatch.setattr(model_files, "_convert", crash)
     with pytest.raises(KeyboardInterrupt):
         converted_folder(gguf, tmp_path / "cache")
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [model_files.DIGEST_INDEX]  # no folder left
+
+
+def test_the_cache_is_keyed_by_the_files_content_not_its_path(tmp_path, monkeypatch):
+    """A second virtual environment installs the same GGUF elsewhere: it reuses the folder, and listing and
+    clearing the cache see every folder."""
+    conversions = []
+
+    def convert(gguf, folder, trust_remote_code):
+        conversions.append(gguf)
+        folder.mkdir()
+        (folder / model_files.SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf)}))
+
+    monkeypatch.setattr(model_files, "_convert", convert)
+    first, second = tmp_path / "venv-a" / "m.gguf", tmp_path / "venv-b" / "m.gguf"
+    for gguf in (first, second):
+        gguf.parent.mkdir()
+        gguf.write_bytes(b"the same weights")
+    cache = tmp_path / "cache"
+    assert converted_folder(first, cache) == converted_folder(second, cache) and conversions == [first]
+    listed = model_files.cached_folders(cache)
+    assert [(folder.name, made_from) for folder, _, made_from in listed] == [
+        (converted_folder(first, cache).name, str(first))]
 
 
 def test_a_model_without_gguf_loads_from_its_own_name(tmp_path):
@@ -59,7 +82,7 @@ def test_smollm2_gguf_converts_to_a_folder_with_the_same_weights(tmp_path):
                             use_4bit=False, dtype="float32", gradient_checkpointing=False, cache_dir=str(tmp_path))
     gguf = model_files.gguf_location(model_cfg)
     policy = load_policy(model_cfg, LoraConfig(r=4, alpha=8), torch.device("cpu"))
-    [folder] = list(tmp_path.iterdir())
+    [folder] = [p for p in tmp_path.iterdir() if p.is_dir()]
     assert {"config.json", "model.safetensors", "tokenizer.json", SOURCE_FILE} <= {p.name for p in folder.iterdir()}
     assert type(policy.model.get_base_model()).__name__ == "LlamaForCausalLM"
     assert policy.tokenizer.chat_template and policy.tokenizer.eos_token == "<|im_end|>"

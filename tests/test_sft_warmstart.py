@@ -13,7 +13,7 @@ import torch
 import sft_warmstart
 import train_ppo
 from ppo_affine.config import ConfigError, derive_seed
-from ppo_affine.experience import build_sequences
+from ppo_affine.batching import build_sequences
 from ppo_affine.policy import adapter_weights_digest
 from ppo_affine.envs.openspiel_text import strip_think
 from ppo_affine.experts import Expert, ExpertUnavailable, expert_kind
@@ -531,3 +531,52 @@ def test_dagger_rounds_train_each_new_adapter_on_its_own_games_relabelled(tiny_m
     assert sft_warmstart.main(["--episodes", "0", "--init-adapter", rounds[1]["checkpoint"], "--dagger-rounds", "1",
                                "--output-dir", str(tmp_path / "no-server"), *common, "--set", "generation.backend=vllm",
                                "--set", "env.vllm_url=http://127.0.0.1:9/v1"]) == 2
+
+
+def test_worker_pools_spawn_fresh_processes_never_forks_of_a_process_holding_a_model(monkeypatch):
+    import concurrent.futures
+
+    from ppo_affine import opponent_model
+
+    started = []
+
+    class RecordingPool(concurrent.futures.ProcessPoolExecutor):
+        def __init__(self, *args, mp_context=None, **kwargs):
+            started.append(mp_context and mp_context.get_start_method())
+            super().__init__(*args, mp_context=mp_context, **kwargs)
+
+    monkeypatch.setattr(sft_warmstart, "ProcessPoolExecutor", RecordingPool)
+    monkeypatch.setattr(opponent_model, "ProcessPoolExecutor", RecordingPool)
+    assert sft_warmstart.run_jobs(abs, [-1, 2], 1, "numbers") == [1, 2]  # the expert games' and replays' pool
+    frequencies = opponent_model.mcts_action_frequencies(pyspiel.load_game("kuhn_poker"), (2, 1), samples=1)
+    assert len(frequencies) == 24 and started == ["spawn", "spawn"]
+
+
+def test_the_mcts_expert_searches_as_the_game_table_allows():
+    from open_spiel.python.algorithms import mcts
+
+    gin_rummy = pyspiel.load_game("gin_rummy")  # open_spiel's C++ rollouts crash on some of its states
+    assert isinstance(Expert("mcts", gin_rummy, 0, seed=0, budget=5, cfr_iterations=0).bot, mcts.MCTSBot)
+    liars_dice = pyspiel.load_game("liars_dice")
+    assert isinstance(Expert("mcts", liars_dice, 0, seed=0, budget=5, cfr_iterations=0).bot, pyspiel.MCTSBot)
+
+
+@pytest.mark.slow
+def test_the_mcts_expert_plays_a_whole_gin_rummy_game():
+    [job] = jobs("gin_rummy", 1, budget=2, experts={"gin_rummy": "mcts"})
+    record = play_expert_episode(job)
+    assert record["expert"] == "mcts" and 0.0 <= record["score"] <= 1.0
+
+
+def test_a_teacher_aimed_at_the_mcts_warns_once_when_it_meets_another_opponent(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(sft_warmstart, "setup_logging", lambda: None)  # caplog keeps its handler
+    monkeypatch.setattr(sft_warmstart, "generate", lambda jobs, workers, path: [])
+    with caplog.at_level("WARNING", logger="sft_warmstart"):
+        assert sft_warmstart.main(["--games", "leduc_poker,liars_dice,goofspiel", "--episodes", "1",
+                                   "--expert", "leduc_poker=best_response,liars_dice=true_bids",
+                                   "--output-dir", str(tmp_path)]) == 0
+        sft_warmstart.warn_teachers_aimed_elsewhere(["leduc_poker"], {"leduc_poker": "best_response"}, "mcts")
+        sft_warmstart.warn_teachers_aimed_elsewhere(["leduc_poker", "goofspiel"], {}, "random")  # cfr, prize
+    assert [r.getMessage() for r in caplog.records] == [
+        "leduc_poker=best_response, liars_dice=true_bids: teachers aimed at the MCTS opponent meet the random one "
+        "here, so their moves answer a player that is not there (the mcts opponent, or another teacher, fits)"]

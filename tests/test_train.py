@@ -21,6 +21,8 @@ from ppo_affine.checkpoint import find_resumable, verify
 from ppo_affine.testing import fake_vllm as fake_vllm_server
 
 ROOT = Path(__file__).resolve().parent.parent
+# a script outside the checkout imports the programs at its root the way they run: from the checkout
+ROOT_ON_PATH = {**os.environ, "PYTHONPATH": str(ROOT)}
 # CI has no GPU; on a CUDA machine `PPO_AFFINE_TEST_DEVICE=cuda pytest tests/test_quantized.py tests/test_train.py`
 # runs the tiny model's training runs and the QLoRA tests on the GPU, with bitsandbytes' CUDA kernels.
 TEST_DEVICE = os.environ.get("PPO_AFFINE_TEST_DEVICE", "cpu")
@@ -133,7 +135,7 @@ def test_sigkill_during_checkpoint_write_leaves_previous_checkpoint_resumable(ti
     script.write_text(KILL_SCRIPT.format(marker=str(marker)))
     args = tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3", "--set", "checkpointing.save_every=1")
     process = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
+                               stderr=subprocess.PIPE, env=ROOT_ON_PATH)
     deadline = time.time() + 300
     while not marker.exists():
         assert process.poll() is None, process.stderr.read().decode()[-2000:]
@@ -402,11 +404,11 @@ def start_and_wait_for_the_update(tmp_path, args, checks: bool) -> subprocess.Po
     script = tmp_path / "signal_in_update.py"
     script.write_text(SIGNAL_IN_UPDATE_SCRIPT.format(marker=str(marker),
                                                      checks=checks))
-    process = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=ROOT_ON_PATH)  # one stream: the run's lines
     deadline = time.time() + 300
     while not marker.exists():
-        assert process.poll() is None, process.stderr.read()[-2000:]
+        assert process.poll() is None, process.stdout.read()[-2000:]
         assert time.time() < deadline, "the run never reached the update of its second step"
         time.sleep(0.2)
     return process
@@ -426,8 +428,8 @@ def test_sigterm_during_the_update_saves_the_last_finished_step_and_resumes_as_i
     process = start_and_wait_for_the_update(stopped, args, checks=True)
     signalled = time.time()
     process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, output[-2000:]
     assert time.time() - signalled < 30
     # the half-done update of step 2 was undone: checkpoint-1 holds exactly the weights step 1 left
     assert find_resumable(stopped / "t" / "checkpoints").name == "checkpoint-1"
@@ -453,9 +455,9 @@ def test_a_second_signal_exits_at_once_leaving_the_last_checkpoint_resumable(tin
     assert process.poll() is None  # the first signal only asks the loop to stop at its next check
     signalled = time.time()
     process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 128 + signal.SIGTERM and time.time() - signalled < 5, stderr[-2000:]
-    assert "send again to exit at once" in " ".join(stderr.split())  # rich wraps the line
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM and time.time() - signalled < 5, output[-2000:]
+    assert "send again to exit at once" in " ".join(output.split())  # rich wraps the line
     assert find_resumable(tmp_path / "t" / "checkpoints").name == "checkpoint-1"
     assert train_ppo.main(args + ["--resume", "latest"]) == 0
     assert [r["step"] for r in metrics(tmp_path / "t")] == [1, 2]
@@ -599,10 +601,35 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_good_one_outlives_it(t
         handle.truncate(1000)
     capfd.readouterr()
     assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3", "--resume", "latest")) == 0
-    printed = " ".join(capfd.readouterr().err.split())  # the console wraps long lines
+    printed = " ".join(capfd.readouterr().out.split())  # the console wraps long lines
     assert "trainer_state.pt is 1,000 bytes where its manifest says" in printed
     assert "set aside as corrupt-checkpoint-2" in printed
     kept = sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir())
     assert kept == ["checkpoint-2", "checkpoint-3", "corrupt-checkpoint-2"]  # steps 2 and 3 trained again from 1
     assert verify(run / "checkpoints" / "checkpoint-2") and verify(run / "checkpoints" / "checkpoint-3")
     assert [r["step"] for r in metrics(run)][-2:] == [2, 3]
+
+
+@pytest.mark.slow
+def test_an_owned_vllm_server_is_started_used_restarted_after_a_crash_and_stopped(tiny_model_dir, tmp_path):
+    """generation.vllm_server.python: the trainer starts the server itself (here the stand-in, which takes vLLM's
+    flags), serves from it, starts it again when it dies mid-rollout, and stops it at the end."""
+    import httpx
+
+    port = _free_port()
+    marker = tmp_path / "crashed-once"
+    extra = json.dumps(["--exit-after-completions", "3", "--exit-once-marker", str(marker)])
+    code = train_ppo.main(tiny_args(
+        tiny_model_dir, tmp_path, "--max-steps", "2", "--set", "generation.backend=vllm",
+        "--set", f"generation.vllm_server.python={sys.executable}",
+        "--set", "generation.vllm_server.module=ppo_affine.testing.fake_vllm",
+        "--set", f"generation.vllm_server.port={port}", "--set", f"generation.vllm_server.extra_args={extra}",
+        "--set", "generation.request_retries=1"))
+    assert code == 0 and marker.exists()
+    log = (tmp_path / "t" / "vllm.log").read_text()
+    assert log.count("==> ") == 2  # started, crashed on its 3rd completion, started again
+    assert "--enable-lora" in log and f"--port {port}" in log
+    records = metrics(tmp_path / "t")
+    assert [r["env/episodes_failed"] for r in records] == [0, 0] and records[0]["env/episodes_replayed"] >= 1
+    with pytest.raises(httpx.HTTPError):  # stopped with the run
+        httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2.0)

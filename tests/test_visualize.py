@@ -42,7 +42,7 @@ def test_every_panel_group_with_data_becomes_one_nonempty_png(run_dir, capsys):
     for name in plots:
         content = (run_dir / "plots" / name).read_bytes()
         assert content.startswith(b"\x89PNG") and len(content) > 5000
-    assert "skipped throughput.png" in capsys.readouterr().err
+    assert "skipped throughput.png" in capsys.readouterr().out
 
 
 def test_game_family_lines_are_labelled_by_game(run_dir):

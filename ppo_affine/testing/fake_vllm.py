@@ -8,10 +8,16 @@ is on, like vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING); what an env's evalua
 (not vLLM's), which counts the completions served and lists every adapter name ever loaded, in order.
 `--max-new-tokens N` caps every reply, like vLLM's `--override-generation-config '{"max_new_tokens": N}'`.
 `--exit-after-completions N` makes the process die on receiving its Nth completion request, unanswered
-(a crashed or preempted server).
+(a crashed or preempted server). `--logprobs-mode` is vLLM's: `raw_logprobs` (its default) returns the model's
+log-probs whatever the temperature, `processed_logprobs` those of the tempered distribution it samples; `logprobs: N`
+returns the top N of them at each position beside the sampled token's (`top_logprobs`).
+
+`--exit-once-marker FILE` makes that crash happen once (a server that is then started again serves). It also
+accepts vLLM's own server flags (--host, --enable-lora, --max-loras, ...), so it can stand in for an owned server.
 
 Run: python -m ppo_affine.testing.fake_vllm --model DIR --port P [--no-runtime-lora] [--ignore-adapters]
         [--served-model-name NAME] [--max-model-len N] [--max-new-tokens N] [--exit-after-completions N]
+        [--logprobs-mode raw_logprobs|processed_logprobs]
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool = False, served_name: str | None = None,
               max_model_len: int = 32768, max_new_tokens: int | None = None,
-              exit_after_completions: int | None = None) -> FastAPI:
+              exit_after_completions: int | None = None, logprobs_mode: str = "raw_logprobs") -> FastAPI:
     from peft import PeftModel
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -106,16 +112,26 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
         with lock:
             stop_ids = {tokenizer.eos_token_id, *body.get("stop_token_ids", [])}
             tokens, logprobs, finish = _sample(model, adapter, prompt, int(body.get("max_tokens", 16)), temperature,
-                                               stop_ids, generator, ignore_adapters)
+                                               stop_ids, generator, ignore_adapters, logprobs_mode)
             stats["completions"] += 1
         as_ids = bool(body.get("return_tokens_as_token_ids"))
-        shown = [f"token_id:{t}" if as_ids else tokenizer.decode([t]) for t in tokens]
+
+        def shown(token: int) -> str:
+            return f"token_id:{token}" if as_ids else tokenizer.decode([token])
+
+        def top(token: int, logp: torch.Tensor, n: int) -> dict[str, float]:
+            """The n highest log-probs of a position and the sampled token's, as vLLM lists them."""
+            return {shown(t): float(logp[t]) for t in {*logp.topk(n).indices.tolist(), token}}
+
+        top_n = body.get("logprobs")
         choice = {
             "index": 0,
             "text": tokenizer.decode(tokens, skip_special_tokens=True),
             "finish_reason": finish,
-            "logprobs": {"tokens": shown, "token_logprobs": logprobs,
-                         "top_logprobs": None, "text_offset": None} if body.get("logprobs") is not None else None,
+            "logprobs": {"tokens": [shown(t) for t in tokens],
+                         "token_logprobs": [float(logp[t]) for t, logp in zip(tokens, logprobs)],
+                         "top_logprobs": [top(t, logp, top_n) for t, logp in zip(tokens, logprobs)],
+                         "text_offset": None} if top_n is not None else None,
         }
         return {"id": "cmpl-test", "object": "text_completion", "model": body["model"], "choices": [choice],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens)}}
@@ -132,7 +148,7 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
         generator = torch.Generator().manual_seed(int(body.get("seed") or 0))
         with lock:
             tokens, _, finish = _sample(model, adapter, prompt, min(v for v in limits if v is not None), temperature,
-                                        {tokenizer.eos_token_id}, generator, ignore_adapters)
+                                        {tokenizer.eos_token_id}, generator, ignore_adapters, logprobs_mode)
         content = tokenizer.decode([t for t in tokens if t != tokenizer.eos_token_id], skip_special_tokens=True)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
                  "total_tokens": len(prompt) + len(tokens)}
@@ -155,7 +171,9 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
 
 
 @torch.no_grad()
-def _sample(model, adapter, prompt, max_tokens, temperature, stop_ids, generator, ignore_adapters):
+def _sample(model, adapter, prompt, max_tokens, temperature, stop_ids, generator, ignore_adapters, logprobs_mode):
+    """The sampled tokens, each position's log-probs over the vocabulary ([V] each; raw or of the tempered
+    distribution, as `logprobs_mode` says) and the finish reason."""
     from peft import PeftModel
 
     is_peft = isinstance(model, PeftModel)
@@ -174,7 +192,7 @@ def _sample(model, adapter, prompt, max_tokens, temperature, stop_ids, generator
             else:
                 token = int(logp.argmax())
             tokens.append(token)
-            logprobs.append(float(logp[token]))
+            logprobs.append(logp if logprobs_mode == "processed_logprobs" else torch.log_softmax(logits, dim=-1))
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
             if token in stop_ids:  # like vLLM, the stop token is part of the returned tokens
                 finish = "stop"
@@ -231,7 +249,24 @@ if __name__ == "__main__":
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--max-new-tokens", type=int, help="cap on every reply (vLLM: --override-generation-config)")
     parser.add_argument("--exit-after-completions", type=int, help="die on receiving the Nth completion request")
+    parser.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"], default="raw_logprobs",
+                        help="vLLM's: the model's log-probs, or those of the tempered distribution it samples")
+    parser.add_argument("--exit-once-marker", help="with --exit-after-completions: die only if this file does not "
+                        "exist yet, and create it (a server that crashes once, then serves when started again)")
+    # vLLM's own flags, as an owned server (ppo_affine/vllm_server.py) passes them: accepted, and only --host used
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-loras", type=int)
+    parser.add_argument("--max-lora-rank", type=int)
+    parser.add_argument("--dtype")
+    parser.add_argument("--gpu-memory-utilization", type=float)
     args = parser.parse_args()
+    exit_after = args.exit_after_completions
+    if args.exit_once_marker:
+        if os.path.exists(args.exit_once_marker):
+            exit_after = None
+        else:
+            open(args.exit_once_marker, "w").close()
     uvicorn.run(build_app(args.model, not args.no_runtime_lora, args.ignore_adapters, args.served_model_name,
-                          args.max_model_len, args.max_new_tokens, args.exit_after_completions), host="127.0.0.1",
-                port=args.port, log_level="warning")
+                          args.max_model_len, args.max_new_tokens, exit_after, args.logprobs_mode),
+                host=args.host, port=args.port, log_level="warning")
