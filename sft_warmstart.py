@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ppo_affine.run_log import console, report_failure, rollout_progress, setup_logging
-from ppo_affine.config import ConfigError, EnvSpec, derive_seed
+from ppo_affine.config import DEFAULT_CACHE_DIR, ConfigError, EnvSpec, derive_seed
 from utils import add_config_arguments, config_from_arguments, program_parser
 
 log = logging.getLogger("sft_warmstart")
@@ -70,7 +70,7 @@ class ExpertJob:
     with_reason: bool
     opponent_simulations: int | None = None
     opponent_search: str = "fast"  # the MCTS opponent's implementation (openspiel_episode.SEARCHES)
-    cache_dir: str = "~/.cache/ppo-affine"  # where the best-response expert keeps its opponent model
+    cache_dir: str = DEFAULT_CACHE_DIR  # where the best-response expert keeps its opponent model
     explore: float = 0.0  # chance that a turn plays a uniformly random legal move (not trained on)
     max_replies: int | None = None  # the record ends after this many expert replies (None: the whole game)
     opponent_moves: str | None = None  # a file of recorded opponent moves to replay (EnvSpec.opponent_moves)
@@ -84,7 +84,7 @@ DEFAULT_BUDGET = {"mcts": 300, "montecarlo": 20, "cfr": 0, "best_response": 0, "
 def expert_job(game: str, task_id: int, seed: int, opponent: str, budget: int | None = None,
                cfr_iterations: int = 300, with_reason: bool = False,
                opponent_simulations: int | None = None, *, experts: dict[str, str] | None = None,
-               opponent_search: str = "fast", cache_dir: str = "~/.cache/ppo-affine",
+               opponent_search: str = "fast", cache_dir: str = DEFAULT_CACHE_DIR,
                explore: float = 0.0, max_replies: int | None = None, opponent_moves: str | None = None) -> ExpertJob:
     """`experts`: game -> expert kind for the games that do not play their default expert."""
     from ppo_affine.experts import expert_kind
@@ -118,7 +118,7 @@ def plan_jobs(games: list[str], episodes: int | dict[str, int], seed: int, oppon
               cfr_iterations: int, reason_games: Collection[str],
               opponent_simulations: int | dict[str, int] | None = None, *,
               experts: dict[str, str] | None = None, opponent_search: str = "fast",
-              cache_dir: str = "~/.cache/ppo-affine", explore: float = 0.0,
+              cache_dir: str = DEFAULT_CACHE_DIR, explore: float = 0.0,
               openings: int | dict[str, int] = 0) -> list[ExpertJob]:
     """`episodes` jobs per game (one number, or {game: number} with "*" for the others) over the config ids;
     consecutive seeds alternate the model's seat. `reason_games`: the games whose replies carry a reason;

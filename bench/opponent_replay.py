@@ -3,7 +3,7 @@ a file of recorded opponent moves (EnvSpec.opponent_moves): each run's wall seco
 took in, whether the two ways played the same games, and the teacher's replay of the last model's games
 (`--teacher-moves`, DAgger) with and without the file. Prints one JSON document and a table.
 
-    python bench/opponent_replay.py --games leduc_poker --episodes 64 --search exact --checkpoints \\
+    python -m bench.opponent_replay --games leduc_poker --episodes 64 --search exact --checkpoints \\
         runs/dagger-cli/out/dagger-2/checkpoints/checkpoint-83 runs/dagger-cli/ppo/ppo/checkpoints/checkpoint-20
 
 Every evaluation is `python evaluate.py --preset cpu` in a process of its own, as a user runs it, the
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import sft_warmstart
+from ppo_affine.config import DEFAULT_CACHE_DIR
 from ppo_affine.envs.opponent_moves import OpponentMoves
 from ppo_affine.experts import expert_kind
 
@@ -53,7 +54,7 @@ def relabel_seconds(games: list[dict], args: argparse.Namespace, moves_file: Pat
     relabel_args = sft_warmstart.replay_options(None, args.workers)
     sources = [{**g, "source": f"task {g['task_id']} seed {g['seed']}"} for g in games]
     started = time.perf_counter()
-    records = sft_warmstart.relabel(sources, relabel_args, None, args.search, "~/.cache/ppo-affine", None,
+    records = sft_warmstart.relabel(sources, relabel_args, None, args.search, DEFAULT_CACHE_DIR, None,
                                     "--teacher-moves", moves_file and str(moves_file))
     return time.perf_counter() - started, records
 

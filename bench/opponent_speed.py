@@ -4,9 +4,9 @@ then `fast` searches of concurrent episodes through the env: the same games one 
 on threads in this process and on worker processes.
 Prints one JSON document (progress on stderr).
 
-    python bench/opponent_speed.py                                # leduc_poker, liars_dice, gin_rummy
-    python bench/opponent_speed.py --games all --scale 0.1        # every MCTS game at a tenth of its budget
-    python bench/opponent_speed.py --positions 2 --episodes 8 --workers 8
+    python -m bench.opponent_speed                                # leduc_poker, liars_dice, gin_rummy
+    python -m bench.opponent_speed --games all --scale 0.1        # every MCTS game at a tenth of its budget
+    python -m bench.opponent_speed --positions 2 --episodes 8 --workers 8
 
 Positions are reached by uniformly random play from seeded deals (a few moves in, someone other than
 chance to move), so both searches face exactly the same states; `--scale` multiplies the simulations

@@ -7,8 +7,8 @@ the process's own maximum resident set (what `/usr/bin/time -v` reports), step t
 metrics.jsonl, and the score is `evaluate.py` on the trained checkpoint (and, `--compare-base`, on the base
 model) with the same seeds in both precisions.
 
-    python bench/quantized_speed.py                      # 3 pairs of training runs, 24 evaluation episodes
-    python bench/quantized_speed.py --repeats 2 --episodes 12 --opponent mcts
+    python -m bench.quantized_speed                      # 3 pairs of training runs, 24 evaluation episodes
+    python -m bench.quantized_speed --repeats 2 --episodes 12 --opponent mcts
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 All three use the same model on the same machine in one run, and the same prompts: the ones the
 rollout engine actually built while playing. Prints JSON.
 
-    python bench/rollout_speed.py                    # SmolLM2-135M (cpu preset), 8 episodes of leduc_poker
-    python bench/rollout_speed.py --episodes 16 --game goofspiel --max-new-tokens 8
+    python -m bench.rollout_speed                    # SmolLM2-135M (cpu preset), 8 episodes of leduc_poker
+    python -m bench.rollout_speed --episodes 16 --game goofspiel --max-new-tokens 8
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ runs against plain batched `generate`, how long the step takes and how much memo
 Each setting runs in its own process (so peak memory is that setting's) through the trainer's own
 phases (sample -> rollout -> score/advantages/update), on the configured device.
 
-    python bench/step_speed.py                       # cpu preset, SmolLM2-135M, 3 settings, a table
-    python bench/step_speed.py --json --episodes 8 --set run.device=cuda
+    python -m bench.step_speed                       # cpu preset, SmolLM2-135M, 3 settings, a table
+    python -m bench.step_speed --json --episodes 8 --set run.device=cuda
 
 Columns: tokens_processed = tokens through the model in one scoring pass over the step's batch
 (padding included, a shared prefix counted once); unique_tokens = the sum over episodes of their
@@ -18,7 +18,7 @@ budgets, with the exact Python search in the trainer's process and with the fast
 processes; `opponent_seconds` is the opponents' own move time summed over the step's episodes and
 `opponent_share_of_step` that over the step's wall time:
 
-    python bench/step_speed.py --settings validator/exact-search,validator/fast-search
+    python -m bench.step_speed --settings validator/exact-search,validator/fast-search
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from rollout_speed import plain_generate  # a sibling script: bench/ is this script's folder
+from bench.rollout_speed import plain_generate
 
 # name -> (games, opponent, context strategy, extra overrides, share prefixes)
 GROUPS = ["ppo.advantage=group", "ppo.group_size=4", "ppo.micro_batch_tokens=4096",

@@ -4,11 +4,11 @@ Plays `--games-played` games of the env's evaluate() conversation with the teach
 both seats in turn, against the MCTS at the game's validator budget (the fast search where the game
 table says so), and prints one JSON document: the mean score per seat and over both with 95 % t
 intervals. For liars_dice it adds the most a first bid can win against an opponent that sees every die
-and always answers with the highest bid that holds (`experts.highest_true_bid_guess_rate`): a bar
+and always answers with the highest bid that holds (`highest_true_bid_guess_rate` below): a bar
 the real MCTS is measured against.
 
-    python bench/teacher_score.py --game liars_dice --games-played 200
-    python bench/teacher_score.py --game leduc_poker --expert cfr --games-played 200
+    python -m bench.teacher_score --game liars_dice --games-played 200
+    python -m bench.teacher_score --game leduc_poker --expert cfr --games-played 200
 
 `--records FILE` keeps the games (sft_warmstart's JSONL); `--paired-with FILE` reads an earlier run's
 records and adds the paired difference on the games both played (same seeds: the deals and the
@@ -21,12 +21,27 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
+
 import sft_warmstart
 from ppo_affine import report
 from ppo_affine.envs.games import GAMES
-from ppo_affine.experts import ExpertUnavailable, expert_choices, expert_kind, highest_true_bid_guess_rate
+from ppo_affine.experts import ExpertUnavailable, dice_compositions, expert_choices, expert_kind, true_bid_totals
 
 SEED = 424_242  # apart from the SFT data's and the evaluation's seeds
+
+
+def highest_true_bid_guess_rate(dice: int) -> float:
+    """liars_dice with `dice` dice each, moving first against an opponent that sees every die and
+    answers with the highest bid that holds: the first bid wins only if it is that highest bid. The
+    chance of naming it with the best guess from one's own dice (averaged over one's hands); the
+    second mover never wins against that opponent, so both seats average half of this."""
+    counts, weights = dice_compositions(dice, 6)
+    rate = 0.0
+    for mine, weight in zip(counts, weights):
+        _, highest = true_bid_totals(mine, counts)
+        rate += weight * max(np.bincount(highest, weights=weights))
+    return float(rate)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,7 @@
 """How fast the embedded trace env produces tasks: generation alone, generation + sandboxed run
 (ground-truth cache cold), and replay (cache warm). Prints one JSON object.
 
-    python bench/trace_speed.py --tasks 40 --level 2 --concurrency 4
+    python -m bench.trace_speed --tasks 40 --level 2 --concurrency 4
 """
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ppo_affine.curriculum_config import CurriculumConfig
 
+DEFAULT_CACHE_DIR = "~/.cache/ppo-affine"  # model.cache_dir's default; the experts' opponent models go there too
 # The base JSON files and presets live in the repository's config/ folder, beside the programs that read them.
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 PRESET_DIR = CONFIG_DIR / "presets"
@@ -65,7 +66,7 @@ class ModelConfig(Strict):
         "name_or_path then only names the model (e.g. to vLLM)."
     )
     cache_dir: str = Field(
-        "~/.cache/ppo-affine", description="Where a GGUF model is converted once to a Hugging Face folder "
+        DEFAULT_CACHE_DIR, description="Where a GGUF model is converted once to a Hugging Face folder "
         "(and, with use_4bit, prepare_model.py writes the dequantised weights vLLM serves)."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -280,8 +281,8 @@ class EnvSpec(Strict):
     )
     opponent_search: Literal["fast", "exact"] = Field(
         "fast", description="openspiel only: the MCTS opponent's implementation. 'fast': open_spiel's C++ search with "
-        "the validators' settings, proven to play the same games (bench/opponent_parity.py), on the games where that "
-        "proof holds (the others keep the exact one); 'exact': the Affine env's own Python search, move for move the "
+        "the validators' settings, on the games where bench/opponent_parity.py's runs found it scoring as the exact "
+        "one does (docs/results.md says at which budgets; the others keep the exact one); 'exact': the Affine env's own Python search, move for move the "
         "validators' opponent, tens of times slower."
     )
     opponent_moves: str | None = Field(

@@ -41,6 +41,7 @@ import re
 import numpy as np
 import pyspiel
 
+from ppo_affine.config import DEFAULT_CACHE_DIR
 from ppo_affine import opponent_model
 from ppo_affine.envs.games import GAMES
 from ppo_affine.envs.openspiel_episode import mcts_bot, search_used
@@ -114,7 +115,7 @@ class Expert:
     """One expert for one episode; its randomness comes from the episode's seed."""
 
     def __init__(self, kind: str, game: pyspiel.Game, player: int, seed: int, budget: int, cfr_iterations: int,
-                 cache_dir: str = "~/.cache/ppo-affine", opponent_simulations: int | None = None):
+                 cache_dir: str = DEFAULT_CACHE_DIR, opponent_simulations: int | None = None):
         """`opponent_simulations`: the MCTS opponent's simulations when not the game's validator budget
         (the best response answers the opponent it will meet)."""
         self.kind, self.game, self.player = kind, game, player
@@ -245,7 +246,7 @@ def _matching(counts: np.ndarray, face: int) -> np.ndarray:
     return counts[..., face - 1] + (counts[..., 5] if face < 6 else 0)
 
 
-def _true_bid_totals(mine: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def true_bid_totals(mine: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For our face counts `mine` [6] and each opponent hand in `counts` [K, 6]: the dice that count for
     each face [K, 6], and the highest bid that holds as an action id [K]: (q - 1) * 6 + f - 1 with q = totals[f]."""
     totals = np.stack([_matching(mine, face) + _matching(counts, face) for face in range(1, 7)], axis=1)
@@ -255,20 +256,7 @@ def _true_bid_totals(mine: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, 
 def highest_true_bid(dice: list[int], other_dice: list[int]) -> int:
     """The highest bid that holds over both hands, as an action id."""
     counts = [np.bincount(np.array(hand) - 1, minlength=6) for hand in (dice, other_dice)]
-    return int(_true_bid_totals(counts[0], counts[1][None])[1][0])
-
-
-def highest_true_bid_guess_rate(dice: int) -> float:
-    """liars_dice with `dice` dice each, moving first against an opponent that sees every die and
-    answers with the highest bid that holds: the first bid wins only if it is that highest bid. The
-    chance of naming it with the best guess from one's own dice (averaged over one's hands); the
-    second mover never wins against that opponent, so both seats average half of this."""
-    counts, weights = dice_compositions(dice, 6)
-    rate = 0.0
-    for mine, weight in zip(counts, weights):
-        _, highest = _true_bid_totals(mine, counts)
-        rate += weight * max(np.bincount(highest, weights=weights))
-    return float(rate)
+    return int(true_bid_totals(counts[0], counts[1][None])[1][0])
 
 
 # Weight of an opponent hand under which the opponent's bid breaks the model below (a true raise was left
@@ -288,7 +276,7 @@ def opponent_hand_posterior(my_dice: list[int], bids: list[tuple[int, int]]
     with a true bid in 400 of 400 deals."""
     mine = np.bincount(np.array(my_dice) - 1, minlength=6)
     counts, weights = dice_compositions(len(my_dice), 6)
-    totals, highest = _true_bid_totals(mine, counts)
+    totals, highest = true_bid_totals(mine, counts)
     actions = [bid_action(quantity, face) for quantity, face in bids]
     for i in range(len(bids) - 1, -1, -2):  # the opponent's bids, the last first
         quantity, face = bids[i]

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from ppo_affine.experts import dice_compositions, highest_true_bid_guess_rate, true_bid_choice
+from bench.teacher_score import highest_true_bid_guess_rate
+from ppo_affine.experts import dice_compositions, true_bid_choice
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("bench_liars_openings", ROOT / "bench" / "liars_openings.py")

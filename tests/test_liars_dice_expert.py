@@ -3,8 +3,9 @@ import itertools
 
 import pytest
 
+from bench.teacher_score import highest_true_bid_guess_rate
 from ppo_affine.experts import (LIAR, OFF_MODEL_WEIGHT, action_bid, bid_action, counting_bid, highest_true_bid,
-                                highest_true_bid_guess_rate, opponent_hand_posterior, true_bid_choice)
+                                opponent_hand_posterior, true_bid_choice)
 
 
 def _matching(dice: tuple[int, ...], face: int) -> int:

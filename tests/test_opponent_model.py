@@ -23,7 +23,10 @@ def test_the_opponent_table_covers_every_decision_with_a_distribution(leduc_mode
                for f in frequencies.values())  # two samples: shares of 1/2 or 1
 
 
-def test_the_best_response_answers_every_information_state_and_beats_fixed_play(leduc_model):
+def test_the_best_responses_table_played_as_a_policy_earns_the_value_it_claims(leduc_model):
+    """Information-state consistency: the table's actions, played as a policy that sees only information states
+    (never the true state), earn against the sampled opponent exactly the value best_response reports, in each
+    seat; and every action in the table is legal where it is played."""
     from open_spiel.python import policy as openspiel_policy
     from open_spiel.python.algorithms.expected_game_score import policy_value
 
@@ -32,11 +35,21 @@ def test_the_best_response_answers_every_information_state_and_beats_fixed_play(
     game, frequencies = leduc_model
     actions, values = best_response(game, frequencies)
     assert {seat: len(table) for seat, table in actions.items()} == {0: 468, 1: 468}
-    opponent, uniform = SampledOpponent(game, frequencies), openspiel_policy.UniformRandomPolicy(game)
+
+    class TablePolicy(openspiel_policy.Policy):
+        def __init__(self, seat: int):
+            super().__init__(game, [seat])
+            self.table = actions[seat]
+
+        def action_probabilities(self, state, player_id=None):
+            action = self.table[state.information_state_string(state.current_player())]
+            assert action in state.legal_actions()
+            return {action: 1.0}
+
+    opponent = SampledOpponent(game, frequencies)
     for seat in (0, 1):
-        players = [uniform, opponent] if seat == 0 else [opponent, uniform]
-        uniform_value = policy_value(game.new_initial_state(), players)[seat]
-        assert values[seat] > uniform_value
+        players = [TablePolicy(0), opponent] if seat == 0 else [opponent, TablePolicy(1)]
+        assert policy_value(game.new_initial_state(), players)[seat] == pytest.approx(values[seat], abs=1e-9)
 
 
 def test_the_opponent_model_is_built_once_and_read_back(tmp_path, monkeypatch):
