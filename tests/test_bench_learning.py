@@ -268,7 +268,7 @@ def test_zero_steps_measure_the_sft_rows_alone(tiny_model_dir, tmp_path, capsys)
                    "--workers", "1",
                    *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]])
     printed = capsys.readouterr().out
-    report = json.loads(printed[:printed.index("\n| game |")])
+    report = json.loads(printed[printed.index('{\n "model"'):printed.index("\n| game |")])  # after the run's lines
     assert set(report["results"]["mcts"]["liars_dice"]) == {"sft"}
     assert report["checkpoint"] is None and report["signal"] is None and set(report["minutes"]) == {"sft", "eval",
                                                                                                     "teacher"}
