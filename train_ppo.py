@@ -541,8 +541,9 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         ranks.start(ranks.local_device(pick_device(cfg.run.device)), cfg.run.rank_timeout_minutes)
         if cfg.generation.vllm_server.python is not None:  # started first: it loads while the trainer does
-            server = ManagedVLLMServer.for_run(cfg, write_served_folder(cfg.model, pick_device(cfg.run.device)),
-                                               run_dir, cpu=pick_device(cfg.run.device).type == "cpu")
+            device = pick_device(cfg.run.device)
+            server = ManagedVLLMServer.for_run(cfg, write_served_folder(cfg.model, device), run_dir,
+                                               cpu=device.type == "cpu")
             server.start()
             config = config.model_copy(update={"env": config.env.model_copy(update={"vllm_url": server.url})})
         trainer = ranks.all_succeed(lambda: Trainer(config, run_dir, resume_from, args.init_adapter, ranks))

@@ -11,11 +11,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ppo_affine.checkpoint import checkpoint_holding, saved_config
 from ppo_affine.config import (
     PRESET_DIR, Config, ConfigError, load_config, override_location, parse_override, read_preset,
 )
-from ppo_affine.policy import adapter_folder
 
 
 class _DefaultsShown(argparse.HelpFormatter):
@@ -70,6 +68,8 @@ def config_for_checkpoint(args: argparse.Namespace, checkpoint: Path, defaults: 
     so no preset has to be repeated. `continue_run` (resume) starts from the whole saved configuration instead of
     the config files; the user's presets, --set and the program's flags go on top either way. A folder without a
     saved configuration (a bare adapter) gives the plain `config_from_arguments`."""
+    from ppo_affine.checkpoint import saved_config  # torch: only the programs that read a checkpoint load it
+
     saved = saved_config(checkpoint)
     if saved is None:
         return config_from_arguments(args, defaults, flags)
@@ -108,6 +108,9 @@ def config_for_adapter(args: argparse.Namespace, path: Path | None, defaults: Se
     its model before anything loads."""
     if path is None:
         return config_from_arguments(args, defaults, flags), None
+    from ppo_affine.checkpoint import checkpoint_holding  # torch: only the programs that read a checkpoint load it
+    from ppo_affine.policy import adapter_folder
+
     source = checkpoint_holding(path)  # before the adapter is looked for: a corrupt checkpoint names its bad file
     adapter_dir = adapter_folder(path)
     if source is None:
@@ -133,4 +136,5 @@ def _bound_to_checkpoint(chosen: Config, named: set[tuple[str, ...]], saved_trai
     try:
         return chosen.model_copy(update={"train": type(chosen.train).model_validate(train)})
     except ValidationError as exc:
-        raise ConfigError(f"The configuration saved in {checkpoint} does not validate: {exc.errors()[0]['msg']}.") from None
+        problem = exc.errors()[0]["msg"]
+        raise ConfigError(f"The configuration saved in {checkpoint} does not validate: {problem}.") from None

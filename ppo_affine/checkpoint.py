@@ -34,7 +34,7 @@ MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "config.json"  # the run's resolved configuration (also inside trainer_state.pt)
 SET_ASIDE_PREFIX = "corrupt-"
-PPO_KIND = "ppo"  # a checkpoint's kind in its manifest: a PPO run resumes, an SFT warm start ("sft") does not
+PPO_KIND = "ppo"  # a checkpoint's kind in its manifest: a PPO run resumes, an SFT warm start (its own kind) does not
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -130,8 +130,8 @@ def _write_files(tmp: Path, step: int, write_model: Callable[[Path], None], trai
     if "config" in trainer_state:  # readable without torch.load, before any model is loaded
         (tmp / CONFIG_FILE).write_text(json.dumps(trainer_state["config"], indent=1) + "\n")
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {"step": step, "kind": trainer_state.get("kind", PPO_KIND), "files": {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-                                        for p in files}}
+    entries = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    manifest = {"step": step, "kind": trainer_state.get("kind", PPO_KIND), "files": entries}
     _fsync_tree(tmp)
     with open(tmp / MANIFEST, "w") as handle:
         json.dump(manifest, handle, indent=1)
@@ -302,7 +302,7 @@ def checkpoint_holding(path: Path) -> Path | None:
 
 
 def checkpoint_kind(checkpoint: Path) -> str | None:
-    """'ppo' or 'sft' from the manifest; None for a checkpoint from before manifests named their kind."""
+    """The kind in the manifest (PPO_KIND, or sft_warmstart's); None for a checkpoint from before manifests named it."""
     return json.loads((Path(checkpoint) / MANIFEST).read_text()).get("kind")
 
 
