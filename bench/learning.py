@@ -76,7 +76,13 @@ from ppo_affine.checkpoint import find_resumable
 from ppo_affine.envs.tasks import GAME_ID_STRIDE, game_name_of
 from ppo_affine.experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS, expert_choices, expert_kind
 from ppo_affine.policy import adapter_folder
-from ppo_affine.config import EnvSpec, load_config
+from ppo_affine.config import ConfigError, load_config
+from ppo_affine.warm_start import expert_play
+from ppo_affine.warm_start.config import (
+    DAGGER_AGGREGATES, WarmStartConfig, parse_experts, parse_game_counts, parse_reason_games,
+)
+from ppo_affine.warm_start.expert_play import game_env  # the opponent every row of the table meets
+from ppo_affine.warm_start.relabel import expert_moves_played, relabel_each
 
 # Tuned on this machine so that a CPU budget visibly moves the model: 8 episodes and one epoch per
 # step give a steadier gradient per minute than more epochs, and 2e-4 was the fastest rate that kept
@@ -241,8 +247,6 @@ def teacher_moves(records: list[dict], args: argparse.Namespace, config) -> dict
     move. Each recorded game is replayed with the teacher answering at every turn (sft_warmstart's DAgger
     replay: same task, seed and opponent), so a student that never leaves one move shows as a rate a score
     hides. Games without a teacher, and rows without conversations (teachers, ceiling), are left out."""
-    relabel_args = sft_warmstart.replay_options(args.expert_choices, args.workers)
-    spec = game_env(config)
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         if isinstance(r.get("conversation"), list) and not r.get("error") and has_expert(r["game"]):
@@ -253,16 +257,16 @@ def teacher_moves(records: list[dict], args: argparse.Namespace, config) -> dict
     sources = [{**r, "source": f"{model}'s {game} game (task {r['task_id']}, seed {r['seed']})"}
                for opponent, game, model in keys for r in groups[(opponent, game, model)]]
     try:
-        per_game = iter(sft_warmstart.relabel_each(sources, relabel_args, spec.mcts_simulations, spec.opponent_search,
-                                                   config.train.model.cache_dir, "--teacher-moves",
-                                                   spec.opponent_moves))
-    except sft_warmstart.ConfigError as exc:
+        # each game's teacher (--experts) at its default budget, ID-only replies, every turn kept
+        teachers = WarmStartConfig.from_options(experts=args.expert_choices, workers=args.workers)
+        per_game = iter(relabel_each(sources, teachers, expert_play.OpponentSetup.of(config), "--teacher-moves"))
+    except ConfigError as exc:
         sys.exit(str(exc))
     result: dict = {}
     for opponent, game, model in keys:
         played = groups[(opponent, game, model)]
         relabelled = [record for _ in played for record in next(per_game)]
-        matched, turns = sft_warmstart.expert_moves_played(played, relabelled)
+        matched, turns = expert_moves_played(played, relabelled)
         result.setdefault(opponent, {}).setdefault(game, {})[model] = {
             "teacher": expert_kind(game, args.expert_choices), "turns": turns, "teacher_moves": matched,
             "rate": matched / turns if turns else None, "ci95": list(report.wilson_interval(matched, turns))}
@@ -284,19 +288,12 @@ def expert_records(games: list[str], episodes: dict[str, int], opponent: str, co
     """The experts themselves on the same tasks and seeds, as evaluation records labelled `label`, against the
     opponent the models' rows meet: `config`'s game env (its MCTS budgets, search and file of recorded moves)
     and model.cache_dir (where the best response keeps its opponent model)."""
-    spec = game_env(config)
-    simulations = spec.mcts_simulations
-
-    def budget(game: str) -> int | None:
-        return simulations.get(game) if isinstance(simulations, dict) else simulations
-
-    sft_warmstart.warn_teachers_aimed_elsewhere(games, experts, opponent)
-    jobs = [sft_warmstart.expert_job(game_name_of(t.task_id), t.task_id, t.seed, opponent,
-                                     opponent_simulations=budget(game_name_of(t.task_id)), experts=experts,
-                                     opponent_search=spec.opponent_search, cache_dir=config.train.model.cache_dir,
-                                     opponent_moves=spec.opponent_moves)
+    setup = expert_play.OpponentSetup.of(config)
+    expert_play.warn_teachers_aimed_elsewhere(games, experts, opponent)
+    jobs = [expert_play.ExpertJob(game_name_of(t.task_id), t.task_id, t.seed, opponent,
+                                  expert_play.Teacher.for_game(game_name_of(t.task_id), experts), setup)
             for t in eval_tasks(games, episodes, opponent, skip)]
-    played = sft_warmstart.generate(jobs, workers, None)
+    played = expert_play.generate(jobs, workers, None)
     return [{"model": label, "game": r["game"], "task_id": r["task_id"], "seed": r["seed"], "opponent": opponent,
              "llm_player_id": r["llm_player_id"], "score": r["score"],
              "outcome": "win" if r["score"] > 0.5 else "draw" if r["score"] == 0.5 else "loss",
@@ -471,7 +468,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sft-dagger-data", type=Path, metavar="FILE",
                         help="with --sft-checkpoint: expert conversations (e.g. that student's sft_data.jsonl) every "
                         "DAgger round trains on beside its relabelled games (sft_warmstart --dagger-data)")
-    parser.add_argument("--sft-dagger-aggregate", choices=sft_warmstart.DAGGER_AGGREGATES,
+    parser.add_argument("--sft-dagger-aggregate", choices=DAGGER_AGGREGATES,
                         help="what each DAgger round trains on beside its relabelled games: the SFT's data (sft, "
                         "the default) or also every earlier round's relabelled games (all; sft_warmstart "
                         "--dagger-aggregate)")
@@ -502,16 +499,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, parse_simulations(value) if name == "mcts_simulations" else value)
     args.sft_epochs = 2 if args.sft_epochs is None else args.sft_epochs
     try:
-        args.reason_games = sorted(sft_warmstart.parse_reason_games(args.sft_reason, games))
+        args.reason_games = sorted(parse_reason_games(args.sft_reason, games))
         if args.reason_games and not tokens_given:
             args.max_new_tokens = max(args.max_new_tokens, REASON_REPLY_TOKENS)
-        args.eval_counts = sft_warmstart.parse_game_counts(args.eval_episodes, "--eval-episodes")
-        args.sft_counts = sft_warmstart.parse_game_counts(args.sft_episodes, "--sft-episodes")
-        args.opening_counts = sft_warmstart.parse_game_counts(args.sft_openings or "0", "--sft-openings")
-        args.expert_choices = sft_warmstart.parse_experts(args.experts or "")
-        weights = sft_warmstart.parse_experts(args.game_weights or "")
+        args.eval_counts = parse_game_counts(args.eval_episodes, "--eval-episodes")
+        args.sft_counts = parse_game_counts(args.sft_episodes, "--sft-episodes")
+        args.opening_counts = parse_game_counts(args.sft_openings or "0", "--sft-openings")
+        args.expert_choices = parse_experts(args.experts or "")
+        weights = parse_experts(args.game_weights or "")
         args.weights = {game: float(weight) for game, weight in weights.items()}
-    except (sft_warmstart.ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
     if args.goofspiel_expert:
         args.expert_choices["goofspiel"] = args.goofspiel_expert
@@ -566,11 +563,6 @@ def opponent_overrides(args: argparse.Namespace) -> list[str]:
     if args.mcts_simulations is None:
         return []
     return [f"env.envs.openspiel.mcts_simulations={json.dumps(args.mcts_simulations)}"]
-
-
-def game_env(config) -> EnvSpec:
-    """The run's game env: the opponent every row of the table meets (its MCTS budgets, search and recorded moves)."""
-    return next((s for s in config.env.envs.values() if s.kind == "openspiel"), EnvSpec(kind="openspiel"))
 
 
 def claim_output_dir(folder: Path) -> None:
@@ -717,7 +709,7 @@ def sft_settings(args: argparse.Namespace, sft_checkpoint: Path | None) -> dict 
                  "batch_size": args.sft_batch_size, "learning_rate": args.sft_learning_rate})
     if args.sft_dagger_rounds:
         settings |= {"dagger_rounds": args.sft_dagger_rounds, "dagger_episodes": args.sft_dagger_episodes,
-                     "dagger_aggregate": args.sft_dagger_aggregate or sft_warmstart.DAGGER_AGGREGATES[0],
+                     "dagger_aggregate": args.sft_dagger_aggregate or DAGGER_AGGREGATES[0],
                      "dagger_checkpoint": str(sft_checkpoint)}
         if args.sft_dagger_data:
             settings["dagger_data"] = str(args.sft_dagger_data)

@@ -143,11 +143,12 @@ def game_records(games: int, workers: int, seed: int, id_steps: bool = False) ->
     rewritten as the reasoned reply (`opening_reason`); the later replies (a Liar call or a raise, and
     every second-seat reply) stay ID-only. The openings data alone never shows the turn after the
     opening, where a true opening wins only by calling Liar on the opponent's forced false raise."""
-    import sft_warmstart
+    from ppo_affine.warm_start.config import WarmStartConfig
+    from ppo_affine.warm_start.expert_play import OpponentSetup, generate, plan_jobs
 
-    jobs = sft_warmstart.plan_jobs(["liars_dice"], games, seed, "mcts", config_ids=[0], budget=None,
-                                   cfr_iterations=300, reason_games=(), experts={"liars_dice": "true_bids"})
-    records = sft_warmstart.generate(jobs, workers, None)
+    settings = WarmStartConfig(games=["liars_dice"], episodes=games, opponent="mcts",
+                               experts={"liars_dice": "true_bids"})
+    records = generate(plan_jobs(settings, seed, OpponentSetup()), workers, None)
     for record in records:
         if record["llm_player_id"] != 0:
             continue

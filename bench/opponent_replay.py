@@ -21,10 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import sft_warmstart
-from ppo_affine.config import DEFAULT_CACHE_DIR
 from ppo_affine.envs.opponent_moves import OpponentMoves
 from ppo_affine.experts import expert_kind
+from ppo_affine.warm_start.config import WarmStartConfig
+from ppo_affine.warm_start.expert_play import OpponentSetup
+from ppo_affine.warm_start.relabel import relabel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,11 +52,11 @@ def same_games(a: list[dict], b: list[dict]) -> bool:
 
 
 def relabel_seconds(games: list[dict], args: argparse.Namespace, moves_file: Path | None) -> tuple[float, list]:
-    relabel_args = sft_warmstart.replay_options(None, args.workers)
+    teachers = WarmStartConfig(workers=args.workers)  # each game's default teacher, ID-only replies, every turn
+    setup = OpponentSetup(search=args.search, moves=moves_file and str(moves_file))
     sources = [{**g, "source": f"task {g['task_id']} seed {g['seed']}"} for g in games]
     started = time.perf_counter()
-    records = sft_warmstart.relabel(sources, relabel_args, None, args.search, DEFAULT_CACHE_DIR, None,
-                                    "--teacher-moves", moves_file and str(moves_file))
+    records = relabel(sources, teachers, setup, None, "--teacher-moves")
     return time.perf_counter() - started, records
 
 

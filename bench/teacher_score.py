@@ -23,10 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-import sft_warmstart
 from ppo_affine import report
+from ppo_affine.config import ConfigError
 from ppo_affine.envs.games import GAMES
 from ppo_affine.experts import ExpertUnavailable, dice_compositions, expert_choices, expert_kind, true_bid_totals
+from ppo_affine.warm_start.config import WarmStartConfig
+from ppo_affine.warm_start.expert_play import OpponentSetup, generate, plan_jobs
 
 SEED = 424_242  # apart from the SFT data's and the evaluation's seeds
 
@@ -69,12 +71,16 @@ def main(argv: list[str] | None = None) -> None:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             parser.error(f"--paired-with {args.paired_with}: expected a teacher_score --records file ({exc})")
 
+    try:
+        settings = WarmStartConfig.from_options(games=[args.game], episodes=args.games_played, opponent="mcts",
+                                                config_ids=args.config_ids, experts=chosen)
+    except ConfigError as exc:
+        parser.error(str(exc))
     started = time.perf_counter()
-    jobs = sft_warmstart.plan_jobs([args.game], args.games_played, SEED, "mcts",
-                                   [int(c) for c in args.config_ids.split(",")], None, 300, (), experts=chosen)
+    jobs = plan_jobs(settings, SEED, OpponentSetup())
     if earlier is not None and not any((job.task_id, job.seed) in earlier for job in jobs):
         parser.error(f"--paired-with {args.paired_with}: no game shares a seed with this run")
-    records = sft_warmstart.generate(jobs, args.workers, args.records)
+    records = generate(jobs, args.workers, args.records)
     scores = {seat: [r["score"] for r in records if r["llm_player_id"] == seat] for seat in (0, 1)}
 
     def summary(values: list[float], low: float = 0.0, key: str = "mean_score") -> dict:

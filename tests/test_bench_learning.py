@@ -150,7 +150,7 @@ def test_every_row_meets_the_opponent_and_cache_folder_the_run_is_configured_wit
 
     monkeypatch.setattr(learning.sft_warmstart, "main", warm_start)
     monkeypatch.setattr(learning, "play", play)
-    monkeypatch.setattr(learning.sft_warmstart, "generate", generate)
+    monkeypatch.setattr(learning.expert_play, "generate", generate)
     out, cache = tmp_path / "bench", tmp_path / "cache"
     learning.main(["--profile", "ci", "--games", "leduc_poker,liars_dice", "--steps", "0", "--models", "base,expert",
                    "--output-dir", str(out), "--set", "env.envs.openspiel.opponent_search=exact",
@@ -159,9 +159,9 @@ def test_every_row_meets_the_opponent_and_cache_folder_the_run_is_configured_wit
     assert "env.envs.openspiel.opponent_search=exact" in seen["sft"] and f"model.cache_dir={cache}" in seen["sft"]
     assert [(row.opponent_search, row.mcts_simulations) for row in seen["rows"]] == [("exact", 7)]
     # liars_dice's teacher, leduc_poker's (cfr) and the ceiling's best response, on the same two seeds each
-    assert sorted((j.game, j.kind) for j in seen["jobs"]) == [
+    assert sorted((j.game, j.teacher.kind) for j in seen["jobs"]) == [
         ("leduc_poker", "best_response")] * 2 + [("leduc_poker", "cfr")] * 2 + [("liars_dice", "true_bids")] * 2
-    assert {(j.opponent_search, j.opponent_simulations, j.cache_dir, j.opponent_moves) for j in seen["jobs"]} == {
+    assert {(j.setup.search, j.setup.budget(j.game), j.setup.cache_dir, j.setup.moves) for j in seen["jobs"]} == {
         ("exact", 7, str(cache), str(out / "opponent-moves.sqlite"))}
 
 
@@ -389,7 +389,7 @@ def test_teacher_moves_count_the_turns_a_model_played_its_teachers_move(tmp_path
     def no_pool(*args, **kwargs):
         raise AssertionError("a pool started for no game")
 
-    monkeypatch.setattr(learning.sft_warmstart, "ProcessPoolExecutor", no_pool)
+    monkeypatch.setattr(learning.expert_play, "ProcessPoolExecutor", no_pool)
     learning.main(["--tables-from", str(write_records(tmp_path / "eval-mcts.jsonl", [teacher])), "--teacher-moves"])
     printed = capsys.readouterr().out
     assert json.loads(printed[printed.index('{\n "sources"'):printed.index("\n| game |")])["teacher_moves"] == {}

@@ -18,21 +18,30 @@ from ppo_affine.policy import adapter_weights_digest
 from ppo_affine.envs.openspiel_text import strip_think
 from ppo_affine.experts import Expert, ExpertUnavailable, expert_kind
 from ppo_affine.prompts import PromptBuilder
-from sft_warmstart import conversations_to_episodes, generate, plan_jobs, play_expert_episode, train_sft
+from ppo_affine.warm_start import dagger, expert_play, sft
+from ppo_affine.warm_start.config import (
+    WarmStartConfig, parse_experts, parse_game_counts, parse_reason_games,
+)
+from ppo_affine.warm_start.expert_play import OpponentSetup, generate, plan_jobs, play_expert_episode
+from ppo_affine.warm_start.relabel import read_played, relabel
+from ppo_affine.warm_start.sft import conversations_to_episodes, train_sft
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def jobs(game, n, **kwargs):
-    options = {"opponent": "random", "config_ids": [0], "budget": None, "cfr_iterations": 20, "reason_games": ()}
-    return plan_jobs([game], n, seed=0, **{**options, **kwargs})
+def plan(games, episodes, setup=OpponentSetup(), **options):
+    """The expert games of a run with these options (CFR+ at 20 iterations: quick), on seed 0."""
+    return plan_jobs(WarmStartConfig(games=games, episodes=episodes, **{"cfr_iterations": 20, **options}), 0, setup)
+
+
+def jobs(game, n, **options):
+    return plan([game], n, **options)
 
 
 def test_expert_games_meet_the_opponent_budget_of_their_own_game():
-    planned = plan_jobs(["liars_dice", "leduc_poker"], 1, seed=0, opponent="mcts", config_ids=[0], budget=None,
-                        cfr_iterations=20, reason_games=(), opponent_simulations={"liars_dice": 30})
-    assert [(j.game, j.opponent_simulations) for j in planned] == [("liars_dice", 30), ("leduc_poker", None)]
-    assert [j.opponent_simulations for j in jobs("liars_dice", 2, opponent_simulations=40)] == [40, 40]
+    planned = plan(["liars_dice", "leduc_poker"], 1, OpponentSetup(simulations={"liars_dice": 30}), opponent="mcts")
+    assert [(j.game, j.setup.budget(j.game)) for j in planned] == [("liars_dice", 30), ("leduc_poker", None)]
+    assert [j.setup.budget(j.game) for j in jobs("liars_dice", 2, setup=OpponentSetup(simulations=40))] == [40, 40]
 
 
 def test_each_game_gets_its_expert_and_unknown_ones_are_refused():
@@ -93,7 +102,7 @@ def test_goofspiel_prize_expert_takes_the_next_higher_card_when_the_prize_card_i
 
 
 def test_reasons_go_inside_think_tags_the_env_ignores():
-    [record] = [play_expert_episode(job) for job in jobs("goofspiel", 1, budget=2, reason_games={"goofspiel"})]
+    [record] = [play_expert_episode(job) for job in jobs("goofspiel", 1, expert_budget=2, reason=["goofspiel"])]
     reply = next(m["content"] for m in record["messages"] if m["role"] == "assistant")
     prize, action = re.fullmatch(r"<think>Current point card: (\d+)</think>(\d+)", reply).groups()
     assert int(action) == int(prize) - 1
@@ -104,7 +113,7 @@ def test_reasons_go_inside_think_tags_the_env_ignores():
 def test_experts_beat_a_random_opponent():
     for expert in ("prize", "montecarlo"):
         goofspiel = [play_expert_episode(job)["score"]
-                     for job in jobs("goofspiel", 12, budget=10, experts={"goofspiel": expert})]
+                     for job in jobs("goofspiel", 12, expert_budget=10, experts={"goofspiel": expert})]
         assert sum(goofspiel) / len(goofspiel) > 0.7, expert  # random play scores 0.5
     leduc = [play_expert_episode(job)["score"] for job in jobs("leduc_poker", 40, cfr_iterations=100)]
     assert sum(leduc) / len(leduc) > 0.5  # (chips won + 13) / 26: above 0.5 means chips won on average
@@ -122,36 +131,57 @@ def test_the_gin_rummy_expert_plays_whole_games_of_every_variant_legally():
 
 
 def test_experts_other_than_the_default_are_named_game_by_game():
-    assert sft_warmstart.parse_experts("leduc_poker=best_response, gin_rummy=mcts") == {
+    assert parse_experts("leduc_poker=best_response, gin_rummy=mcts") == {
         "leduc_poker": "best_response", "gin_rummy": "mcts"}
-    assert sft_warmstart.parse_experts("") == {}
+    assert parse_experts("") == {}
     with pytest.raises(ConfigError, match="--expert: expected GAME=KIND items separated by commas, got 'leduc_poker'"):
-        sft_warmstart.parse_experts("leduc_poker")
+        parse_experts("leduc_poker")
 
 
 def test_episodes_may_differ_game_by_game():
-    assert sft_warmstart.parse_game_counts("64,gin_rummy=8", "--episodes") == {"*": 64, "gin_rummy": 8}
-    planned = plan_jobs(["leduc_poker", "gin_rummy"], {"*": 3, "gin_rummy": 1}, seed=0, opponent="random",
-                        config_ids=[0], budget=None, cfr_iterations=20, reason_games=())
+    assert parse_game_counts("64,gin_rummy=8", "--episodes") == {"*": 64, "gin_rummy": 8}
+    planned = plan(["leduc_poker", "gin_rummy"], {"*": 3, "gin_rummy": 1})
     assert [j.game for j in planned] == ["leduc_poker"] * 3 + ["gin_rummy"]
     with pytest.raises(ConfigError, match="--episodes: expected a number, then GAME=N items"):
-        sft_warmstart.parse_game_counts("64,gin_rummy", "--episodes")
+        parse_game_counts("64,gin_rummy", "--episodes")
 
 
 def test_reasons_may_go_to_some_games_only():
-    planned = plan_jobs(["goofspiel", "leduc_poker"], 1, seed=0, opponent="random", config_ids=[0], budget=None,
-                        cfr_iterations=20, reason_games={"goofspiel"})
-    assert [(j.game, j.with_reason) for j in planned] == [("goofspiel", True), ("leduc_poker", False)]
+    planned = plan(["goofspiel", "leduc_poker"], 1, reason=["goofspiel"])
+    assert [(j.game, j.teacher.with_reason) for j in planned] == [("goofspiel", True), ("leduc_poker", False)]
     games = ["goofspiel", "leduc_poker"]
-    assert sft_warmstart.parse_reason_games("*", games) == set(games)
-    assert sft_warmstart.parse_reason_games("", games) == set()
-    assert sft_warmstart.parse_reason_games(" goofspiel ", games) == {"goofspiel"}
+    assert parse_reason_games("*", games) == set(games)
+    assert parse_reason_games("", games) == set()
+    assert parse_reason_games(" goofspiel ", games) == {"goofspiel"}
     with pytest.raises(ConfigError, match=r"--reason: \['chess'\] are not in --games"):
-        sft_warmstart.parse_reason_games("goofspiel,chess", games)
+        parse_reason_games("goofspiel,chess", games)
+
+
+def test_the_options_text_and_its_parsed_values_make_the_same_config():
+    text = WarmStartConfig.from_options(games="goofspiel, leduc_poker", episodes="64,goofspiel=8", config_ids="0,3",
+                                        experts="", reason="goofspiel", openings="0,goofspiel=4", workers=2)
+    parsed = WarmStartConfig(games=["goofspiel", "leduc_poker"], episodes={"*": 64, "goofspiel": 8}, config_ids=[0, 3],
+                             experts={}, reason=["goofspiel"], openings={"*": 0, "goofspiel": 4}, workers=2)
+    assert text == parsed and text.with_reason("goofspiel") and not text.with_reason("leduc_poker")
+    assert WarmStartConfig(reason="*").with_reason("liars_dice") and WarmStartConfig(workers=None).workers >= 1
+
+
+@pytest.mark.parametrize("options,expected", [
+    ({"epochs": 0}, "--epochs must be at least 1, got 0."),
+    ({"learning_rate": 0.0}, "--learning-rate must be > 0, got 0.0."),
+    ({"opponent": "minimax"}, "--opponent: input should be 'random' or 'mcts', got 'minimax'."),
+    ({"experts": "goofspiel=mcts"}, "--expert: unknown goofspiel expert 'mcts'"),
+    ({"config_ids": "0,x"}, "--config-ids: expected comma-separated integers, got '0,x'."),
+    ({"dagger_episodes": {"liars_dice": 4}}, "--dagger-episodes: needs a count for the games not named ('*')"),
+])
+def test_a_bad_option_value_is_one_line_naming_the_option(options, expected):
+    with pytest.raises(ConfigError) as raised:
+        WarmStartConfig.from_options(**options)
+    assert str(raised.value).startswith(expected) and "\n" not in str(raised.value)
 
 
 def test_generation_on_several_processes_matches_one_process(tmp_path):
-    planned = jobs("liars_dice", 3, budget=5) + jobs("leduc_poker", 2)
+    planned = jobs("liars_dice", 3, expert_budget=5) + jobs("leduc_poker", 2)
     parallel = generate(planned, workers=2, path=tmp_path / "data.jsonl")
     assert parallel == [play_expert_episode(job) for job in planned]
     assert [json.loads(line) for line in (tmp_path / "data.jsonl").read_text().splitlines()] == parallel
@@ -174,7 +204,7 @@ def test_conversations_become_rollout_sequences_with_only_the_replies_trained(ti
 
 
 def test_reasoned_replies_are_trained_whole_but_later_prompts_show_them_as_validators_keep_them(tiny_policy):
-    [record] = [play_expert_episode(job) for job in jobs("goofspiel", 1, budget=2, reason_games={"goofspiel"})]
+    [record] = [play_expert_episode(job) for job in jobs("goofspiel", 1, expert_budget=2, reason=["goofspiel"])]
     builder = PromptBuilder(tiny_policy.tokenizer, 8192)
     eos = tiny_policy.tokenizer.eos_token_id
     [episode] = conversations_to_episodes([record], builder, "full", {eos})
@@ -191,7 +221,7 @@ def test_reasoned_replies_are_trained_whole_but_later_prompts_show_them_as_valid
 
 
 def test_explored_moves_stay_in_the_conversation_but_only_the_experts_replies_are_trained(tiny_policy):
-    planned = jobs("goofspiel", 4, budget=2, reason_games={"goofspiel"}, explore=0.5)
+    planned = jobs("goofspiel", 4, expert_budget=2, reason=["goofspiel"], explore=0.5)
     records = [play_expert_episode(job) for job in planned]
     assert records == [play_expert_episode(job) for job in planned]  # seeded: the same moves again
     assert all(r["explored_replies"] for r in records)
@@ -204,15 +234,15 @@ def test_explored_moves_stay_in_the_conversation_but_only_the_experts_replies_ar
         explored = set(record["explored_replies"])
         assert all(replies[i].isdigit() for i in explored)  # a random legal ID, no reason
         assert [t.response_text for t in episode.turns] == [r for i, r in enumerate(replies) if i not in explored]
-    assert all(not r["explored_replies"] for r in (play_expert_episode(job) for job in jobs("goofspiel", 2, budget=2)))
+    assert all(not r["explored_replies"] for r in (play_expert_episode(job)
+                                                   for job in jobs("goofspiel", 2, expert_budget=2)))
 
 
 def test_openings_are_expert_games_cut_after_the_experts_first_reply(tiny_policy):
     from ppo_affine.experts import true_bid_choice
 
-    planned = plan_jobs(["liars_dice", "leduc_poker"], 1, seed=0, opponent="random", config_ids=[0], budget=None,
-                        cfr_iterations=20, reason_games=(), experts={"liars_dice": "true_bids"}, explore=0.3,
-                        openings={"*": 0, "liars_dice": 4})
+    planned = plan(["liars_dice", "leduc_poker"], 1, experts={"liars_dice": "true_bids"}, explore=0.3,
+                   openings={"*": 0, "liars_dice": 4})
     whole, openings = planned[:2], planned[2:]
     assert [(j.game, j.max_replies, j.explore) for j in whole] == [("liars_dice", None, 0.3), ("leduc_poker", None, 0.3)]
     assert [(j.game, j.max_replies, j.explore) for j in openings] == [("liars_dice", 1, 0.0)] * 4
@@ -260,16 +290,12 @@ def _played_goofspiel(seed, replies):
             "score": episode.score, "error": None, "conversation": messages}
 
 
-def _relabel_args(**kwargs):
-    import argparse
-
-    return argparse.Namespace(**{"experts": {}, "expert_budget": None, "cfr_iterations": 20, "reason": "",
-                                 "workers": 1, "relabel_missed_only": False, **kwargs})
+def _teachers(**options):
+    """The options relabelling reads: each game's default teacher (CFR+ at 20 iterations), one process."""
+    return WarmStartConfig(cfr_iterations=20, workers=1, **options)
 
 
 def test_relabelled_games_train_the_experts_move_at_every_state_the_model_reached(tmp_path, tiny_policy):
-    from sft_warmstart import relabel
-
     # the model misses the expert's move on turns 1 and 3 and answers turn 5 with prose the env asks again about
     def replies(turn, legal, expert_move):
         if turn in (1, 3):
@@ -278,8 +304,8 @@ def test_relabelled_games_train_the_experts_move_at_every_state_the_model_reache
 
     played = _played_goofspiel(4, replies)
     played_replies = [m["content"] for m in played["conversation"] if m["role"] == "assistant"]
-    records = relabel([{**played, "source": "games.jsonl line 1"}], _relabel_args(), None, "fast",
-                      "~/.cache/ppo-affine", tmp_path / "relabelled.jsonl")
+    records = relabel([{**played, "source": "games.jsonl line 1"}], _teachers(),
+                      OpponentSetup(cache_dir="~/.cache/ppo-affine"), tmp_path / "relabelled.jsonl")
     assert [json.loads(line) for line in (tmp_path / "relabelled.jsonl").read_text().splitlines()] == records
     *missed, whole = records
     assert whole["explored_replies"] == [1, 3, 5] and whole["score"] == played["score"]
@@ -300,8 +326,8 @@ def test_relabelled_games_train_the_experts_move_at_every_state_the_model_reache
     assert len(trained) == len(played_replies)  # every turn once: the expert's move, never the model's miss
     assert "I bid high" not in trained and trained[:3] == [r["messages"][-1]["content"] for r in missed]
     # only the misses: the records cut after the expert's answers
-    assert relabel([{**played, "source": "games.jsonl line 1"}], _relabel_args(relabel_missed_only=True), None,
-                   "fast", "~/.cache/ppo-affine", None) == missed
+    assert relabel([{**played, "source": "games.jsonl line 1"}], _teachers(relabel_missed_only=True),
+                   OpponentSetup(cache_dir="~/.cache/ppo-affine"), None) == missed
 
 
 def test_a_conversation_in_both_sets_trains_once():
@@ -310,13 +336,11 @@ def test_a_conversation_in_both_sets_trains_once():
     a = {"task_id": 1, "seed": 2, "messages": [{"role": "user", "content": "x"}]}
     b = {"seed": 2, "task_id": 1, "messages": [{"role": "user", "content": "y"}]}
     reordered = {"messages": a["messages"], "seed": 2, "task_id": 1}
-    assert sft_warmstart.records_not_in([a, b, reordered, b], [a]) == [b, b]
-    assert sft_warmstart.records_not_in([a], []) == [a] and sft_warmstart.records_not_in([], [a]) == []
+    assert dagger.records_not_in([a, b, reordered, b], [a]) == [b, b]
+    assert dagger.records_not_in([a], []) == [a] and dagger.records_not_in([], [a]) == []
 
 
 def test_relabelling_refuses_a_game_that_replays_differently_or_a_file_without_games(tmp_path):
-    from sft_warmstart import read_played, relabel
-
     played = _played_goofspiel(2, lambda turn, legal, expert_move: str(expert_move))
     teacher = {"model": "expert", "game": "goofspiel", "task_id": played["task_id"], "seed": 3, "score": 1.0}
     path = tmp_path / "eval-mcts.jsonl"
@@ -330,10 +354,10 @@ def test_relabelling_refuses_a_game_that_replays_differently_or_a_file_without_g
         read_played(str(path), "mcts")
     altered = {**played, "seed": played["seed"] + 2}  # another deal and opponent: the prompts differ
     with pytest.raises(ConfigError, match=r"games.jsonl line 7: the replayed game differs from the recorded one"):
-        relabel([{**altered, "source": "games.jsonl line 7"}], _relabel_args(), None, "fast", "~", None)
+        relabel([{**altered, "source": "games.jsonl line 7"}], _teachers(), OpponentSetup(cache_dir="~"), None)
     with pytest.raises(ConfigError, match=r"line 7: no expert plays blackjack"):
-        relabel([{**played, "game": "blackjack", "source": "games.jsonl line 7"}], _relabel_args(), None, "fast", "~",
-                None)
+        relabel([{**played, "game": "blackjack", "source": "games.jsonl line 7"}], _teachers(),
+                OpponentSetup(cache_dir="~"), None)
 
 
 def test_sft_raises_the_likelihood_of_the_expert_replies(tiny_policy):
@@ -440,9 +464,9 @@ def test_dagger_rounds_keep_the_sfts_data_and_train_a_conversation_given_twice_o
              "messages": expert["conversation"]}]
     (tmp_path / "data.jsonl").write_text(json.dumps(data[0]) + "\n")
     (tmp_path / "played.jsonl").write_text(json.dumps(_played_goofspiel(6, lambda t, legal, e: str(min(legal)))) + "\n")
-    trained, real_warm_start = [], sft_warmstart.warm_start
-    monkeypatch.setattr(sft_warmstart, "warm_start", lambda config, records, *rest: trained.append(records)
-                        or real_warm_start(config, records, *rest))
+    trained, real_fine_tune = [], sft.fine_tune
+    monkeypatch.setattr(sft, "fine_tune", lambda config, records, *rest: trained.append(records)
+                        or real_fine_tune(config, records, *rest))
     out = tmp_path / "sft"
     assert sft_warmstart.main(["--games", "goofspiel", "--data", str(tmp_path / "data.jsonl"), "--relabel",
                                str(tmp_path / "played.jsonl"), "--dagger-data", str(tmp_path / "data.jsonl"),
@@ -465,13 +489,13 @@ def test_dagger_rounds_train_each_new_adapter_on_its_own_games_relabelled(tiny_m
             "--set", "generation.backend=local", "--set", "generation.max_new_tokens=4"]
     common = ["--games", "goofspiel", "--epochs", "1", "--workers", "1", "--dagger-episodes", "3", *sets]
     out = tmp_path / "sft"
-    trained, real_warm_start = [], sft_warmstart.warm_start
+    trained, real_fine_tune = [], sft.fine_tune
 
-    def recording_warm_start(config, records, *rest):
+    def recording_fine_tune(config, records, *rest):
         trained.append(records)
-        return real_warm_start(config, records, *rest)
+        return real_fine_tune(config, records, *rest)
 
-    monkeypatch.setattr(sft_warmstart, "warm_start", recording_warm_start)
+    monkeypatch.setattr(sft, "fine_tune", recording_fine_tune)
     assert sft_warmstart.main(["--episodes", "2", "--dagger-rounds", "2", "--output-dir", str(out), *common]) == 0
     expert_games = [json.loads(line) for line in (out / "sft_data.jsonl").read_text().splitlines()]
     assert len(trained) == 3 and trained[0] == expert_games  # the SFT, then one per round
@@ -545,9 +569,9 @@ def test_worker_pools_spawn_fresh_processes_never_forks_of_a_process_holding_a_m
             started.append(mp_context and mp_context.get_start_method())
             super().__init__(*args, mp_context=mp_context, **kwargs)
 
-    monkeypatch.setattr(sft_warmstart, "ProcessPoolExecutor", RecordingPool)
+    monkeypatch.setattr(expert_play, "ProcessPoolExecutor", RecordingPool)
     monkeypatch.setattr(opponent_model, "ProcessPoolExecutor", RecordingPool)
-    assert sft_warmstart.run_jobs(abs, [-1, 2], 1, "numbers") == [1, 2]  # the expert games' and replays' pool
+    assert expert_play.run_jobs(abs, [-1, 2], 1, "numbers") == [1, 2]  # the expert games' and replays' pool
     frequencies = opponent_model.mcts_action_frequencies(pyspiel.load_game("kuhn_poker"), (2, 1), samples=1)
     assert len(frequencies) == 24 and started == ["spawn", "spawn"]
 
@@ -563,20 +587,20 @@ def test_the_mcts_expert_searches_as_the_game_table_allows():
 
 @pytest.mark.slow
 def test_the_mcts_expert_plays_a_whole_gin_rummy_game():
-    [job] = jobs("gin_rummy", 1, budget=2, experts={"gin_rummy": "mcts"})
+    [job] = jobs("gin_rummy", 1, expert_budget=2, experts={"gin_rummy": "mcts"})
     record = play_expert_episode(job)
     assert record["expert"] == "mcts" and 0.0 <= record["score"] <= 1.0
 
 
 def test_a_teacher_aimed_at_the_mcts_warns_once_when_it_meets_another_opponent(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(sft_warmstart, "setup_logging", lambda: None)  # caplog keeps its handler
-    monkeypatch.setattr(sft_warmstart, "generate", lambda jobs, workers, path: [])
-    with caplog.at_level("WARNING", logger="sft_warmstart"):
+    monkeypatch.setattr(expert_play, "generate", lambda jobs, workers, path: [])
+    with caplog.at_level("WARNING", logger=expert_play.__name__):
         assert sft_warmstart.main(["--games", "leduc_poker,liars_dice,goofspiel", "--episodes", "1",
                                    "--expert", "leduc_poker=best_response,liars_dice=true_bids",
                                    "--output-dir", str(tmp_path)]) == 0
-        sft_warmstart.warn_teachers_aimed_elsewhere(["leduc_poker"], {"leduc_poker": "best_response"}, "mcts")
-        sft_warmstart.warn_teachers_aimed_elsewhere(["leduc_poker", "goofspiel"], {}, "random")  # cfr, prize
+        expert_play.warn_teachers_aimed_elsewhere(["leduc_poker"], {"leduc_poker": "best_response"}, "mcts")
+        expert_play.warn_teachers_aimed_elsewhere(["leduc_poker", "goofspiel"], {}, "random")  # cfr, prize
     assert [r.getMessage() for r in caplog.records] == [
         "leduc_poker=best_response, liars_dice=true_bids: teachers aimed at the MCTS opponent meet the random one "
         "here, so their moves answer a player that is not there (the mcts opponent, or another teacher, fits)"]

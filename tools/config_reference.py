@@ -1,5 +1,6 @@
 """Print docs/configuration.md: every config field with its type, default and description, read from the
-pydantic models in ppo_affine/config.py and ppo_affine/curriculum_config.py (tests/test_config_reference.py keeps the file in step).
+pydantic models in ppo_affine/config.py, ppo_affine/curriculum_config.py and ppo_affine/warm_start/config.py
+(tests/test_config_reference.py keeps the file in step).
 
 Run:  python tools/config_reference.py > docs/configuration.md
 """
@@ -16,6 +17,7 @@ from pydantic_core import PydanticUndefined
 
 from ppo_affine.curriculum_config import CurriculumConfig, Stage, TaskSource
 from ppo_affine.config import BASE_CONFIG_FILES, CONFIG_DIR, EnvConfig, EnvSpec, TrainConfig
+from ppo_affine.warm_start.config import WarmStartConfig
 
 INTRO = """# Configuration reference
 
@@ -61,7 +63,7 @@ def default_text(field) -> str:
         return "(see below)"
     if isinstance(value, dict) and value and isinstance(next(iter(value.values())), BaseModel):
         return "(see below)"
-    return f"`{json.dumps(value)}`"
+    return f"`{json.dumps(value, default=str)}`"  # a path as its text
 
 
 def shipped_values(file_name: str) -> dict[str, Any]:
@@ -115,6 +117,10 @@ def document() -> str:
         f"## curriculum_config.json (`curriculum.*` in presets)\n\n{table(CurriculumConfig, '', curriculum)}",
         f"### stages[i]: one stage\n\n{table(Stage, 'stages[i].', {})}",
         f"### stages[i].tasks[j]: one task source\n\n{table(TaskSource, 'stages[i].tasks[j].', {})}",
+        "## sft_warmstart.py's options (`WarmStartConfig`)\n\nEach field is the option of the same name, dashes for "
+        "underscores (`experts` is `--expert`); lists, per-game counts (`{\"*\": n}` for the games not named) and "
+        "experts are written comma-separated there (`--episodes 64,gin_rummy=8`). The program reads the files above "
+        f"as well, for the model, the LoRA and the game env.\n\n{table(WarmStartConfig, '', {})}",
     ]
     return "\n".join(parts)
 

@@ -1,0 +1,142 @@
+"""The SFT of the warm start: recorded conversations become token sequences exactly as a rollout builds them, and
+the LoRA adapter learns the assistant replies (masked negative log-likelihood), saved as a checkpoint PPO starts
+from."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ppo_affine.config import Config, ConfigError
+from ppo_affine.run_log import console, rollout_progress
+from ppo_affine.warm_start.config import WarmStartConfig
+
+SFT_STATE_KIND = "sft-warmstart"  # the checkpoint kind of its checkpoints (checkpoint.checkpoint_kind)
+
+
+def read_records(path: Path, option: str = "--data") -> list[dict[str, Any]]:
+    """The conversations of a JSONL file (sft_data.jsonl's shape); ConfigError naming `option` otherwise."""
+    try:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{option} {path}: cannot read conversations ({exc}).") from None
+    if not records or not all(isinstance(r.get("messages"), list) for r in records):
+        raise ConfigError(f"{option} {path}: expected JSONL lines with a 'messages' list (as sft_data.jsonl holds).")
+    return records
+
+
+def conversations_to_episodes(records: list[dict[str, Any]], builder, strategy: str, eos_ids: set[int]):
+    """Rollout-shaped episodes (token sequences + turns) of recorded conversations, built the way a rollout
+    prompts: the same context strategy, and each reply's ids followed by an EOS. A record's
+    `explored_replies` (random moves) stay in the context and are not trained on."""
+    from ppo_affine.envs.tasks import Task
+    from ppo_affine.prompts import TokenHistory
+    from ppo_affine.rollout import Episode, Turn, build_messages
+
+    eos = builder.tokenizer.eos_token_id  # the token that ends an assistant turn in the chat template
+    episodes = []
+    for record in records:
+        messages = record["messages"]
+        explored = set(record.get("explored_replies", ()))
+        replies_seen = 0
+        has_system = bool(messages) and messages[0]["role"] == "system"
+        history = TokenHistory(builder, eos_ids)
+        episode = Episode(task=Task("openspiel", record.get("task_id", 0), record.get("seed", 0), None, "sft", False),
+                          env_kind="openspiel", sequences=history.sequences, game_name=record.get("game", ""),
+                          done=True, score=float(record.get("score") or 0.0))  # None: a cut record
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            shown = build_messages(messages[:i], i - 1, strategy, None)
+            prompt = history.prompt(shown, i - 1 if strategy != "last" else int(has_system))
+            if prompt is None:
+                break  # longer than generation.max_prompt_tokens: the rest of this game is not trained on
+            _, sequence, start = prompt
+            reply_ids = builder.tokenize(message["content"]) + [eos]
+            history.add_reply(reply_ids, message["content"])
+            if replies_seen not in explored:  # a random move stays in the context, untrained
+                episode.turns.append(Turn(reply_ids, message["content"], None, sequence=sequence, start=start))
+            replies_seen += 1
+        episodes.append(episode)
+    return episodes
+
+
+def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: int, token_budget: int,
+              seed: int, max_grad_norm: float = 1.0) -> list[dict[str, float]]:
+    """Masked SFT: minibatches of `batch_size` sequences, micro-batches by `token_budget`; per-epoch stats."""
+    import torch
+
+    from ppo_affine.batching import micro_batches
+
+    optimizer = torch.optim.AdamW(policy.adapter_parameters(), lr=learning_rate, weight_decay=0.0)
+    order_rng = torch.Generator().manual_seed(seed)
+    pad_id = policy.tokenizer.pad_token_id
+    policy.train()
+    history = []
+    steps = 0
+    for epoch in range(epochs):
+        order = torch.randperm(len(sequences), generator=order_rng).tolist()
+        total_loss = total_tokens = 0.0
+        batches = (len(order) + batch_size - 1) // batch_size
+        with rollout_progress(batches, f"SFT epoch {epoch + 1}/{epochs}") as advance:
+            for first in range(0, len(order), batch_size):
+                minibatch = [sequences[i] for i in order[first:first + batch_size]]
+                tokens = sum(s.response_len for s in minibatch)
+                optimizer.zero_grad(set_to_none=True)
+                for batch in micro_batches(minibatch, token_budget, pad_id, policy.device,
+                                           policy.shares_prefixes_with_gradients()):
+                    scored = policy.score(batch.input_ids, None, batch.response_mask, with_values=False)
+                    loss = -(scored.logprobs * batch.response_mask).sum() / tokens
+                    loss.backward()
+                    total_loss += loss.item() * tokens
+                torch.nn.utils.clip_grad_norm_(policy.adapter_parameters(), max_grad_norm)
+                optimizer.step()
+                steps += 1
+                total_tokens += tokens
+                advance()
+        history.append({"epoch": epoch + 1, "loss": total_loss / max(1.0, total_tokens), "optimizer_steps": steps})
+        console.print(f"SFT epoch {epoch + 1}: mean NLL per reply token {history[-1]['loss']:.4f}", highlight=False)
+    optimizer.zero_grad(set_to_none=True)
+    policy.eval()
+    return history
+
+
+def fine_tune(config: Config, records: list[dict[str, Any]], settings: WarmStartConfig, init_adapter: Path | None,
+              output_dir: Path) -> Path:
+    """SFT on `records` (from the adapter at `init_adapter`, else a fresh LoRA) for `settings.epochs`, then a
+    checkpoint in `output_dir/checkpoints` that keeps `config` and `settings`; returns its path."""
+    import torch
+
+    from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
+    from ppo_affine.batching import build_sequences
+    from ppo_affine.checkpoint import save_checkpoint
+    from ppo_affine.generation import eos_token_ids
+    from ppo_affine.model_files import pick_device
+    from ppo_affine.policy import adapter_folder, load_policy
+    from ppo_affine.prompts import PromptBuilder
+
+    cfg = config.train
+    device = pick_device(cfg.run.device)
+    return_freed_memory_to_the_os()
+    torch.manual_seed(cfg.run.seed)
+    policy = load_policy(cfg.model, cfg.lora, device)
+    if init_adapter is not None:
+        policy.load_adapter(adapter_folder(init_adapter))
+        console.print(f"SFT goes on from the adapter in {init_adapter}", highlight=False)
+    builder = PromptBuilder(policy.tokenizer, cfg.generation.max_prompt_tokens, cfg.model.chat_template_kwargs)
+    episodes = conversations_to_episodes(records, builder, cfg.generation.context_strategy,
+                                         eos_token_ids(policy.tokenizer, policy.model.generation_config))
+    sequences = build_sequences(episodes)
+    if not sequences:
+        raise ConfigError("no expert reply to train on: each was a random move (--explore) or its prompt is longer "
+                          "than generation.max_prompt_tokens.")
+    console.print(f"SFT on {sum(len(e.turns) for e in episodes)} expert replies in {len(sequences)} sequences "
+                  f"({sum(s.response_len for s in sequences)} reply tokens)", highlight=False)
+    with training_allocations():
+        history = train_sft(policy, sequences, settings.epochs, settings.learning_rate, settings.batch_size,
+                            cfg.ppo.micro_batch_tokens, cfg.run.seed)
+    state = {"kind": SFT_STATE_KIND, "step": history[-1]["optimizer_steps"], "history": history,
+             "config": config.model_dump(mode="json"), "sft": settings.model_dump(mode="json")}
+    (output_dir / "sft_metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    return save_checkpoint(output_dir / "checkpoints", history[-1]["optimizer_steps"], policy.save, state,
+                           keep_last=1)
