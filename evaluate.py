@@ -49,7 +49,8 @@ from ppo_affine.envs.tasks import (AVAILABLE_GAMES, TRACE_LEVELS, game_name_of, 
                         validator_seed)
 from ppo_affine.model_files import served_folder
 from ppo_affine.model_files import load_adapter_model
-from ppo_affine.generation import LocalGenerator, VLLMError, VLLMGenerator, eos_token_ids
+from ppo_affine.generation import VLLMError, VLLMGenerator, eos_token_ids
+from ppo_affine.local_generation import LocalGenerator
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
 from ppo_affine.run_log import console, report_failure, rollout_progress, setup_logging

@@ -63,7 +63,8 @@ from ppo_affine.advantages import assign_advantages, final_reward, turn_rewards
 from ppo_affine.batching import build_sequences
 from ppo_affine.experience import correct_for_the_sampler, sampler_gap, score_sequences
 from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
-from ppo_affine.generation import LocalGenerator, VLLMError, VLLMServers, eos_token_ids
+from ppo_affine.generation import VLLMError, VLLMServers, eos_token_ids
+from ppo_affine.local_generation import LocalGenerator
 from ppo_affine.model_files import check_4bit_support, pick_device
 from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, load_policy
 from ppo_affine.ppo import AdaptiveKLController, FixedKLController

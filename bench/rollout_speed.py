@@ -18,7 +18,7 @@ import torch
 from ppo_affine.envs.tasks import Task
 from ppo_affine.envs.factory import make_envs
 from ppo_affine.envs.tasks import game_task_id
-from ppo_affine.generation import LocalGenerator
+from ppo_affine.local_generation import LocalGenerator
 from ppo_affine.policy import load_policy
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import RolloutRunner

@@ -213,9 +213,16 @@ class GenerationConfig(Strict):
         "(earlier replies think- and whitespace-stripped); truncated = earlier thinking replaced by a marker; last = system prompt + the pending decision only."
     )
     max_prompt_tokens: int = Field(4096, ge=16, description="Oldest turns are dropped past this budget.")
-    max_concurrent_episodes: int = Field(32, ge=1, description="Episodes played at once (local: rows per "
-                                         "generation wave).")
+    max_concurrent_episodes: int = Field(32, ge=1, description="Episodes played at once (local: the most rows "
+                                         "of a decode step).")
     reuse_kv_cache: bool = Field(True, description="local backend: keep each episode's KV cache between its turns.")
+    local_batching: Literal["continuous", "wave"] = Field(
+        "continuous", description="local backend: continuous = a reply request joins the next decode step as soon as "
+        "its episode asks; wave = the old barrier, a batch starts when every live episode has asked (for comparison).")
+    fold_adapter: bool = Field(
+        True, description="local backend: generate with the LoRA adapter added into a copy of each weight it adapts "
+        "(one matmul per layer instead of three; the trained weights are untouched). Needs the copy's memory during "
+        "rollouts; 4-bit models always keep the adapter path.")
     max_turns: int = Field(200, ge=1, description="Model decisions per episode before it is cut off.")
     request_timeout: float = Field(300.0, gt=0, description="Seconds per vLLM request.")
     request_retries: int = Field(3, ge=0, description="Retries of a failed vLLM request (transient errors only).")

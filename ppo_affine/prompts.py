@@ -15,6 +15,7 @@ fail the check, and that turn starts a new sequence from a fresh render.
 """
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 
@@ -25,11 +26,32 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.chat_template_kwargs = chat_template_kwargs or {}
+        self._template = None  # the compiled chat template once it rendered as apply_chat_template does; False: not
 
     def render(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(
+        # Every turn renders the whole conversation: apply_chat_template spends two thirds of that converting the
+        # messages, which are plain dicts here, so the compiled template renders them directly once the first
+        # render showed both ways agree.
+        if self._template:
+            return self._template.render(messages=messages, add_generation_prompt=True, **self._template_variables)
+        text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
         )
+        if self._template is None:
+            self._template = self._compiled_template_rendering(messages, text) or False
+        return text
+
+    def _compiled_template_rendering(self, messages: list[dict[str, str]], text: str):
+        """The tokenizer's chat template compiled (transformers' own compiler), if it renders `messages` as `text`."""
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            template = _compile_jinja_template(self.tokenizer.chat_template)
+            self._template_variables = {**self.tokenizer.special_tokens_map, **self.chat_template_kwargs}
+            same = template.render(messages=messages, add_generation_prompt=True, **self._template_variables) == text
+        except Exception:  # another transformers version, a template given another way: keep the public path
+            return None
+        return template if same else None
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of template text; special tokens written in it (e.g. <|im_start|>) become their ids."""
@@ -38,19 +60,58 @@ class PromptBuilder:
     def encode(self, messages: list[dict[str, str]]) -> list[int]:
         return self.tokenize(self.render(messages))
 
-    def fit(self, messages: list[dict[str, str]], keep_from: int) -> tuple[list[int], str] | None:
-        """(ids, rendered text), dropping the oldest turns (never the system message or the pending
-        decision) until it fits the budget; None when even that is too long."""
+    def fit(self, messages: list[dict[str, str]], keep_from: int, room: int = 0) -> tuple[list[int], str, int] | None:
+        """(ids, rendered text, messages dropped): the oldest turns after the system message dropped, never the
+        pending decision (`messages[keep_from:]`), until the prompt fits the budget, and then until it also leaves
+        `room` tokens free (so that later turns can extend it); None when even the shortest is too long.
+
+        One render and tokenisation say how many turns must go: each token's place in the text tells which
+        message it belongs to. The shortened prompt is rendered and tokenised once to check (a turn more goes
+        in the rare case that the tokens at a cut differ from the estimate)."""
         text = self.render(messages)
-        ids = self.tokenize(text)
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(encoding["input_ids"])
+        if len(ids) <= self.max_prompt_tokens:
+            return ids, text, 0
         first = 1 if messages and messages[0]["role"] == "system" else 0
-        while len(ids) > self.max_prompt_tokens and keep_from > first:
-            drop = 2 if keep_from - first >= 2 else 1
-            messages = messages[:first] + messages[first + drop :]
-            keep_from -= drop
-            text = self.render(messages)
-            ids = self.tokenize(text)
-        return (ids, text) if len(ids) <= self.max_prompt_tokens else None
+        droppable = max(0, keep_from - first)
+        target = max(1, self.max_prompt_tokens - room)
+        drop = self._turns_to_drop(text, messages, first, droppable, [start for start, _ in encoding["offset_mapping"]],
+                                   len(ids) - target)
+        while True:
+            if drop:
+                text = self.render(messages[:first] + messages[first + drop:])
+                ids = self.tokenize(text)
+            if len(ids) <= target or drop >= droppable:
+                break
+            drop = self._next_drop(drop, droppable)
+        return (ids, text, drop) if len(ids) <= self.max_prompt_tokens else None
+
+    @staticmethod
+    def _next_drop(drop: int, droppable: int) -> int:
+        """Turns go a user/assistant pair at a time, the last one alone when one is left."""
+        return drop + (2 if droppable - drop >= 2 else 1)
+
+    def _turns_to_drop(self, text: str, messages: list[dict[str, str]], first: int, droppable: int,
+                       token_starts: list[int], excess: int) -> int:
+        """The fewest turns (in pairs) whose tokens add up to `excess`, estimated from where each message's
+        content ends in `text`; 0 when the contents cannot be found there (the template rewrites them)."""
+        ends, position = [], 0
+        for message in messages[: first + droppable]:
+            found = text.find(message["content"], position)
+            if found < 0:
+                return 0
+            position = found + len(message["content"])
+            ends.append(position)
+        cut_from = ends[first - 1] if first else 0
+        drop = 0
+        while drop < droppable:
+            drop = self._next_drop(drop, droppable)
+            cut_to = ends[first + drop - 1]
+            removed = bisect.bisect_right(token_starts, cut_to) - bisect.bisect_right(token_starts, cut_from)
+            if removed >= excess:
+                break
+        return drop
 
 
 class TokenHistory:
@@ -65,6 +126,7 @@ class TokenHistory:
         self.eos_ids = eos_ids
         self.continue_sequences = continue_sequences
         self.sequences: list[list[int]] = []
+        self._dropped = 0  # turns the current sequence leaves out after the system message (the oldest ones)
         self._rendered = ""  # the text the current sequence stands for (prompt render + reply text)
         self._eos_text = ""  # the reply's final EOS as text, which the template writes after the reply
 
@@ -72,13 +134,17 @@ class TokenHistory:
         """(prompt ids, sequence index, position of the reply's first token) for the pending turn;
         None when the prompt cannot fit `max_prompt_tokens`."""
         if self.sequences and self.continue_sequences:
-            continued = self._continue(messages)
+            first = 1 if messages and messages[0]["role"] == "system" else 0
+            continued = self._continue(messages[:first] + messages[first + self._dropped:])
             if continued is not None:
                 return continued
-        fitted = self.builder.fit(messages, keep_from)
+        # A sequence that outgrew the budget restarts at half of it, so that the turns after it extend it again
+        # (keeping their KV cache) instead of each re-fitting and re-tokenising the whole prompt.
+        room = self.builder.max_prompt_tokens // 2 if self.continue_sequences else 0
+        fitted = self.builder.fit(messages, keep_from, room)
         if fitted is None:
             return None
-        ids, self._rendered = fitted
+        ids, self._rendered, self._dropped = fitted
         self.sequences.append(list(ids))
         return ids, len(self.sequences) - 1, len(ids)
 

@@ -8,6 +8,7 @@ ids and the template's glue whenever the template allows it), asks a generator
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from dataclasses import dataclass, field
@@ -130,8 +131,12 @@ class RolloutRunner:
         """Play every task; at most `max_concurrent_episodes` live at once, results in task order.
         `first_index` is the first task's place in the whole step's batch (this rank's share starts
         there): episodes draw their seeds and pick their vLLM server by their place in the batch."""
-        if hasattr(self.generator, "reset_waves"):
-            self.generator.reset_waves(step)
+        rollout = getattr(self.generator, "rollout", None)
+        async with (rollout(step) if rollout else contextlib.nullcontext()):
+            return await self._run(tasks, step, on_episode_done, first_index)
+
+    async def _run(self, tasks: list[Task], step: int, on_episode_done: Callable[[Episode], None] | None,
+                   first_index: int) -> list[Episode]:
         episodes: list[Episode | None] = [None] * len(tasks)
         queue = iter(range(len(tasks)))
         started = getattr(self.generator, "episode_started", lambda: None)

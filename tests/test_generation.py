@@ -5,7 +5,8 @@ import json
 import httpx
 import pytest
 
-from ppo_affine.generation import LocalGenerator, VLLMGenerator, eos_token_ids
+from ppo_affine.generation import VLLMGenerator, eos_token_ids
+from ppo_affine.local_generation import LocalGenerator
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import RolloutRunner
 from test_rollout import CountingEnv, _tasks
@@ -43,18 +44,29 @@ def test_full_context_episodes_are_one_token_sequence(tiny_policy):
         assert sequence[turn.start: turn.start + len(turn.response_ids)] == turn.response_ids
 
 
+def replies(generator: LocalGenerator, prompts: list[list[int]], seeds: list[int] | None = None) -> list[list[int]]:
+    """Each prompt's reply from the local generator, all asked at once within one rollout."""
+    async def ask():
+        async with generator.rollout(step=0):
+            asked = [generator.generate(p, order_key=i, seed=(seeds or [0] * len(prompts))[i])
+                     for i, p in enumerate(prompts)]
+            answers = await asyncio.gather(*asked)
+        await generator.close()
+        return [a.token_ids for a in answers]
+    return asyncio.run(ask())
+
+
 def test_every_eos_id_of_the_generation_config_ends_a_reply(tiny_policy):
     cfg = GenerationConfig(backend="local", max_new_tokens=4, temperature=0.0, reuse_kv_cache=False)
     prompt = PromptBuilder(tiny_policy.tokenizer, 4096).encode([{"role": "user", "content": "go"}])
-    generator = LocalGenerator(tiny_policy, cfg, seed=0)
-    first_token = generator._generate_batch([(0, prompt)], 1)[0][0]
+    first_token = replies(LocalGenerator(tiny_policy, cfg, seed=0), [prompt])[0][0]
     config = tiny_policy.model.generation_config
     original = config.eos_token_id
     config.eos_token_id = [tiny_policy.tokenizer.eos_token_id, first_token]
     try:
         generator = LocalGenerator(tiny_policy, cfg, seed=0)
         assert first_token in generator.eos_ids
-        assert generator._generate_batch([(0, prompt)], 1)[0] == [first_token]
+        assert replies(generator, [prompt]) == [[first_token]]
     finally:
         config.eos_token_id = original
 
@@ -97,7 +109,7 @@ class RulesEnv(CountingEnv):
 def test_first_prompts_that_begin_alike_are_prefilled_once(tiny_policy, temperature):
     def rollout(reuse: bool):
         cfg = GenerationConfig(backend="local", max_new_tokens=5, max_concurrent_episodes=4, context_strategy="full",
-                               reuse_kv_cache=reuse, temperature=temperature)
+                               reuse_kv_cache=reuse, temperature=temperature, local_batching="wave")
         generator = LocalGenerator(tiny_policy, cfg, seed=0)
         runner = RolloutRunner({"game": ("openspiel", RulesEnv())}, generator,
                                PromptBuilder(tiny_policy.tokenizer, 4096), cfg)
@@ -108,7 +120,7 @@ def test_first_prompts_that_begin_alike_are_prefilled_once(tiny_policy, temperat
     whole_replies, _, whole = rollout(False)
     assert shared_replies == whole_replies
     first_prompt = len(episodes[0].prompt_ids(episodes[0].turns[0]))
-    # the first wave runs the common first prompt (all but its last token) once, then one token per episode
+    # (waves, so that the four first turns join together) the first wave runs the common first prompt (all but its last token) once, then one token per episode
     first_wave = (first_prompt - 1) + 4
     later_turns = shared.prefilled_tokens - first_wave
     assert 0 < later_turns < whole.prompt_tokens - 4 * first_prompt
@@ -234,3 +246,42 @@ def test_training_at_a_temperature_refuses_a_server_returning_raw_logprobs_namin
     processed = fake_vllm.build_app(str(tiny_model_dir), served_name="tiny", logprobs_mode="processed_logprobs")
     for temperature in (0.7, 1.3):
         served_check(processed, tokenizer, temperature)
+
+
+def test_a_request_gets_the_same_tokens_alone_or_batched_with_others(tiny_policy):
+    cfg = GenerationConfig(backend="local", max_new_tokens=6, temperature=1.0, reuse_kv_cache=False)
+    builder = PromptBuilder(tiny_policy.tokenizer, 4096)
+    prompts = [builder.encode([{"role": "user", "content": "go " * n}]) for n in (1, 5, 9)]
+    batched = replies(LocalGenerator(tiny_policy, cfg, seed=0), prompts, seeds=[11, 12, 13])
+    alone = [replies(LocalGenerator(tiny_policy, cfg, seed=0), [p], seeds=[s])[0]
+             for p, s in zip(prompts, [11, 12, 13])]
+    assert batched == alone
+    reseeded = replies(LocalGenerator(tiny_policy, cfg, seed=0), prompts, seeds=[21, 22, 23])
+    assert reseeded != batched
+
+
+def test_the_folded_adapter_gives_the_adapters_logits_and_leaves_the_weights_untouched(tiny_model_dir):
+    import torch
+
+    from ppo_affine.local_generation import FoldedAdapter
+    from ppo_affine.testing.tiny import load_tiny_policy
+
+    policy = load_tiny_policy(tiny_model_dir)
+    with torch.no_grad():
+        for name, parameter in policy.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.5)
+    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+    ids = torch.tensor([[5, 9, 13, 40, 2, 7]])
+    policy.eval()
+    with torch.no_grad():
+        unfolded = policy.model(input_ids=ids).logits
+        with policy.base():
+            base = policy.model(input_ids=ids).logits
+        with FoldedAdapter(policy.model):
+            folded = policy.model(input_ids=ids).logits
+    assert torch.allclose(folded, unfolded, atol=1e-5) and not torch.allclose(folded, base, atol=1e-3)
+    assert all(torch.equal(before[name], p) for name, p in policy.model.named_parameters())
+    assert all(p.requires_grad == ("lora_" in name) for name, p in policy.model.named_parameters())
+    with policy.base():  # the base model's turn: nothing to fold, the generator leaves the adapter path alone
+        assert FoldedAdapter.foldable_layers(policy.model) is None

@@ -84,3 +84,61 @@ def test_a_continuation_over_budget_falls_back_to_a_trimmed_fresh_prompt(tokeniz
     h.add_reply(tokenizer("7", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], "7")
     ids2, sequence2, _ = h.prompt(second, keep_from=3)
     assert sequence2 == 1 and ids2 == h.builder.encode([SYSTEM, second[3]])
+
+
+def long_game(turns: int) -> list[dict[str, str]]:
+    """A system message, then `turns` user/assistant pairs of some length, then the pending decision."""
+    messages = [SYSTEM]
+    for turn in range(turns):
+        messages += [{"role": "user", "content": f"state {turn}: " + "board row " * 8}, {"role": "assistant", "content": str(turn)}]
+    return messages + [{"role": "user", "content": "your move?"}]
+
+
+def slow_fit(builder: PromptBuilder, messages, keep_from):
+    """The definition: drop pairs one at a time, re-rendering each time, until it fits."""
+    first, drop = 1, 0
+    while True:
+        kept = messages[:first] + messages[first + drop:]
+        ids = builder.encode(kept)
+        if len(ids) <= builder.max_prompt_tokens or drop >= keep_from - first:
+            return (ids, drop) if len(ids) <= builder.max_prompt_tokens else None
+        drop += 2 if keep_from - first - drop >= 2 else 1
+
+
+@pytest.mark.parametrize("budget", [60, 150, 333, 600, 5000])
+def test_fit_drops_what_dropping_pair_by_pair_drops_with_one_tokenisation_to_estimate(tokenizer, budget, monkeypatch):
+    builder = PromptBuilder(tokenizer, budget)
+    messages = long_game(12)
+    keep_from = len(messages) - 1
+    expected = slow_fit(builder, messages, keep_from)
+    tokenised = []
+    original = builder.tokenize
+    monkeypatch.setattr(builder, "tokenize", lambda text: tokenised.append(text) or original(text))
+    fitted = builder.fit(messages, keep_from)
+    assert (None if fitted is None else (fitted[0], fitted[2])) == expected
+    assert len(tokenised) <= 2  # the estimate was right or one turn short, never a re-tokenisation per pair
+
+
+def test_after_a_drop_later_turns_extend_the_shortened_sequence(tokenizer):
+    budget = 300
+    h = history(tokenizer, budget=budget)
+    messages = long_game(10)
+    ids, sequence, _ = h.prompt(messages, keep_from=len(messages) - 1)
+    assert len(ids) <= budget // 2  # half the budget left for the turns to come
+    dropped = h._dropped
+    assert dropped > 0 and ids == h.builder.encode(messages[:1] + messages[1 + dropped:])
+    reply = tokenizer("5", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    h.add_reply(reply, "5")
+    messages += [{"role": "assistant", "content": "5"}, {"role": "user", "content": "next?"}]
+    ids2, sequence2, _ = h.prompt(messages, keep_from=len(messages) - 1)
+    assert sequence2 == sequence and ids2[: len(ids) + len(reply)] == ids + reply  # continued, cache kept
+    assert tokenizer.decode(ids2) == h.builder.render(messages[:1] + messages[1 + dropped:])
+
+
+def test_the_compiled_template_renders_as_apply_chat_template(tokenizer):
+    builder = PromptBuilder(tokenizer, 4096)
+    messages = long_game(3)
+    assert builder.render(messages) == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert builder._template  # the first render checked it
+    later = long_game(5)
+    assert builder.render(later) == tokenizer.apply_chat_template(later, add_generation_prompt=True, tokenize=False)

@@ -6,7 +6,8 @@ import pytest
 
 from ppo_affine.envs.tasks import Task
 from ppo_affine.envs.base import EpisodeLost, step_result
-from ppo_affine.generation import Generation, LocalGenerator, cut_at_eos
+from ppo_affine.generation import Generation, cut_at_eos
+from ppo_affine.local_generation import LocalGenerator
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import MAX_OUTAGE_REPLAYS, MAX_REPLAYS, RolloutRunner, build_messages
 from ppo_affine.config import GenerationConfig
@@ -44,7 +45,7 @@ def test_prompt_budget_drops_oldest_turns_but_keeps_system_and_pending_decision(
     full = builder.encode(CONVERSATION)
     without_turn_1 = builder.encode(CONVERSATION[:1] + CONVERSATION[3:])
     builder.max_prompt_tokens = len(full) - 1
-    assert builder.fit(CONVERSATION, keep_from=3)[0] == without_turn_1
+    assert builder.fit(CONVERSATION, keep_from=3)[::2] == (without_turn_1, 2)
     builder.max_prompt_tokens = len(builder.encode(CONVERSATION[:1] + CONVERSATION[3:])) - 1
     assert builder.fit(CONVERSATION, keep_from=3) is None
 
@@ -85,9 +86,9 @@ class CountingEnv:
         pass
 
 
-def _runner(policy, env, concurrency=8):
+def _runner(policy, env, concurrency=8, batching="continuous"):
     cfg = GenerationConfig(backend="local", max_new_tokens=3, max_concurrent_episodes=concurrency,
-                           context_strategy="full")
+                           context_strategy="full", local_batching=batching)
     generator = LocalGenerator(policy, cfg, seed=0)
     return RolloutRunner({"game": ("openspiel", env)}, generator, PromptBuilder(policy.tokenizer, 4096), cfg)
 
@@ -96,28 +97,68 @@ def _tasks(n):
     return [Task("game", task_id=i, seed=i, opponent=None, stage="s", replay=False) for i in range(n)]
 
 
-def test_each_wave_of_pending_turns_is_one_batched_generate_call(tiny_policy, monkeypatch):
-    batch_sizes = []
-    original = tiny_policy.model.generate
+def _count_admissions(monkeypatch) -> tuple[list[int], list[int]]:
+    """(rows joining at each forward call that admits some, rows of every forward call) of every LocalGenerator."""
+    joined, rows = [], []
+    step = LocalGenerator._step
 
-    def counting_generate(**kwargs):
-        batch_sizes.append(kwargs["input_ids"].shape[0])
-        return original(**kwargs)
+    def counting_step(self, joining):
+        if joining:
+            joined.append(len(joining))
+        rows.append(len(joining) + (len(self._running.requests) if self._running else 0))
+        return step(self, joining)
 
-    monkeypatch.setattr(tiny_policy.model, "generate", counting_generate)
-    episodes = asyncio.run(_runner(tiny_policy, CountingEnv()).run(_tasks(4), step=0))
-    assert batch_sizes == [4, 4]  # 4 episodes x 2 decisions = 2 waves
+    monkeypatch.setattr(LocalGenerator, "_step", counting_step)
+    return joined, rows
+
+
+def test_a_wave_batches_every_live_episodes_turn(tiny_policy, monkeypatch):
+    joined, _ = _count_admissions(monkeypatch)
+    episodes = asyncio.run(_runner(tiny_policy, CountingEnv(), batching="wave").run(_tasks(4), step=0))
+    assert joined == [4, 4]  # 4 episodes x 2 decisions = 2 waves
     assert all(e.done and len(e.turns) == 2 for e in episodes)
 
 
 def test_concurrency_limit_admits_new_episodes_as_others_finish(tiny_policy, monkeypatch):
-    batch_sizes = []
-    original = tiny_policy.model.generate
-    monkeypatch.setattr(tiny_policy.model, "generate",
-                        lambda **kw: batch_sizes.append(kw["input_ids"].shape[0]) or original(**kw))
+    joined, decoded = _count_admissions(monkeypatch)
     episodes = asyncio.run(_runner(tiny_policy, CountingEnv(), concurrency=3).run(_tasks(5), step=0))
-    assert max(batch_sizes) == 3 and sum(batch_sizes) == 10
+    assert max(decoded) <= 3 and sum(joined) == 10
     assert [e.task.task_id for e in episodes] == [0, 1, 2, 3, 4]
+
+
+class SlowFirstMoveEnv(CountingEnv):
+    """Task 0's first step takes 0.3 s (an opponent's long search); the env logs when each step returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.returned: list[tuple[int, int]] = []  # (task, its step number) in the order the steps returned
+        self.task_of: dict[str, int] = {}
+
+    async def reset(self, task_id=None, seed=None, **kwargs):
+        result = await super().reset(task_id, seed, **kwargs)
+        self.task_of[result["episode_id"]] = task_id
+        return result
+
+    async def step(self, action, episode_id):
+        task = self.task_of[episode_id]
+        if task == 0 and not self.episodes[episode_id]:
+            await asyncio.sleep(0.3)
+        result = await super().step(action, episode_id)
+        self.returned.append((task, len(self.episodes[episode_id])))
+        return result
+
+
+@pytest.mark.parametrize("batching", ["continuous", "wave"])
+def test_no_episode_waits_for_another_episodes_slow_env_step(tiny_policy, batching):
+    env = SlowFirstMoveEnv()
+    episodes = asyncio.run(_runner(tiny_policy, env, batching=batching).run(_tasks(4), step=0))
+    assert all(e.done for e in episodes)
+    others_done = max(env.returned.index((task, 2)) for task in (1, 2, 3))
+    slow_first_move = env.returned.index((0, 1))
+    if batching == "continuous":  # the other episodes played their second turns meanwhile
+        assert others_done < slow_first_move
+    else:  # the barrier: their second turns waited for episode 0's
+        assert others_done > slow_first_move
 
 
 def test_rollouts_are_reproducible_and_keep_exact_token_ids(tiny_policy):

@@ -1,0 +1,328 @@
+"""Is the accelerator kept busy during rollouts? Measured on CPU, with a model that costs wall time and no CPU.
+
+The stand-in model computes nothing: every forward call (a prefill or a decode step) sleeps a fixed
+time, which releases the GIL and uses no core, and returns keys/values of one number per token and
+flat logits. On a GPU the sleep is the kernels' time; the host's part is everything else. Replies are scripted (a legal action id picked by the request's
+seed, then EOS), so every setting plays real games of the env, with its real prompts and opponent.
+Per setting, side by side in one run, `wave` (the old barrier) and `continuous` local batching:
+
+- `busy_fraction` = the stand-in's sleeping time / the rollout's wall time;
+- `search_cpu_s`: the CPU time the env's worker processes spent (the MCTS opponent's searches);
+- `bound_ratio` = wall time / max(the stand-in's busy time, search_cpu_s / the env's workers): 1.0
+  when the rollout takes only as long as its slowest resource, the sum of both under a barrier;
+- `host_ms_per_turn`: wall time per model turn with a null model (replies returned at once, env in-process):
+  rendering and tokenising prompts, fitting them to the budget, the env's reset and steps;
+- `ops_per_decode_step`: torch operations dispatched by one decode step of 8 rows (a kernel launch each on a
+  GPU), for `generate` with the adapter (the old path), the decode loop with the adapter path, and the decode
+  loop with the adapter folded; `ops_per_join`: the same for a row joining a running batch.
+
+    python -m bench.host_speed                         # SmolLM2-135M's op counts; 32 episodes per setting, 50 ms
+    python -m bench.host_speed --small                 # CI size: the tiny model, 8 episodes, 20 ms, no MCTS
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ppo_affine.config import GenerationConfig, load_config
+from ppo_affine.envs.factory import make_envs
+from ppo_affine.envs.tasks import Task, game_task_id
+from ppo_affine.generation import Generation
+from ppo_affine.local_generation import LocalGenerator
+from ppo_affine.prompts import PromptBuilder
+from ppo_affine.rollout import RolloutRunner
+from ppo_affine.testing.tiny import load_tiny_policy, make_tiny_model_dir
+
+LEGAL_LINE = re.compile(r"^(\d+) -> ", re.MULTILINE)
+
+
+# ---------------------------------------------------------------------- scripted replies
+def scripted_reply(tokenizer, prompt_ids: list[int], seed: int, eos_id: int) -> list[int]:
+    """A legal action id from the prompt's last 'Legal Actions:' block (chosen by `seed`), then EOS."""
+    tail = tokenizer.decode(prompt_ids[-200:], skip_special_tokens=True)
+    block = tail.rsplit("Legal Actions:", 1)[-1]
+    legal = LEGAL_LINE.findall(block) or ["0"]
+    return tokenizer.encode(legal[seed % len(legal)], add_special_tokens=False) + [eos_id]
+
+
+class ScriptedGenerator(LocalGenerator):
+    """The real decode loop, whose sampler plays the scripted replies (the model's logits are ignored)."""
+
+    def _choose(self, logits, requests):
+        eos = min(self.eos_ids)
+        tokens = []
+        for request in requests:
+            if not request.reply:
+                request.script = scripted_reply(self.tokenizer, request.prompt, request.seed, eos)
+            tokens.append(request.script[len(request.reply)])
+        return torch.tensor(tokens, device=logits.device)
+
+
+class NullGenerator:
+    """No model at all: the scripted reply at once, so a rollout's wall time is the host's work (less `seconds`,
+    the time spent finding the scripted replies)."""
+
+    def __init__(self, tokenizer, eos_ids: set[int]):
+        self.tokenizer, self.eos_ids = tokenizer, eos_ids
+        self.seconds = 0.0
+
+    async def generate(self, prompt_ids: list[int], order_key: int, seed: int) -> Generation:
+        started = time.perf_counter()
+        reply = scripted_reply(self.tokenizer, prompt_ids, seed, min(self.eos_ids))
+        self.seconds += time.perf_counter() - started
+        return Generation(reply)
+
+
+class StandInModel(torch.nn.Module):
+    """A causal LM's interface whose forward sleeps `seconds` and computes nothing; `calls` counts its calls."""
+
+    def __init__(self, seconds: float, vocab: int, eos_id: int, layers: int = 2):
+        super().__init__()
+        from transformers import GenerationConfig as HFGenerationConfig, LlamaConfig
+
+        self.seconds, self.vocab, self.layers, self.calls = seconds, vocab, layers, 0
+        self.generation_config = HFGenerationConfig(eos_token_id=eos_id)
+        self.config = LlamaConfig(vocab_size=vocab, num_hidden_layers=layers)
+
+    def forward(self, input_ids, cache=None, past_key_values=None, **ignored):
+        from transformers import DynamicCache
+
+        self.calls += 1
+        time.sleep(self.seconds)
+        rows, width = input_ids.shape
+        new = torch.zeros((rows, 1, width, 1))
+        cache = cache if cache is not None else past_key_values
+        if cache is None:
+            cache = DynamicCache(ddp_cache_data=[(new, new)] * self.layers)
+        else:
+            for layer in range(self.layers):
+                cache.update(new, new, layer)
+        logits = torch.zeros((rows, 1, self.vocab))
+        return SimpleNamespace(logits=logits, cache=cache, past_key_values=cache)
+
+
+class StandInPolicy:
+    """What the local generator uses of a Policy, around the stand-in model."""
+
+    def __init__(self, tokenizer, seconds: float):
+        self.tokenizer = tokenizer
+        self.model = StandInModel(seconds, len(tokenizer), tokenizer.eos_token_id)
+        self.device = torch.device("cpu")
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        yield
+
+
+# ---------------------------------------------------------------------- rollouts
+def tasks_for(games: list[str], opponent: str, episodes: int) -> list[Task]:
+    return [Task("openspiel", game_task_id(games[i % len(games)], 0), 5000 + i, opponent, "bench", False)
+            for i in range(episodes)]
+
+
+def children_cpu_seconds() -> float:
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+async def timed_rollout(runner: RolloutRunner, tasks: list[Task]) -> dict:
+    cpu = children_cpu_seconds()
+    started = time.perf_counter()
+    episodes = await runner.run(tasks, step=0)
+    wall = time.perf_counter() - started
+    return {"wall_s": wall, "search_cpu_s": children_cpu_seconds() - cpu,
+            "turns": sum(len(e.turns) for e in episodes), "errors": sum(bool(e.error) for e in episodes)}
+
+
+async def play_setting(policy, games: list[str], opponent: str, episodes: int, cost: float,
+                       env_spec_overrides: list[str]) -> dict:
+    """The setting's rollout with the null model, then with the stand-in under each local batching."""
+    config = load_config(overrides=["env.envs.openspiel.workers=auto", *env_spec_overrides])
+    envs = make_envs(config.env, seed=0, meets_search=opponent == "mcts")
+    workers = max(1, len(getattr(envs["openspiel"][1], "_workers", [])))
+    builder = PromptBuilder(policy.tokenizer, GenerationConfig().max_prompt_tokens)
+    result: dict = {"games": games, "opponent": opponent, "episodes": episodes, "env_workers": workers}
+    try:
+        null_cfg = GenerationConfig(backend="local", max_concurrent_episodes=episodes)
+        null = RolloutRunner(envs, NullGenerator(policy.tokenizer, {policy.tokenizer.eos_token_id}), builder, null_cfg)
+        await null.run(tasks_for(games, "random", workers), step=0)  # starts the env's worker processes
+        result["null_model"] = await timed_rollout(null, tasks_for(games, opponent, episodes))
+        for batching in ("wave", "continuous"):
+            cfg = GenerationConfig(backend="local", max_concurrent_episodes=episodes, max_new_tokens=8,
+                                   local_batching=batching)
+            generator = ScriptedGenerator(policy, cfg, seed=0)
+            before = policy.model.calls
+            timed = await timed_rollout(RolloutRunner(envs, generator, builder, cfg), tasks_for(games, opponent,
+                                                                                              episodes))
+            await generator.close()
+            calls = policy.model.calls - before
+            busy = calls * cost
+            bound = max(busy, timed["search_cpu_s"] / workers)
+            result[batching] = timed | {"busy_s": busy, "busy_fraction": busy / timed["wall_s"],
+                                        "bound_ratio": timed["wall_s"] / bound, "forward_calls": calls}
+        result["continuous_over_wave"] = result["continuous"]["wall_s"] / result["wave"]["wall_s"]
+    finally:
+        for _, env in envs.values():
+            await env.close()
+    return result
+
+
+def host_ms_per_turn(tokenizer, game: str, episodes: int) -> float:
+    """Wall milliseconds per turn with the null model, env in-process, at the default prompt budget."""
+    config = load_config(overrides=["env.envs.openspiel.workers=0"])
+    envs = make_envs(config.env, seed=0, meets_search=False)
+    cfg = GenerationConfig(backend="local", max_concurrent_episodes=episodes, context_strategy="full")
+    null = NullGenerator(tokenizer, {tokenizer.eos_token_id})
+    runner = RolloutRunner(envs, null, PromptBuilder(tokenizer, cfg.max_prompt_tokens), cfg)
+
+    async def play() -> dict:
+        try:
+            await runner.run(tasks_for([game], "random", 4), step=0)  # warm-up: imports and first-use costs
+            null.seconds = 0.0
+            return await timed_rollout(runner, tasks_for([game], "random", episodes))
+        finally:
+            await envs["openspiel"][1].close()
+    timed = asyncio.run(play())
+    return 1000 * (timed["wall_s"] - null.seconds) / max(1, timed["turns"])
+
+
+# ---------------------------------------------------------------------- operations per decode step
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched in its thread while active (each is a kernel launch on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CountingGenerator(LocalGenerator):
+    """The decode loop with the operations of each forward step counted: a plain decode step, or one where
+    rows join a running batch."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_ops: list[int] = []
+        self.join_ops: list[int] = []
+
+    def _step(self, joining):
+        running_before = self._running is not None
+        with OpCounter() as counter:
+            super()._step(joining)
+        if not joining:
+            self.step_ops.append(counter.count)
+        elif running_before:
+            self.join_ops.append(counter.count)
+
+
+def ops_per_decode_step(policy, rows: int = 8, tokens: int = 8) -> dict:
+    builder = PromptBuilder(policy.tokenizer, 4096)
+    prompts = [builder.encode([{"role": "user", "content": "Legal Actions:\n0 -> a\n" * (1 + i)}]) for i in range(rows)]
+    result = {}
+    for label, fold in (("decode_loop_adapter_path", False), ("decode_loop_folded", True)):
+        cfg = GenerationConfig(backend="local", max_new_tokens=tokens, temperature=1.0, fold_adapter=fold)
+        generator = CountingGenerator(policy, cfg, seed=0)
+        eos = generator.eos_ids
+        generator.eos_ids = set()  # every row runs to max_new_tokens
+
+        async def ask():
+            async with generator.rollout(step=0):
+                first = [generator.generate(prompts[0], 0, 1)]
+                await asyncio.sleep(0)
+                rest = [generator.generate(p, i + 1, i + 2) for i, p in enumerate(prompts[1:])]
+                await asyncio.gather(*first, *rest)
+            await generator.close()
+        asyncio.run(ask())
+        generator.eos_ids = eos
+        result[label] = sorted(generator.step_ops)[len(generator.step_ops) // 2]
+        result[f"{label}_join"] = max(generator.join_ops, default=0)
+    result["generate_adapter_path"] = generate_ops_per_token(policy, prompts, tokens)
+    return result
+
+
+def generate_ops_per_token(policy, prompts: list[list[int]], tokens: int) -> int:
+    """`generate`'s operations per decode step with the adapter on: (ops for `tokens` - ops for 1) / (tokens - 1)."""
+    width = max(map(len, prompts))
+    pad = policy.tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+
+    def count(new_tokens: int) -> int:
+        with torch.no_grad(), OpCounter() as counter:
+            policy.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=True, top_k=None, pad_token_id=pad)
+        return counter.count
+    policy.eval()
+    return round((count(tokens) - count(1)) / (tokens - 1))
+
+
+# ---------------------------------------------------------------------- the run
+def real_policy(preset: str):
+    from ppo_affine.policy import load_policy
+
+    config = load_config(presets=[preset])
+    torch.manual_seed(0)
+    return load_policy(config.train.model, config.train.lora, torch.device("cpu")), config.train.model.name_or_path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--small", action="store_true", help="CI size: tiny model, 8 episodes, 20 ms, vs random only")
+    parser.add_argument("--episodes", type=int, default=None)
+    parser.add_argument("--cost-ms", type=float, default=None, help="the stand-in's wall time per forward call")
+    parser.add_argument("--preset", default="cpu", help="the real model whose operations are counted")
+    parser.add_argument("--skip", default="", help="comma-separated settings to leave out")
+    parser.add_argument("--json", type=Path, default=None, help="also write the result to this file")
+    args = parser.parse_args(argv)
+    episodes = args.episodes or (8 if args.small else 32)
+    cost = (args.cost_ms or (20.0 if args.small else 50.0)) / 1000
+    skip = set(filter(None, args.skip.split(",")))
+    torch.manual_seed(0)
+    model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="host-speed-")) / "tiny")
+    counted, counted_name = (load_tiny_policy(model_dir), "tiny") if args.small else real_policy(args.preset)
+    stand_in = StandInPolicy(counted.tokenizer, cost)
+    settings = {
+        "leduc_poker/random": (["leduc_poker"], "random"),
+        "goofspiel/random": (["goofspiel"], "random"),
+        "othello/random": (["othello"], "random"),
+        "validator/mcts": (["leduc_poker", "liars_dice", "goofspiel"], "mcts"),
+    }
+    if args.small:
+        settings.pop("validator/mcts")
+    result: dict = {"stand_in_ms": cost * 1000, "episodes": episodes, "threads": torch.get_num_threads(),
+                    "settings": {}, "host_ms_per_turn": {}}
+    for name, (games, opponent) in settings.items():
+        if name not in skip:
+            result["settings"][name] = asyncio.run(play_setting(stand_in, games, opponent, episodes, cost, []))
+    for game in ("leduc_poker", "goofspiel", "othello"):
+        result["host_ms_per_turn"][game] = host_ms_per_turn(counted.tokenizer, game, episodes)
+    result["ops_per_decode_step"] = {"model": counted_name, **ops_per_decode_step(counted)}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()

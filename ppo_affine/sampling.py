@@ -1,0 +1,67 @@
+"""Next-token sampling whose draws depend only on each request's seed and the token's place in its reply.
+
+Local generation serves requests as they come (continuous batching), so which rows share a decode
+step depends on timing. A single random generator drawn over the batch, as `generate` and
+transformers' continuous-batching manager do, would then give a request different tokens run to
+run. Here every draw is a Gumbel-max draw whose noise is a hash of (request seed, token index,
+vocabulary id): the same request samples the same tokens whatever it was batched with, so a seeded
+run and its resumed copy generate alike. Argmax of (scores / temperature + Gumbel noise) is an
+exact sample of softmax(scores / temperature); top-k and top-p keep the highest-scoring tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _as_int64(constant: int) -> int:
+    """A 64-bit constant as the signed value an int64 tensor holds (its arithmetic wraps modulo 2**64)."""
+    return constant - (1 << 64) if constant >= 1 << 63 else constant
+
+
+_GOLDEN = _as_int64(0x9E3779B97F4A7C15)  # splitmix64's increment
+_MIX_1 = _as_int64(0xBF58476D1CE4E5B9)
+_MIX_2 = _as_int64(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's `>>` keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser: a bijective hash of each int64 value with good avalanche."""
+    x = (x ^ _shift_right(x, 30)) * _MIX_1
+    x = (x ^ _shift_right(x, 27)) * _MIX_2
+    return x ^ _shift_right(x, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] float64 in (0, 1): row b's value for token v is a hash of (seeds[b], counters[b], v)."""
+    row_key = mix64(seeds.long() * _GOLDEN + counters.long())
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.long)
+    bits = mix64(row_key[:, None] + (ids[None, :] + 1) * _GOLDEN)
+    return (_shift_right(bits, 11).double() + 0.5) / float(1 << 53)
+
+
+def filter_scores(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Scores with everything outside the top-k and the top-p nucleus set to -inf (the best token always stays)."""
+    if top_k and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(scores, dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = mass_before >= top_p  # a token joins while the mass of the better ones is short of top_p
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return scores
+
+
+def sample_tokens(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, temperature: float,
+                  top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """[B] token ids: greedy at temperature 0, else a sample of softmax(filtered logits / temperature)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    scores = filter_scores(logits.float() / temperature, top_k, top_p)
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, counters, logits.shape[-1])))
+    return (scores.double() + gumbel).argmax(dim=-1)

@@ -1,0 +1,52 @@
+"""sampling.py: draws keyed by (seed, token index), exact against hand-computed filters and a reference hash."""
+import math
+
+import torch
+
+from ppo_affine.sampling import filter_scores, mix64, sample_tokens, uniform_noise
+
+MASK = (1 << 64) - 1
+
+
+def reference_mix64(x: int) -> int:
+    """splitmix64's finaliser on unsigned 64-bit Python ints."""
+    x &= MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 31)
+
+
+def test_the_tensor_hash_is_splitmix64_with_wrapping_int64_arithmetic():
+    values = [0, 1, 12345, (1 << 63) - 1, -1, -(1 << 63)]
+    got = mix64(torch.tensor(values, dtype=torch.long)).tolist()
+    assert [g & MASK for g in got] == [reference_mix64(v) for v in values]
+
+
+def test_noise_depends_only_on_the_rows_seed_and_counter():
+    alone = uniform_noise(torch.tensor([7]), torch.tensor([3]), 50)
+    batched = uniform_noise(torch.tensor([1, 7, 7]), torch.tensor([3, 3, 4]), 50)
+    assert torch.equal(alone[0], batched[1])
+    assert not torch.equal(batched[0], batched[1]) and not torch.equal(batched[1], batched[2])
+    assert 0.0 < float(batched.min()) and float(batched.max()) < 1.0
+
+
+def test_top_k_and_top_p_keep_the_hand_computed_tokens():
+    scores = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    assert torch.isinf(filter_scores(scores, top_k=2, top_p=1.0)).tolist() == [[False, False, True, True, True]]
+    # mass before each token: 0, .5, .7, .85, .95; top_p = 0.7 keeps the tokens whose better ones hold < 0.7
+    assert torch.isinf(filter_scores(scores, top_k=0, top_p=0.7)).tolist() == [[False, False, True, True, True]]
+    assert torch.isinf(filter_scores(scores, top_k=0, top_p=0.71)).tolist() == [[False, False, False, True, True]]
+    shuffled = scores[:, [3, 0, 4, 2, 1]]  # the filter follows the scores, not the ids
+    assert torch.isinf(filter_scores(shuffled, 0, 0.7)).tolist() == [[True, False, True, True, False]]
+
+
+def test_greedy_is_argmax_and_samples_follow_the_tempered_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
+    assert sample_tokens(logits, torch.tensor([0]), torch.tensor([0]), temperature=0.0).tolist() == [2]
+    draws = 20_000
+    seeds = torch.arange(draws)
+    tokens = sample_tokens(logits.expand(draws, 4), seeds, torch.zeros(draws, dtype=torch.long), temperature=2.0)
+    expected = torch.softmax(logits[0] / 2.0, dim=0)
+    counts = torch.bincount(tokens, minlength=4).double() / draws
+    for p, q in zip(counts.tolist(), expected.tolist()):
+        assert abs(p - q) < 4 * math.sqrt(q * (1 - q) / draws)  # within 4 standard errors
