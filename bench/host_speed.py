@@ -1,8 +1,9 @@
 """Is the accelerator kept busy during rollouts? Measured on CPU, with a model that costs wall time and no CPU.
 
-The stand-in model computes nothing: every forward call (a prefill or a decode step) sleeps a fixed
-time, which releases the GIL and uses no core, and returns keys/values of one number per token and
-flat logits. On a GPU the sleep is the kernels' time; the host's part is everything else. Replies are scripted (a legal action id picked by the request's
+The stand-in model computes nothing: every forward call (a prefill or a decode step) keeps its
+"device" busy a fixed time, which passes while the decode loop waits for the step's tokens (a sleep:
+no core, no GIL), and returns keys/values of one number per token and flat logits. On a GPU that
+time is the kernels'; the host's part is everything else. Replies are scripted (a legal action id picked by the request's
 seed, then EOS), so every setting plays real games of the env, with its real prompts and opponent.
 Per setting, side by side in one run, `wave` (the old barrier) and `continuous` local batching:
 
@@ -35,7 +36,7 @@ import psutil
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ppo_affine.config import GenerationConfig, load_config
+from ppo_affine.config import GenerationConfig, derive_seed, load_config
 from ppo_affine.envs.factory import make_envs
 from ppo_affine.envs.tasks import Task, game_task_id
 from ppo_affine.generation import Generation
@@ -57,7 +58,15 @@ def scripted_reply(tokenizer, prompt_ids: list[int], seed: int, eos_id: int) -> 
 
 
 class ScriptedGenerator(LocalGenerator):
-    """The real decode loop, whose sampler plays the scripted replies (the model's logits are ignored)."""
+    """The real decode loop, whose sampler plays the scripted replies (the model's logits are ignored), run as on
+    an accelerator: steps launch on the event loop and the stand-in's time passes while waiting for the device."""
+
+    def launches_inline(self) -> bool:
+        return True
+
+    def _device_values(self, tokens):
+        time.sleep(max(0.0, self.policy.model.busy_until - time.monotonic()))
+        return tokens.tolist()
 
     def _choose(self, logits, requests):
         eos = min(self.eos_ids)
@@ -79,19 +88,23 @@ class NullGenerator:
 
     async def generate(self, prompt_ids: list[int], order_key: int, seed: int) -> Generation:
         started = time.perf_counter()
-        reply = scripted_reply(self.tokenizer, prompt_ids, seed, min(self.eos_ids))
+        # the seed the local generator gives the request (its run seed 0 mixed in): the same moves as the stand-in
+        reply = scripted_reply(self.tokenizer, prompt_ids, derive_seed(0, seed), min(self.eos_ids))
         self.seconds += time.perf_counter() - started
         return Generation(reply)
 
 
 class StandInModel(torch.nn.Module):
-    """A causal LM's interface whose forward sleeps `seconds` and computes nothing; `calls` counts its calls."""
+    """A causal LM's interface that computes nothing: each forward call adds `seconds` to the time its device is
+    busy (`busy_until`, device calls running one after another), as a GPU's launched kernels would; `calls`
+    counts the calls."""
 
     def __init__(self, seconds: float, vocab: int, eos_id: int, layers: int = 2):
         super().__init__()
         from transformers import GenerationConfig as HFGenerationConfig, LlamaConfig
 
         self.seconds, self.vocab, self.layers, self.calls = seconds, vocab, layers, 0
+        self.busy_until = 0.0
         self.generation_config = HFGenerationConfig(eos_token_id=eos_id)
         self.config = LlamaConfig(vocab_size=vocab, num_hidden_layers=layers)
 
@@ -99,7 +112,7 @@ class StandInModel(torch.nn.Module):
         from transformers import DynamicCache
 
         self.calls += 1
-        time.sleep(self.seconds)
+        self.busy_until = max(self.busy_until, time.monotonic()) + self.seconds
         rows, width = input_ids.shape
         new = torch.zeros((rows, 1, width, 1))
         cache = cache if cache is not None else past_key_values
@@ -225,14 +238,15 @@ class CountingGenerator(LocalGenerator):
         self.step_ops: list[int] = []
         self.join_ops: list[int] = []
 
-    def _step(self, joining):
+    def _compute_step(self, joining):
         running_before = self._running is not None
         with OpCounter() as counter:
-            super()._step(joining)
+            values = super()._compute_step(joining)
         if not joining:
             self.step_ops.append(counter.count)
         elif running_before:
             self.join_ops.append(counter.count)
+        return values
 
 
 def ops_per_decode_step(policy, rows: int = 8, tokens: int = 8) -> dict:
@@ -255,7 +269,8 @@ def ops_per_decode_step(policy, rows: int = 8, tokens: int = 8) -> dict:
         asyncio.run(ask())
         generator.eos_ids = eos
         result[label] = sorted(generator.step_ops)[len(generator.step_ops) // 2]
-        result[f"{label}_join"] = max(generator.join_ops, default=0)
+        # a step where rows join a running batch: its decode step, the joining rows' prefill, the merge
+        result[f"{label}_join_extra"] = max(generator.join_ops, default=result[label]) - result[label]
     result["generate_adapter_path"] = generate_ops_per_token(policy, prompts, tokens)
     return result
 
@@ -309,11 +324,15 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if args.small:
         settings.pop("validator/mcts")
-    result: dict = {"stand_in_ms": cost * 1000, "episodes": episodes, "threads": torch.get_num_threads(),
-                    "settings": {}, "host_ms_per_turn": {}}
+    result: dict = {"stand_in_ms": cost * 1000, "episodes": episodes, "settings": {}, "host_ms_per_turn": {}}
+    # The stand-in's tensors are a few numbers per token: with one thread no OpenMP team spin-waits for cores
+    # that other processes hold (on a GPU's host these tensors live on the device).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     for name, (games, opponent) in settings.items():
         if name not in skip:
             result["settings"][name] = asyncio.run(play_setting(stand_in, games, opponent, episodes, cost, []))
+    torch.set_num_threads(threads)
     for game in ("leduc_poker", "goofspiel", "othello"):
         result["host_ms_per_turn"][game] = host_ms_per_turn(counted.tokenizer, game, episodes)
     result["ops_per_decode_step"] = {"model": counted_name, **ops_per_decode_step(counted)}

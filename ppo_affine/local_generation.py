@@ -1,7 +1,9 @@
 """Replies from the training model itself: a decode loop that serves each request as soon as it comes.
 
-One thread owns the model during a rollout and runs a loop of decode steps over a running batch.
-A request (an episode's prompt for its next turn) joins at the next step: its new tokens are
+A coroutine on the rollout's event loop runs decode steps over a running batch: on an accelerator
+it launches each step's kernels itself and waits for the device in a thread (the loop steps envs
+meanwhile, and no second Python thread contends for the GIL); on CPU the whole step runs in a
+thread. A request (an episode's prompt for its next turn) joins at the next step: its new tokens are
 prefilled, from its episode's kept keys/values where they match, and its row is appended to the
 batch; a row leaves when it samples an end-of-sequence id or reaches `max_new_tokens`, and its
 keys/values are kept for the episode's next turn. So an episode waiting on its opponent's search
@@ -23,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,11 @@ from ppo_affine.policy import kv_cache_keyword
 from ppo_affine.sampling import sample_tokens
 
 log = logging.getLogger(__name__)
+
+# Joining a running batch costs a forward call of its own (a prefill), as much as a decode step when kernel
+# launches bound the model. So while rows decode, requests join once they are at least as many as the running
+# rows (the call advances as many replies as a decode step does) or the oldest has waited this many steps.
+JOIN_WAIT_STEPS = 4.0
 
 
 def cache_reuse_supported(model) -> bool:
@@ -61,19 +67,16 @@ class Request:
     prompt: list[int]
     seed: int
     future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
     reply: list[int] = field(default_factory=list)
     arrived: float = field(default_factory=time.monotonic)
 
     def resolve(self, result: Generation | BaseException) -> None:
-        def settle() -> None:
-            if self.future.done():
-                return
-            if isinstance(result, BaseException):
-                self.future.set_exception(result)
-            else:
-                self.future.set_result(result)
-        self.loop.call_soon_threadsafe(settle)
+        if self.future.done():
+            return
+        if isinstance(result, BaseException):
+            self.future.set_exception(result)
+        else:
+            self.future.set_result(result)
 
 
 @dataclass
@@ -139,7 +142,7 @@ class FoldedAdapter:
 
 
 class LocalGenerator:
-    """The training model's replies, one request per episode turn, served by a decode loop on its own thread."""
+    """The training model's replies, one request per episode turn, served by a decode loop on the event loop."""
 
     def __init__(self, policy, gen_cfg: GenerationConfig, seed: int):
         self.policy = policy
@@ -154,41 +157,40 @@ class LocalGenerator:
         self._pending: list[Request] = []
         self._caches: dict[int, EpisodeCache] = {}
         self._running: Running | None = None
-        self._changed = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closing = False
-        self._abandon = False  # set by _drain: drop the running batch
+        self._work: asyncio.Event | None = None  # set when something may let a step start
+        self._engine: asyncio.Task | None = None
+        self._in_flight: asyncio.Future | None = None  # the step the device (or a thread) is working on
         self.generated_tokens = 0
         self.prefilled_tokens = 0  # prompt tokens run through the model (the rest came from caches)
         self.prompt_tokens = 0
         self.forward_calls = 0  # prefill and decode steps: what a GPU would run as kernels
         self._step_seconds = 0.005  # a moving average of a step's time
 
-    # ------------------------------------------------------------------ the episodes' side (event loop)
+    # ------------------------------------------------------------------ the episodes' side
     def episode_started(self) -> None:
-        with self._changed:
-            self.live_episodes += 1
+        self.live_episodes += 1
 
     def episode_finished(self, order_key: int | None = None) -> None:
-        with self._changed:
-            self.live_episodes -= 1
-            self._caches.pop(order_key, None)
-            self._changed.notify_all()
+        self.live_episodes -= 1
+        self._caches.pop(order_key, None)
+        self._wake()
 
     async def generate(self, prompt_ids: list[int], order_key: int, seed: int) -> Generation:
         loop = asyncio.get_running_loop()
+        if self._engine is None or self._engine.done() or self._engine.get_loop() is not loop:
+            # a new event loop (e.g. a second asyncio.run) needs its own event and engine task
+            self._work, self._running = asyncio.Event(), None
+            self._engine = loop.create_task(self._serve())
         # the run's seed goes into every draw, beside the turn's own seed
-        request = Request(order_key, list(prompt_ids), derive_seed(self.seed, seed), loop.create_future(), loop)
-        with self._changed:
-            self._start_thread()
-            self._pending.append(request)
-            self._changed.notify_all()
+        request = Request(order_key, list(prompt_ids), derive_seed(self.seed, seed), loop.create_future())
+        self._pending.append(request)
+        self._wake()
         return await request.future
 
     @contextlib.asynccontextmanager
     async def rollout(self, step: int):
         """One batch of episodes: the model in eval mode (and the adapter folded) from start to end, no kept
-        cache outliving its episodes; on exit (also when cancelled) the loop is idle before the model goes back."""
+        cache outliving its episodes; on exit (also when cancelled) no step is left running on the model."""
         self._caches.clear()
         with contextlib.ExitStack() as held:
             held.enter_context(self.policy.evaluating())
@@ -197,169 +199,202 @@ class LocalGenerator:
             try:
                 yield
             finally:
-                await asyncio.to_thread(self._drain)
+                await self._stop_engine()
                 self._caches.clear()
 
     async def close(self) -> None:
-        with self._changed:
-            self._closing = True
-            self._changed.notify_all()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-        self._thread = None
-        self._closing = False
+        await self._stop_engine()
         self._caches.clear()
 
-    def _start_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._serve, name="local-generation", daemon=True)
-            self._thread.start()
+    async def _stop_engine(self) -> None:
+        """Cancel what is queued or decoding; a step in flight finishes on the device first."""
+        engine, self._engine = self._engine, None
+        if engine is not None and engine.get_loop() is asyncio.get_running_loop():
+            engine.cancel()
+            await asyncio.gather(engine, return_exceptions=True)
+        if self._in_flight is not None:  # a thread still computing on the model: it must end before the model changes
+            await asyncio.gather(self._in_flight, return_exceptions=True)
+            self._in_flight = None
+        for request in self._pending + (self._running.requests if self._running else []):
+            request.resolve(asyncio.CancelledError())
+        self._pending, self._running = [], None
 
-    def _drain(self) -> None:
-        """Cancel whatever is queued or decoding and wait until the loop holds no batch."""
-        with self._changed:
-            for request in self._pending:
-                request.resolve(asyncio.CancelledError())
-            self._pending = []
-            self._abandon = self._running is not None
-            self._changed.notify_all()
-            while self._running is not None:
-                self._changed.wait()
+    def _wake(self) -> None:
+        if self._work is not None:
+            self._work.set()
 
-    # ------------------------------------------------------------------ the decode loop (its own thread)
-    def _wait_for_work(self) -> bool:
-        """(Holding the lock) wait until a step is due; False when the loop should end. A running batch steps at
-        once. An idle loop starts when every live episode has asked (always so for `wave`); under `continuous`
-        also once its first request has waited half a step's time: episodes whose env steps end a moment
-        apart start together, an episode away on a long search holds up nobody."""
+    # ------------------------------------------------------------------ the decode loop
+    async def _wait_for_work(self) -> None:
+        """Wait until a step is due. A running batch steps at once. An idle loop starts when every live episode
+        has asked (always so for `wave`); under `continuous` also once its first request has waited half a
+        step's time: episodes whose env steps end a moment apart start together, an episode away on a long
+        search holds up nobody."""
         while True:
-            if self._closing and self._running is None:
-                return False
-            if self._abandon or self._running is not None:
-                return True
-            if self._pending:
+            if self._running is not None:
+                return
+            if self._pending and self._running is None:
                 if len(self._pending) >= self.live_episodes:
-                    return True
+                    return
                 if self.continuous:
                     left = 0.5 * self._step_seconds - (time.monotonic() - self._pending[0].arrived)
                     if left <= 0:
-                        return True
-                    self._changed.wait(left)
+                        return
+                    self._work.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._work.wait(), left)
                     continue
-            self._changed.wait()
+            self._work.clear()
+            await self._work.wait()
 
     def _joining(self) -> list[Request]:
-        """(Holding the lock) the requests that join this step, in episode order."""
-        if self.continuous or (self._running is None and len(self._pending) >= self.live_episodes):
-            joining, self._pending = sorted(self._pending, key=lambda r: r.key), []
-            return joining
-        return []
+        """The requests that join this step, in episode order (see JOIN_WAIT_STEPS)."""
+        if not self._pending:
+            return []
+        if self._running is None:
+            due = self.continuous or len(self._pending) >= self.live_episodes
+        else:
+            waited = time.monotonic() - self._pending[0].arrived
+            due = self.continuous and (len(self._pending) >= len(self._running.requests)
+                                       or waited >= JOIN_WAIT_STEPS * self._step_seconds)
+        if not due:
+            return []
+        joining, self._pending = sorted(self._pending, key=lambda r: r.key), []
+        return joining
 
-    def _serve(self) -> None:
+    async def _serve(self) -> None:
         while True:
-            with self._changed:
-                if not self._wait_for_work():
-                    return
-                if self._abandon:
-                    abandoned, self._running, self._abandon = self._running, None, False
-                    self._changed.notify_all()
-                    for request in abandoned.requests if abandoned else []:
-                        request.resolve(asyncio.CancelledError())
-                    continue
-                joining = self._joining()
+            # Let every episode that is ready to run (its reply just came, its env step needs no wait) take its
+            # turn and ask first: they then join together, one prefill call rather than one each.
+            await asyncio.sleep(0)
+            await self._wait_for_work()
+            joining = self._joining()
+            started = time.monotonic()
             try:
-                started = time.monotonic()
-                with torch.no_grad():
-                    self._step(joining)
-                self._step_seconds = 0.8 * self._step_seconds + 0.2 * (time.monotonic() - started)
-            except Exception as exc:  # the failure goes to every request in the loop; the loop goes on
+                if self.launches_inline():  # launch on the loop; the one wait for the device goes to a thread
+                    with torch.no_grad():
+                        tokens = self._launch_step(joining)
+                    self._in_flight = asyncio.ensure_future(asyncio.to_thread(self._device_values, tokens))
+                else:  # a CPU model computes while it "launches": all of it off the loop, so the episodes go on
+                    self._in_flight = asyncio.ensure_future(asyncio.to_thread(self._compute_step, joining))
+                values = await asyncio.shield(self._in_flight)
+                self._in_flight = None
+                self._finish_step(values)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the failure goes to every request in the step; the loop goes on
                 log.warning("local generation failed: %s", exc)
                 for request in joining + (self._running.requests if self._running else []):
                     request.resolve(exc)
-                with self._changed:
-                    self._running = None
-                    self._changed.notify_all()
+                self._running = None
+            self._step_seconds = 0.8 * self._step_seconds + 0.2 * (time.monotonic() - started)
+
+    def launches_inline(self) -> bool:
+        """Whether a step's forward call only launches work on an accelerator (it then runs on the event loop,
+        which needs no lock), or computes on this machine's cores (it then runs in a thread)."""
+        return self.policy.device.type != "cpu"
+
+    def _compute_step(self, joining: list[Request]) -> list[int]:
+        with torch.no_grad():
+            return self._device_values(self._launch_step(joining))
+
+    def _device_values(self, tokens: torch.Tensor) -> list[int]:
+        """The sampled ids on the host: waits for the device to finish the step (bench/ stands in its time here)."""
+        return tokens.tolist()
 
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The next token of each row (bench/ replaces this with a scripted player)."""
-        seeds = torch.tensor([r.seed for r in requests], dtype=torch.long, device=logits.device)
-        counters = torch.tensor([len(r.reply) for r in requests], dtype=torch.long, device=logits.device)
-        return sample_tokens(logits, seeds, counters, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+        return sample_tokens(logits, [r.seed for r in requests], [len(r.reply) for r in requests],
+                             self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
 
-    def _step(self, joining: list[Request]) -> None:
-        """One forward call: every running row feeds its last sampled token, every joining row the prompt tokens
-        its episode's kept cache lacks (right-aligned, so all rows end in the last column); then each row samples
-        its next token and the rows that ended leave."""
-        running, device = self._running, self.policy.device
-        staying = running.requests if running else []
-        reuse = self._reused_lengths(joining)
-        fresh = [len(r.prompt) - n for r, n in zip(joining, reuse)]
-        new_width = max(fresh + [1])
-        cached_width = max([running.width if running else 0] + reuse)
-        cache, cached_mask = self._cache_before_step(running, joining, reuse, cached_width)
+    def _launch_step(self, joining: list[Request]) -> torch.Tensor:
+        """A decode step of the running rows (each feeds its last sampled token), and a prefill of the joining
+        rows (the prompt tokens their episode's kept cache lacks), which then join the running batch; returns
+        the next token of every running row, still on the device. Joining rows get a forward call of their own:
+        in one padded batch their new columns would be padding for every other row until it ends."""
+        if self._running is not None:
+            self._decode_step()
+        if joining:
+            self._merge(self._prefill(joining))
+        return self._running.next_tokens
 
-        rows = len(staying) + len(joining)
-        input_ids = torch.full((rows, new_width), self.tokenizer.pad_token_id, dtype=torch.long, device=device)
-        positions = torch.zeros((rows, new_width), dtype=torch.long, device=device)
-        new_mask = torch.zeros((rows, new_width), dtype=torch.long, device=device)
-        if running:
-            input_ids[: len(staying), -1] = running.next_tokens
-            positions[: len(staying), -1] = running.positions
-            new_mask[: len(staying), -1] = 1
-        for row, (request, n, count) in enumerate(zip(joining, reuse, fresh), start=len(staying)):
-            input_ids[row, new_width - count:] = torch.tensor(request.prompt[n:], dtype=torch.long)
-            positions[row, new_width - count:] = torch.arange(n, len(request.prompt))
-            new_mask[row, new_width - count:] = 1
-        self.prompt_tokens += sum(len(r.prompt) for r in joining)
-        self.prefilled_tokens += sum(fresh)
-
-        mask = torch.cat([cached_mask, new_mask], dim=1)
+    def _forward(self, input_ids, mask, positions, cache, cached_width: int):
         self.forward_calls += 1
+        device = self.policy.device
+        cache_position = torch.arange(cached_width, cached_width + input_ids.shape[1], device=device)
         out = self.policy.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                cache_position=torch.arange(cached_width, cached_width + new_width, device=device),
-                                use_cache=True, logits_to_keep=1, **{self._cache_name: cache})
-        requests = staying + joining
-        next_positions = [running.positions + 1] if running else []
-        next_positions.append(torch.tensor([len(r.prompt) for r in joining], dtype=torch.long, device=device))
-        tokens = self._choose(out.logits[:, -1], requests)
-        for request, token in zip(requests, tokens.tolist()):
+                                cache_position=cache_position, use_cache=True, logits_to_keep=1,
+                                **{self._cache_name: cache})
+        return out.logits[:, -1], getattr(out, self._cache_name)
+
+    def _decode_step(self) -> None:
+        running = self._running
+        ones = torch.ones((len(running.requests), 1), dtype=torch.long, device=running.mask.device)
+        mask = torch.cat([running.mask, ones], dim=1)
+        logits, running.cache = self._forward(running.next_tokens[:, None], mask, running.positions[:, None],
+                                              running.cache, running.width)
+        running.mask, running.positions = mask, running.positions + 1
+        running.next_tokens = self._choose(logits, running.requests)
+
+    def _prefill(self, joining: list[Request]) -> Running:
+        """The joining rows' forward call: [left padding | kept prefix | left padding | new prompt tokens]."""
+        device = self.policy.device
+        reuse = self._reused_lengths(joining)
+        cached_width = max(reuse)
+        new_width = max(len(r.prompt) - n for r, n in zip(joining, reuse))
+        width = cached_width + new_width
+        input_ids = torch.full((len(joining), new_width), self.tokenizer.pad_token_id, dtype=torch.long)
+        positions = torch.zeros((len(joining), new_width), dtype=torch.long)
+        mask = torch.zeros((len(joining), width), dtype=torch.long)
+        for row, (request, n) in enumerate(zip(joining, reuse)):
+            fresh = len(request.prompt) - n
+            input_ids[row, new_width - fresh:] = torch.tensor(request.prompt[n:], dtype=torch.long)
+            positions[row, new_width - fresh:] = torch.arange(n, len(request.prompt))
+            mask[row, cached_width - n: cached_width] = 1
+            mask[row, width - fresh:] = 1
+        self.prompt_tokens += sum(len(r.prompt) for r in joining)
+        self.prefilled_tokens += sum(len(r.prompt) - n for r, n in zip(joining, reuse))
+        cache = self._joining_cache(joining, reuse, cached_width) if cached_width else None
+        mask = mask.to(device)
+        logits, cache = self._forward(input_ids.to(device), mask, positions.to(device), cache, cached_width)
+        next_positions = torch.tensor([len(r.prompt) for r in joining], dtype=torch.long, device=device)
+        return Running(list(joining), cache, mask, next_positions, self._choose(logits, joining))
+
+    def _merge(self, joining: Running) -> None:
+        """Append the joining rows to the running batch, both right-aligned to the wider of the two."""
+        running = self._running
+        if running is None:
+            self._running = joining
+            return
+        width = max(running.width, joining.width)
+        for old, new in zip(running.cache.layers, joining.cache.layers):
+            old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)])
+            old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
+        running.requests = running.requests + joining.requests
+        running.mask = torch.cat([_left_pad(running.mask, width, dim=1), _left_pad(joining.mask, width, dim=1)])
+        running.positions = torch.cat([running.positions, joining.positions])
+        running.next_tokens = torch.cat([running.next_tokens, joining.next_tokens])
+
+    def _finish_step(self, tokens: list[int]) -> None:
+        for request, token in zip(self._running.requests, tokens):
             request.reply.append(token)
-        self.generated_tokens += len(requests)
-        self._running = Running(requests, getattr(out, self._cache_name), mask, torch.cat(next_positions), tokens)
+        self.generated_tokens += len(tokens)
         self._retire_finished()
 
-    def _cache_before_step(self, running: Running | None, joining: list[Request], reuse: list[int], width: int):
-        """(the keys/values the step's rows start from, their mask [rows, width]): the running rows' left-padded
-        to `width`, then each joining row's reused prefix right-aligned; (None, an empty mask) when there are none."""
+    def _joining_cache(self, joining: list[Request], reuse: list[int], width: int):
+        """One DynamicCache holding each joining row's reused prefix, right-aligned to `width`."""
         from transformers import DynamicCache
 
-        device = self.policy.device
-        join_mask = torch.zeros((len(joining), width), dtype=torch.long, device=device)
-        for row, n in enumerate(reuse):
-            join_mask[row, width - n:] = 1
-        if running and not joining and width == running.width:
-            return running.cache, running.mask  # a plain decode step: the running cache as it is
-        if not width:
-            return None, join_mask
-        with self._changed:
-            kept = [self._caches[r.key] if n else None for r, n in zip(joining, reuse)]
-        source = running.cache.layers[0].keys[0] if running else next(c for c in kept if c).layers[0][0]
-        heads, dim = source.shape[-3], source.shape[-1]
+        kept = [(row, self._caches[r.key], n) for row, (r, n) in enumerate(zip(joining, reuse)) if n]
+        sample = kept[0][1].layers[0][0]
         layers = []
-        for layer in range(len(running.cache.layers) if running else len(next(c for c in kept if c).layers)):
-            join_keys = source.new_zeros((len(joining), heads, width, dim))
-            join_values = join_keys.clone()
-            for row, (cache, n) in enumerate(zip(kept, reuse)):
-                if n:
-                    join_keys[row, :, width - n:] = cache.layers[layer][0][:, :n]
-                    join_values[row, :, width - n:] = cache.layers[layer][1][:, :n]
-            if running:
-                old = running.cache.layers[layer]
-                join_keys = torch.cat([_left_pad(old.keys, width), join_keys])
-                join_values = torch.cat([_left_pad(old.values, width), join_values])
-            layers.append((join_keys, join_values))
-        mask = torch.cat([_left_pad(running.mask, width, dim=1), join_mask]) if running else join_mask
-        return DynamicCache(ddp_cache_data=layers), mask
+        for layer in range(len(kept[0][1].layers)):
+            keys = sample.new_zeros((len(joining), sample.shape[0], width, sample.shape[2]))
+            values = keys.clone()
+            for row, cache, n in kept:
+                keys[row, :, width - n:] = cache.layers[layer][0][:, :n]
+                values[row, :, width - n:] = cache.layers[layer][1][:, :n]
+            layers.append((keys, values))
+        return DynamicCache(ddp_cache_data=layers)
 
     def _finished(self, request: Request) -> bool:
         return request.reply[-1] in self.eos_ids or len(request.reply) >= self.cfg.max_new_tokens
@@ -378,9 +413,7 @@ class LocalGenerator:
             request.resolve(Generation(list(request.reply)))
         keep = [row for row in range(len(running.requests)) if row not in set(done)]
         if not keep:
-            with self._changed:
-                self._running = None
-                self._changed.notify_all()
+            self._running = None
             return
         index = torch.tensor(keep, device=running.mask.device)
         running.cache.batch_select_indices(index)
@@ -400,15 +433,13 @@ class LocalGenerator:
         columns = running.mask[row].nonzero().squeeze(-1)
         layers = [(layer.keys[row].index_select(1, columns), layer.values[row].index_select(1, columns))
                   for layer in running.cache.layers]
-        with self._changed:
-            self._caches[request.key] = EpisodeCache(ids=request.prompt + request.reply[:-1], layers=layers)
+        self._caches[request.key] = EpisodeCache(ids=request.prompt + request.reply[:-1], layers=layers)
 
     def _reused_lengths(self, requests: list[Request]) -> list[int]:
         """How many leading prompt tokens of each request its episode's kept cache already holds (each row keeps
         at least one token to feed); fresh rows that begin alike get their common prefix prefilled once."""
         reuse = []
-        with self._changed:
-            caches = [self._caches.get(r.key) if self.reuse_cache else None for r in requests]
+        caches = [self._caches.get(r.key) if self.reuse_cache else None for r in requests]
         for request, cache in zip(requests, caches):
             reuse.append(min(prefixes.common_prefix(cache.ids, request.prompt), len(request.prompt) - 1)
                          if cache else 0)
@@ -432,11 +463,10 @@ class LocalGenerator:
             out = self.policy.model(input_ids=torch.tensor([prefix], device=device), use_cache=True,
                                     logits_to_keep=1)
             layers = [(layer.keys[0], layer.values[0]) for layer in getattr(out, self._cache_name).layers]
-            with self._changed:
-                for member in members:
-                    row = fresh[member]
-                    self._caches[requests[row].key] = EpisodeCache(ids=list(prefix), layers=layers)
-                    reuse[row] = shared
+            for member in members:
+                row = fresh[member]
+                self._caches[requests[row].key] = EpisodeCache(ids=list(prefix), layers=layers)
+                reuse[row] = shared
             self.prefilled_tokens += shared  # once; each row's rest is counted with its prefill
 
 

@@ -21,6 +21,7 @@ def _as_int64(constant: int) -> int:
 _GOLDEN = _as_int64(0x9E3779B97F4A7C15)  # splitmix64's increment
 _MIX_1 = _as_int64(0xBF58476D1CE4E5B9)
 _MIX_2 = _as_int64(0x94D049BB133111EB)
+_MASK = (1 << 64) - 1
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -35,12 +36,32 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift_right(x, 31)
 
 
-def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] float64 in (0, 1): row b's value for token v is a hash of (seeds[b], counters[b], v)."""
-    row_key = mix64(seeds.long() * _GOLDEN + counters.long())
-    ids = torch.arange(vocab, device=seeds.device, dtype=torch.long)
-    bits = mix64(row_key[:, None] + (ids[None, :] + 1) * _GOLDEN)
-    return (_shift_right(bits, 11).double() + 0.5) / float(1 << 53)
+def row_keys(seeds: list[int], counters: list[int]) -> list[int]:
+    """Each row's key, hashed on the host (Python ints): splitmix64 of seed * golden ratio + counter, as int64."""
+    keys = []
+    for seed, counter in zip(seeds, counters):
+        x = (seed * 0x9E3779B97F4A7C15 + counter) & _MASK
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+        keys.append(_as_int64(x ^ (x >> 31)))
+    return keys
+
+
+_VOCAB_KEYS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _vocab_keys(vocab: int, device: torch.device) -> torch.Tensor:
+    """(id + 1) * golden ratio for every vocabulary id, made once per vocabulary size and device."""
+    cache_key = (vocab, str(device))
+    if cache_key not in _VOCAB_KEYS:
+        _VOCAB_KEYS[cache_key] = (torch.arange(vocab, device=device, dtype=torch.long) + 1) * _GOLDEN
+    return _VOCAB_KEYS[cache_key]
+
+
+def uniform_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] float64 in (0, 1): row b's value for token v is a hash of (keys[b], v)."""
+    bits = mix64(keys[:, None] + _vocab_keys(vocab, keys.device))
+    return (_shift_right(bits, 11).double() + 0.5) * (1.0 / (1 << 53))
 
 
 def filter_scores(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -57,11 +78,14 @@ def filter_scores(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return scores
 
 
-def sample_tokens(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, temperature: float,
+def sample_tokens(logits: torch.Tensor, seeds: list[int], counters: list[int], temperature: float,
                   top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """[B] token ids: greedy at temperature 0, else a sample of softmax(filtered logits / temperature)."""
+    """[B] token ids: greedy at temperature 0, else a sample of softmax(filtered logits / temperature). Row b's
+    draw is keyed by (seeds[b], counters[b]); every operation is batched (a decode step's few dozen kernels)."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
-    scores = filter_scores(logits.float() / temperature, top_k, top_p)
-    gumbel = -torch.log(-torch.log(uniform_noise(seeds, counters, logits.shape[-1])))
-    return (scores.double() + gumbel).argmax(dim=-1)
+    scores = logits.double() if temperature == 1 else logits.double() / temperature
+    scores = filter_scores(scores, top_k, top_p)
+    keys = torch.tensor(row_keys(seeds, counters), dtype=torch.long, device=logits.device)
+    # Gumbel-max: argmax(scores + Gumbel noise), the noise written -log(-log u)
+    return (scores - torch.log(-torch.log(uniform_noise(keys, logits.shape[-1])))).argmax(dim=-1)

@@ -100,7 +100,7 @@ def _tasks(n):
 def _count_admissions(monkeypatch) -> tuple[list[int], list[int]]:
     """(rows joining at each forward call that admits some, rows of every forward call) of every LocalGenerator."""
     joined, rows = [], []
-    step = LocalGenerator._step
+    step = LocalGenerator._launch_step
 
     def counting_step(self, joining):
         if joining:
@@ -108,7 +108,7 @@ def _count_admissions(monkeypatch) -> tuple[list[int], list[int]]:
         rows.append(len(joining) + (len(self._running.requests) if self._running else 0))
         return step(self, joining)
 
-    monkeypatch.setattr(LocalGenerator, "_step", counting_step)
+    monkeypatch.setattr(LocalGenerator, "_launch_step", counting_step)
     return joined, rows
 
 

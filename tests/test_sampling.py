@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from ppo_affine.sampling import filter_scores, mix64, sample_tokens, uniform_noise
+from ppo_affine.sampling import filter_scores, mix64, row_keys, sample_tokens, uniform_noise
 
 MASK = (1 << 64) - 1
 
@@ -22,9 +22,15 @@ def test_the_tensor_hash_is_splitmix64_with_wrapping_int64_arithmetic():
     assert [g & MASK for g in got] == [reference_mix64(v) for v in values]
 
 
+def test_row_keys_hash_on_the_host_as_the_tensor_hash_does():
+    seeds, counters = [0, 7, 4_000_000_000], [0, 3, 12]
+    expected = [reference_mix64(s * 0x9E3779B97F4A7C15 + c) for s, c in zip(seeds, counters)]
+    assert [k & MASK for k in row_keys(seeds, counters)] == expected
+
+
 def test_noise_depends_only_on_the_rows_seed_and_counter():
-    alone = uniform_noise(torch.tensor([7]), torch.tensor([3]), 50)
-    batched = uniform_noise(torch.tensor([1, 7, 7]), torch.tensor([3, 3, 4]), 50)
+    alone = uniform_noise(torch.tensor(row_keys([7], [3])), 50)
+    batched = uniform_noise(torch.tensor(row_keys([1, 7, 7], [3, 3, 4])), 50)
     assert torch.equal(alone[0], batched[1])
     assert not torch.equal(batched[0], batched[1]) and not torch.equal(batched[1], batched[2])
     assert 0.0 < float(batched.min()) and float(batched.max()) < 1.0
@@ -42,10 +48,9 @@ def test_top_k_and_top_p_keep_the_hand_computed_tokens():
 
 def test_greedy_is_argmax_and_samples_follow_the_tempered_distribution():
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
-    assert sample_tokens(logits, torch.tensor([0]), torch.tensor([0]), temperature=0.0).tolist() == [2]
+    assert sample_tokens(logits, [0], [0], temperature=0.0).tolist() == [2]
     draws = 20_000
-    seeds = torch.arange(draws)
-    tokens = sample_tokens(logits.expand(draws, 4), seeds, torch.zeros(draws, dtype=torch.long), temperature=2.0)
+    tokens = sample_tokens(logits.expand(draws, 4), list(range(draws)), [0] * draws, temperature=2.0)
     expected = torch.softmax(logits[0] / 2.0, dim=0)
     counts = torch.bincount(tokens, minlength=4).double() / draws
     for p, q in zip(counts.tolist(), expected.tolist()):
