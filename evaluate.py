@@ -45,8 +45,8 @@ from ppo_affine import report
 from ppo_affine.envs.tasks import Task
 from ppo_affine.envs.factory import make_env
 from ppo_affine.envs.games import is_playable
-from ppo_affine.envs.tasks import (AVAILABLE_GAMES, TRACE_LEVELS, game_name_of, game_task_id, trace_level_range,
-                        validator_seed)
+from ppo_affine.envs.tasks import (AVAILABLE_GAMES, TRACE_LEVELS, game_name_of, game_task_id, paired_seed,
+                                   trace_level_range, validator_seed)
 from ppo_affine.model_files import served_folder
 from ppo_affine.model_files import load_adapter_model
 from ppo_affine.generation import VLLMError, VLLMGenerator, eos_token_ids
@@ -60,16 +60,10 @@ from utils import add_config_arguments, config_for_adapter, program_parser
 log = logging.getLogger("evaluate")
 
 VALIDATOR_ENV_NAME = {"openspiel": "game", "trace": "trace"}  # the env names validator seeds are hashed with
-SEED_LIMIT = 2**32 - 16  # the game env adds up to seed + 9 to a seed; RandomState takes < 2**32
 TRACE = report.TRACE
 
 
 # ---------------------------------------------------------------------- which tasks to play
-def _paired_seed(base_seed: int, key: str, index: int) -> int:
-    """A seed derived from --seed whose parity is `index % 2`, so consecutive episodes change seats."""
-    return (derive_seed(base_seed, key, index) % SEED_LIMIT) & ~1 | (index % 2)
-
-
 def _playable_config_ids(game: str):
     return (c for c in itertools.count() if is_playable(game_task_id(game, c)))
 
@@ -81,7 +75,7 @@ def game_tasks(game: str, episodes: int, seed: int | None, opponent: str, env_na
         for i in range(episodes):
             low, _ = trace_level_range(TRACE_LEVELS[i % len(TRACE_LEVELS)])
             task_id = low + i // len(TRACE_LEVELS)
-            task_seed = validator_seed("trace", task_id) if seed is None else _paired_seed(seed, TRACE, i)
+            task_seed = validator_seed("trace", task_id) if seed is None else paired_seed(seed, TRACE, i)
             tasks.append(Task(env=env_name, task_id=task_id, seed=task_seed, opponent=None, stage="eval",
                               replay=False))
         return tasks
@@ -90,7 +84,7 @@ def game_tasks(game: str, episodes: int, seed: int | None, opponent: str, env_na
     config_ids = list(itertools.islice(_playable_config_ids(game), (episodes + per_config - 1) // per_config))
     for i in range(episodes):
         task_id = game_task_id(game, config_ids[i // per_config])
-        task_seed = validator_seed("game", task_id) if seed is None else _paired_seed(seed, game, i)
+        task_seed = validator_seed("game", task_id) if seed is None else paired_seed(seed, game, i)
         tasks.append(Task(env=env_name, task_id=task_id, seed=task_seed, opponent=opponent, stage="eval",
                           replay=False))
     return tasks
@@ -122,7 +116,7 @@ def listed_tasks(ids: list[tuple[str, int]], seed: int | None, opponent: str, en
             raise ConfigError(f"--task-ids: task {task_id} ({game_name_of(task_id)}) is a variant open_spiel "
                               "cannot load; pick another config id.")
         task_seed = (validator_seed(VALIDATOR_ENV_NAME[kind], task_id) if seed is None
-                     else _paired_seed(seed, f"{kind}:{task_id}", position[kind]))
+                     else paired_seed(seed, f"{kind}:{task_id}", position[kind]))
         position[kind] += 1
         tasks.append(Task(env=env_names[kind], task_id=task_id, seed=task_seed,
                           opponent=opponent if kind == "openspiel" else None, stage="eval", replay=False))

@@ -73,7 +73,7 @@ import train_ppo
 import visualize
 from ppo_affine import report
 from ppo_affine.checkpoint import find_resumable
-from ppo_affine.envs.tasks import GAME_ID_STRIDE, game_name_of
+from ppo_affine.envs.tasks import GAME_ID_STRIDE, HELD_OUT_SEED_BASE, game_name_of
 from ppo_affine.experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS, expert_choices, expert_kind
 from ppo_affine.policy import adapter_folder
 from ppo_affine.config import ConfigError, load_config
@@ -105,7 +105,7 @@ GAME_OVERRIDES = {"gin_rummy": ["generation.max_turns=60", "generation.max_promp
 # its EOS; a cut one carries no ID. ID-only replies end at their EOS long before, so a run that mixes the
 # two costs nothing more for the ID-only games.
 REASON_REPLY_TOKENS = 40
-EVAL_SEED = 900_000  # training draws its seeds from the curriculum's generator; these are derived apart
+EVAL_SEED = HELD_OUT_SEED_BASE  # training draws its seeds from the curriculum's generator; these are derived apart
 # written into every --output-dir the bench makes: the one mark of a folder it may clear (never a user's own)
 OUTPUT_MARKER = ".bench-learning"
 

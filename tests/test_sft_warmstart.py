@@ -360,6 +360,27 @@ def test_relabelling_refuses_a_game_that_replays_differently_or_a_file_without_g
                 OpponentSetup(cache_dir="~"), None)
 
 
+@pytest.mark.parametrize("held_out", ["validator", "bench"])
+def test_games_on_evaluation_seeds_are_refused_as_training_input(tmp_path, held_out):
+    from ppo_affine.envs.tasks import HELD_OUT_SEED_BASE, paired_seed, validator_seed
+    from ppo_affine.warm_start.sft import read_records
+
+    played = _played_goofspiel(2, lambda turn, legal, expert_move: str(expert_move))
+    seed = (validator_seed("game", played["task_id"]) if held_out == "validator"
+            else paired_seed(HELD_OUT_SEED_BASE, "goofspiel", 37))
+    path = tmp_path / "eval-mcts.jsonl"
+    path.write_text(json.dumps(played) + "\n" + json.dumps({**played, "seed": seed}) + "\n")
+    with pytest.raises(ConfigError, match=rf"eval-mcts.jsonl line 2: goofspiel task {played['task_id']} seed {seed} "
+                                          r"is an evaluation seed"):
+        read_played(str(path), "mcts")
+    data = tmp_path / "sft_data.jsonl"  # the same for SFT conversations (--data, --dagger-data)
+    data.write_text(json.dumps({"messages": [], "game": "goofspiel", "task_id": played["task_id"], "seed": seed}))
+    with pytest.raises(ConfigError, match=r"sft_data.jsonl line 1: .* is an evaluation seed"):
+        read_records(data, "--data")
+    path.write_text(json.dumps(played) + "\n")  # a game on a seed of its own is kept
+    assert len(read_played(str(path), "mcts")) == 1
+
+
 def test_sft_raises_the_likelihood_of_the_expert_replies(tiny_policy):
     records = [play_expert_episode(job) for job in jobs("leduc_poker", 6)]
     episodes = conversations_to_episodes(records, PromptBuilder(tiny_policy.tokenizer, 8192), "full",

@@ -1,6 +1,7 @@
 """Task-id arithmetic shared by the envs, the curriculum and evaluation (no heavy imports)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -53,6 +54,32 @@ def validator_seed(env_name: str, task_id: int) -> int:
     """The seed Affine validators derive when none is given: sha256("<env>:<task_id>") mod 2**32."""
     digest = hashlib.sha256(f"{env_name}:{task_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") % 2**32
+
+
+# Seeds derived from a base for evaluation (evaluate.py --seed, bench/learning.py's held-out games) stay below
+# this: the game env adds up to seed + 9 to a seed, and RandomState takes < 2**32.
+SEED_LIMIT = 2**32 - 16
+# bench/learning.py's held-out evaluation seeds derive from this base; training draws its seeds elsewhere
+HELD_OUT_SEED_BASE = 900_000
+HELD_OUT_SEEDS_CHECKED = 10_000  # how many of each game's held-out seeds a training input is checked against
+
+
+def paired_seed(base_seed: int, key: str, index: int) -> int:
+    """A seed derived from `base_seed` whose parity is `index % 2`, so consecutive episodes change seats."""
+    from ppo_affine.config import derive_seed
+
+    return (derive_seed(base_seed, key, index) % SEED_LIMIT) & ~1 | (index % 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _held_out_seeds(game: str) -> frozenset[int]:
+    return frozenset(paired_seed(HELD_OUT_SEED_BASE, game, i) for i in range(HELD_OUT_SEEDS_CHECKED))
+
+
+def is_evaluation_seed(game: str, task_id: int, seed: int) -> bool:
+    """Whether a game on (`task_id`, `seed`) is one the results are judged on: the validators' own seed of that
+    task, or one of bench/learning.py's held-out seeds. Training on it would train on the test."""
+    return seed == validator_seed("game", task_id) or seed in _held_out_seeds(game)
 
 
 @dataclass(frozen=True)

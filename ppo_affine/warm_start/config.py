@@ -115,9 +115,10 @@ class WarmStartConfig(Strict):
         "one prompt each")
     data: Path | None = Field(None, description="train on this JSONL instead of generating episodes")
     relabel: list[str] = Field(
-        [], description="also train on the games a model played (evaluate.py's episodes.jsonl, bench/learning.py's "
-        "eval-*.jsonl; :MODEL keeps that model's records), replayed with each game's expert answering at every "
-        "turn (DAgger): the expert's moves at the states the model's own play reaches. Repeatable; with "
+        [], description="also train on the games a model played (evaluate.py's episodes.jsonl played with --seed S; "
+        ":MODEL keeps that model's records), replayed with each game's expert answering at every turn (DAgger): the "
+        "expert's moves at the states the model's own play reaches. Games on evaluation seeds (the validators' or "
+        "bench/learning.py's held-out ones) are refused: that would train on the test. Repeatable; with "
         "--episodes 0 and no --data, the only data")
     relabel_missed_only: bool = Field(
         False, description="of the relabelled games keep only the turns where the model missed the expert's move "

@@ -11,6 +11,7 @@ from ppo_affine.config import ConfigError
 from ppo_affine.run_log import console
 from ppo_affine.warm_start.config import WarmStartConfig
 from ppo_affine.warm_start.expert_play import OpponentSetup, Teacher, expert_reply, run_jobs, write_records
+from ppo_affine.warm_start.sft import refuse_evaluation_game
 
 RELABEL_FILE = "relabelled.jsonl"  # the relabelled records of --relabel's games, and of each DAgger round's
 
@@ -108,6 +109,7 @@ def read_played(source: str, default_opponent: str, option: str = "--relabel") -
         if (record.get("error") or record.get("game") == "trace" or not isinstance(conversation, list)
                 or (model and record.get("model") != model)):
             continue
+        refuse_evaluation_game(record, f"{option} {path} line {number}")
         played.append({**record, "conversation": conversation, "opponent": record.get("opponent") or default_opponent,
                        "source": f"{path} line {number}"})
     if not played:

@@ -22,7 +22,27 @@ def read_records(path: Path, option: str = "--data") -> list[dict[str, Any]]:
         raise ConfigError(f"{option} {path}: cannot read conversations ({exc}).") from None
     if not records or not all(isinstance(r.get("messages"), list) for r in records):
         raise ConfigError(f"{option} {path}: expected JSONL lines with a 'messages' list (as sft_data.jsonl holds).")
+    for number, record in enumerate(records, 1):
+        refuse_evaluation_game(record, f"{option} {path} line {number}")
     return records
+
+
+def refuse_evaluation_game(record: dict[str, Any], where: str) -> None:
+    """A ConfigError when `record` is a game on an evaluation seed (the validators' or bench/learning.py's
+    held-out ones): SFT or DAgger on it would train on the deals and opponent moves the results are judged on."""
+    from ppo_affine.envs.tasks import game_name_of, is_evaluation_seed
+
+    task_id, seed = record.get("task_id"), record.get("seed")
+    if record.get("env", "openspiel") != "openspiel" or not isinstance(task_id, int) or not isinstance(seed, int):
+        return
+    try:
+        game = record.get("game") or game_name_of(task_id)
+    except ValueError:
+        return
+    if is_evaluation_seed(game, task_id, seed):
+        raise ConfigError(f"{where}: {game} task {task_id} seed {seed} is an evaluation seed (the validators' or "
+                          "bench/learning.py's held-out games); training on it would train on the test. Play "
+                          "games on seeds of their own to relabel (evaluate.py --seed S).")
 
 
 def conversations_to_episodes(records: list[dict[str, Any]], builder, strategy: str, eos_ids: set[int]):
