@@ -261,10 +261,11 @@ def ops_per_decode_step(policy, rows: int = 8, tokens: int = 8) -> dict:
 
         async def ask():
             async with generator.rollout(step=0):
-                first = [generator.generate(prompts[0], 0, 1)]
-                await asyncio.sleep(0)
+                first = asyncio.ensure_future(generator.generate(prompts[0], 0, 1))
+                while generator.forward_calls < 2:  # the first row decodes alone: the others then join it
+                    await asyncio.sleep(0.001)
                 rest = [generator.generate(p, i + 1, i + 2) for i, p in enumerate(prompts[1:])]
-                await asyncio.gather(*first, *rest)
+                await asyncio.gather(first, *rest)
             await generator.close()
         asyncio.run(ask())
         generator.eos_ids = eos

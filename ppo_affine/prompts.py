@@ -65,14 +65,15 @@ class PromptBuilder:
         pending decision (`messages[keep_from:]`), until the prompt fits the budget, and then until it also leaves
         `room` tokens free (so that later turns can extend it); None when even the shortest is too long.
 
-        One render and tokenisation say how many turns must go: each token's place in the text tells which
+        One render and tokenisation (with offsets) say how many turns must go: each token's place in the text tells which
         message it belongs to. The shortened prompt is rendered and tokenised once to check (a turn more goes
         in the rare case that the tokens at a cut differ from the estimate)."""
         text = self.render(messages)
-        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(encoding["input_ids"])
+        ids = self.tokenize(text)
         if len(ids) <= self.max_prompt_tokens:
             return ids, text, 0
+        # over the budget: where each token starts in the text tells which message it belongs to
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         first = 1 if messages and messages[0]["role"] == "system" else 0
         droppable = max(0, keep_from - first)
         target = max(1, self.max_prompt_tokens - room)
