@@ -54,7 +54,8 @@ from ppo_affine.local_generation import LocalGenerator
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
 from ppo_affine.run_log import console, report_failure, rollout_progress, setup_logging
-from ppo_affine.config import Config, ConfigError, EnvSpec, derive_seed
+from ppo_affine.config import Config, ConfigError, EnvSpec
+from ppo_affine.seeds import derive_seed
 from utils import add_config_arguments, config_for_adapter, program_parser
 
 log = logging.getLogger("evaluate")

@@ -76,7 +76,8 @@ from ppo_affine.run_log import (RunLogger, console, episode_summary, report_fail
 from ppo_affine.vllm_server import ManagedVLLMServer, VLLMServerError
 from ppo_affine.update import (TooManySkips, TrainingSnapshot, UpdateSettings, UpdateState, build_optimizer, ppo_update,
                                update_signal)
-from ppo_affine.config import Config, ConfigError, TrainConfig, derive_seed
+from ppo_affine.config import Config, ConfigError, TrainConfig
+from ppo_affine.seeds import derive_seed
 from utils import add_config_arguments, config_for_adapter, config_for_checkpoint, config_from_arguments, program_parser
 
 log = logging.getLogger("train_ppo")

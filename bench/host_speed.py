@@ -36,7 +36,8 @@ import psutil
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ppo_affine.config import GenerationConfig, derive_seed, load_config
+from ppo_affine.config import GenerationConfig, load_config
+from ppo_affine.seeds import derive_seed
 from ppo_affine.envs.factory import make_envs
 from ppo_affine.envs.tasks import Task, game_task_id
 from ppo_affine.generation import Generation

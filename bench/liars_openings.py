@@ -41,7 +41,7 @@ from ppo_affine.envs.tasks import game_task_id
 from ppo_affine.experts import (LIAR, action_bid, bid_action, bid_label, counting_bid, counting_steps,
                                 dice_compositions, highest_true_bid, true_bid_choice)
 from ppo_affine.report import mean_interval
-from ppo_affine.config import derive_seed
+from ppo_affine.seeds import derive_seed
 
 HANDS = list(itertools.combinations_with_replacement(range(1, 7), 5))  # the order dice_compositions uses
 FIRST_SEAT_SEED = 0  # an even seed: the model moves first

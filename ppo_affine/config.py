@@ -11,7 +11,6 @@ reported as a `ConfigError` that names the file and the field.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -33,12 +32,6 @@ BASE_CONFIG_FILES = {
 
 class ConfigError(Exception):
     """A configuration problem, explained in one paragraph for the user."""
-
-
-def derive_seed(*parts: Any) -> int:
-    """A stable 32-bit seed from any printable parts (not Python's salted hash)."""
-    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:4], "big")
 
 
 class Strict(BaseModel):

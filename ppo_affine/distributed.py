@@ -38,7 +38,8 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, TypeVa
 import torch
 import torch.distributed as dist
 
-from ppo_affine.config import ConfigError, PPOConfig, derive_seed
+from ppo_affine.config import ConfigError, PPOConfig
+from ppo_affine.seeds import derive_seed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -32,7 +32,8 @@ from ppo_affine.envs.tasks import game_name_of
 from ppo_affine.generation import VLLMError, VLLMGenerator
 from ppo_affine.model_files import served_folder
 from ppo_affine.run_log import rollout_progress
-from ppo_affine.config import Config, ConfigError, derive_seed
+from ppo_affine.config import Config, ConfigError
+from ppo_affine.seeds import derive_seed
 
 log = logging.getLogger("evaluate")
 

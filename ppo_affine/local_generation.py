@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from ppo_affine import prefixes
-from ppo_affine.config import GenerationConfig, derive_seed
+from ppo_affine.config import GenerationConfig
+from ppo_affine.seeds import derive_seed
 from ppo_affine.generation import Generation, eos_token_ids
 from ppo_affine.policy import kv_cache_keyword
 from ppo_affine.sampling import sample_tokens

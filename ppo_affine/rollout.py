@@ -18,7 +18,8 @@ from ppo_affine.envs.tasks import Task
 from ppo_affine.envs.base import Env, EpisodeLost, StepResult
 from ppo_affine.envs.openspiel_text import strip_think
 from ppo_affine.prompts import PromptBuilder, TokenHistory
-from ppo_affine.config import GenerationConfig, derive_seed
+from ppo_affine.config import GenerationConfig
+from ppo_affine.seeds import derive_seed
 
 log = logging.getLogger(__name__)
 

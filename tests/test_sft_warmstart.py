@@ -12,7 +12,8 @@ import torch
 
 import sft_warmstart
 import train_ppo
-from ppo_affine.config import ConfigError, derive_seed
+from ppo_affine.config import ConfigError
+from ppo_affine.seeds import derive_seed
 from ppo_affine.batching import build_sequences
 from ppo_affine.policy import adapter_weights_digest
 from ppo_affine.envs.openspiel_text import strip_think

@@ -5,6 +5,8 @@ import functools
 import hashlib
 from dataclasses import dataclass
 
+from ppo_affine.seeds import derive_seed
+
 # The Affine game env's fixed game order; task_id // 100_000_000 indexes it modulo 22.
 AVAILABLE_GAMES: list[str] = [
     "goofspiel", "liars_dice", "leduc_poker", "gin_rummy", "othello", "backgammon", "hex",
@@ -66,8 +68,6 @@ HELD_OUT_SEEDS_CHECKED = 10_000  # how many of each game's held-out seeds a trai
 
 def paired_seed(base_seed: int, key: str, index: int) -> int:
     """A seed derived from `base_seed` whose parity is `index % 2`, so consecutive episodes change seats."""
-    from ppo_affine.config import derive_seed
-
     return (derive_seed(base_seed, key, index) % SEED_LIMIT) & ~1 | (index % 2)
 
 

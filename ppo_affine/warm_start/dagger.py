@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from ppo_affine.config import Config, EnvSpec, derive_seed
+from ppo_affine.config import Config, EnvSpec
+from ppo_affine.seeds import derive_seed
 from ppo_affine.run_log import console
 from ppo_affine.warm_start import sft
 from ppo_affine.warm_start.config import WarmStartConfig, game_count

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppo_affine.config import DEFAULT_CACHE_DIR, Config, EnvSpec, derive_seed
+from ppo_affine.config import DEFAULT_CACHE_DIR, Config, EnvSpec
+from ppo_affine.seeds import derive_seed
 from ppo_affine.run_log import rollout_progress
 from ppo_affine.warm_start.config import WarmStartConfig, game_count
 
