@@ -114,7 +114,8 @@ class FoldedAdapter:
             return None
         for layer in layers:
             base = layer.get_base_layer()
-            if layer.disable_adapters or layer.merged or not isinstance(base, torch.nn.Linear):
+            quantised = hasattr(base.weight, "quant_state") or not base.weight.is_floating_point()  # bnb 4/8-bit
+            if layer.disable_adapters or layer.merged or not isinstance(base, torch.nn.Linear) or quantised:
                 return None
         return layers
 
