@@ -211,9 +211,20 @@ def test_the_ci_profile_runs_every_phase_and_row_on_the_four_validator_games(tin
                                                                             monkeypatch):
     """The whole recipe at toy sizes on the tiny model: SFT on the teachers, a PPO step, evaluation of base, SFT,
     SFT+PPO and the teachers, and leduc_poker's best response as the ceiling row."""
-    from ppo_affine import experts
+    from ppo_affine import experts, opponent_model
+    from ppo_affine.envs.games import GAMES
 
-    monkeypatch.setattr(experts, "OPPONENT_MODEL_SAMPLES", 1)  # the best response behind the ceiling, cheaply
+    # The best response behind the ceiling, cheaply: its opponent model at 1 search per state instead of
+    # experts.OPPONENT_MODEL_SAMPLES. The ceiling's games run in a spawned worker, which a monkeypatch of this process
+    # does not reach (there the model took a minute), so the same code builds it here, under the key that worker
+    # looks up (leduc_poker's one variant against the profile's 20 simulations) in model.cache_dir, where it reads it.
+    build_frequencies = opponent_model.mcts_action_frequencies
+    with monkeypatch.context() as once:
+        once.setattr(opponent_model, "mcts_action_frequencies",
+                     lambda game, budget, samples, **kwargs: build_frequencies(game, budget, 1, **kwargs))
+        opponent_model.load_or_build("leduc_poker(players=2)", (20, GAMES["leduc_poker"].mcts[1]),
+                                     experts.OPPONENT_MODEL_SAMPLES, tmp_path)
+    opponent_models = sorted((tmp_path / "opponent-models").iterdir())
     moves_file, recorded = tmp_path / "bench" / "opponent-moves.sqlite", {}
 
     def counting_teacher_moves(*args, real=learning.teacher_moves):
@@ -240,6 +251,7 @@ def test_the_ci_profile_runs_every_phase_and_row_on_the_four_validator_games(tin
         assert {"base", "sft", "sft+ppo", "expert"} <= set(rows), game
         assert rows["sft+ppo"]["episodes"] == 2 and rows["sft+ppo"]["score_minus_sft"] is not None
     assert "ceiling" in report["results"]["mcts"]["leduc_poker"]
+    assert sorted((tmp_path / "opponent-models").iterdir()) == opponent_models  # the ceiling read it, built none
     assert report["experts"]["liars_dice"] == "true_bids"
     assert set(report["minutes"]) == {"sft", "ppo", "eval", "teacher", "teacher_moves"}
     # the evaluations recorded the opponent's moves, and replaying their games with the teachers searched none

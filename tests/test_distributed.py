@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -284,8 +285,11 @@ def fake_vllm_servers(model_dir: Path, count: int):
     ports = [_free_port() for _ in range(count)]
     processes = []
     try:
-        for port in ports:
-            processes.append(fake_vllm_server.start(model_dir, port))
+        with ThreadPoolExecutor(count) as pool:  # started side by side: each takes seconds to load the model
+            starting = [pool.submit(fake_vllm_server.start, model_dir, port) for port in ports]
+        processes += [future.result() for future in starting if future.exception() is None]
+        for future in starting:
+            future.result()  # a server that did not start fails the test once the others are there to stop
         yield [f"http://127.0.0.1:{port}/v1" for port in ports]
     finally:
         for process in processes:

@@ -3,6 +3,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -158,13 +159,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture
-def fake_vllm(tiny_model_dir, request):
+def _serve_fake_vllm(model_dir: Path, *flags: str):
     port = _free_port()
-    process = fake_vllm_server.start(tiny_model_dir, port, *getattr(request, "param", []))
+    process = fake_vllm_server.start(model_dir, port, *flags)
     yield f"http://127.0.0.1:{port}/v1"
     process.terminate()
     process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def fake_vllm(tiny_model_dir):
+    """One fake vLLM server (about 15 s to start) that this module's runs share, as runs share a real one: each run
+    loads adapters under names of its own and unloads them at exit, which the tests check with served_adapters."""
+    yield from _serve_fake_vllm(tiny_model_dir)
+
+
+@pytest.fixture
+def fake_vllm_ignoring_adapters(tiny_model_dir):
+    """A fake vLLM server of the test's own that accepts adapters but keeps serving the base model."""
+    yield from _serve_fake_vllm(tiny_model_dir, "--ignore-adapters")
 
 
 @pytest.mark.slow
@@ -218,7 +231,7 @@ def test_resume_against_the_same_vllm_server_and_adapters_unloaded_at_exit(tiny_
     assert served_adapters(fake_vllm) == [] and [r["step"] for r in metrics(tmp_path / "t")] == [1, 2]
 
 
-@pytest.mark.slow  # starts a fake vLLM server (about 20 s)
+@pytest.mark.slow  # uses the module's fake vLLM server (about 15 s to start)
 def test_a_leftover_adapter_name_gets_a_fresh_one(tiny_policy, fake_vllm, tmp_path):
     from ppo_affine.generation import VLLMGenerator
     from ppo_affine.config import GenerationConfig
@@ -247,29 +260,30 @@ def fake_vllm_model(url: str) -> str:
     return httpx.get(f"{url}/models").json()["data"][0]["id"]
 
 
-@pytest.mark.slow  # starts a fake vLLM server (about 20 s)
-@pytest.mark.parametrize("fake_vllm", [["--max-model-len", "256"]], indirect=True)
+@pytest.mark.slow
 def test_a_vllm_context_shorter_than_the_config_stops_at_start_with_the_flag(tiny_model_dir, tmp_path, fake_vllm):
+    """The module's server runs the fake's default --max-model-len 32768; this run needs 32771."""
     result = _run_cli(*tiny_args(tiny_model_dir, tmp_path, "--set", "generation.backend=vllm",
-                                 "--set", f"env.vllm_url={fake_vllm}"))
+                                 "--set", f"env.vllm_url={fake_vllm}", "--set", "generation.max_prompt_tokens=32768"))
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "--max-model-len 256" in result.stderr and "--max-model-len 8195" in result.stderr
-
-
-@pytest.mark.slow  # starts a fake vLLM server (about 20 s)
-@pytest.mark.parametrize("fake_vllm", [["--served-model-name", "some/other-model"]], indirect=True)
-def test_a_vllm_serving_another_model_name_is_refused_with_the_flag(tiny_model_dir, tmp_path, fake_vllm):
-    result = _run_cli(*tiny_args(tiny_model_dir, tmp_path, "--set", "generation.backend=vllm",
-                                 "--set", f"env.vllm_url={fake_vllm}"))
-    assert result.returncode == 1 and "some/other-model" in result.stderr
-    assert f"--served-model-name {tiny_model_dir}" in result.stderr
+    assert "--max-model-len 32768" in result.stderr and "--max-model-len 32771" in result.stderr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fake_vllm", [["--ignore-adapters"]], indirect=True)
-def test_logprob_gap_exposes_a_server_that_ignores_the_adapter(tiny_model_dir, tmp_path, fake_vllm):
+def test_a_vllm_serving_another_model_name_is_refused_with_the_flag(tiny_model_dir, tmp_path, fake_vllm):
+    """The module's server serves the tiny model under its folder's name; this run's model is a copy elsewhere."""
+    copy = shutil.copytree(tiny_model_dir, tmp_path / "tiny-model-copy")
+    result = _run_cli(*tiny_args(copy, tmp_path, "--set", "generation.backend=vllm",
+                                 "--set", f"env.vllm_url={fake_vllm}"))
+    assert result.returncode == 1 and f"serves [{str(tiny_model_dir)!r}" in result.stderr
+    assert f"--served-model-name {copy}" in result.stderr
+
+
+@pytest.mark.slow
+def test_logprob_gap_exposes_a_server_that_ignores_the_adapter(tiny_model_dir, tmp_path, fake_vllm_ignoring_adapters):
     code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3", "--set", "generation.backend=vllm",
-                                    "--set", f"env.vllm_url={fake_vllm}", "--set", "ppo.learning_rate=3e-2",
+                                    "--set", f"env.vllm_url={fake_vllm_ignoring_adapters}",
+                                    "--set", "ppo.learning_rate=3e-2",
                                     "--set", "ppo.kl_stop=null"))
     assert code == 0
     records = metrics(tmp_path / "t")
