@@ -3,7 +3,8 @@
 The unit of scoring, the update and SFT is a `TrainSequence`: one token sequence of an episode with
 every turn it holds (prompt and observation tokens masked, each reply's tokens trained). When the chat
 template renders the conversation append-only (`prompts.TokenHistory`), a whole episode is one
-sequence and every token is processed once; otherwise a turn starts a new sequence.
+sequence and every token is processed once; otherwise a turn starts a new sequence, and `as_trees` merges an
+episode's sequences into one prefix tree (`token_trees.py`) so that their shared history is processed once too.
 
 `micro_batches` is the one loop over micro-batches of a token budget (`plan_micro_batches` groups the
 sequences, `collate` pads each group into a `Batch`); scoring, both passes of the update and SFT use it.
@@ -17,6 +18,7 @@ import torch
 
 from ppo_affine.prefixes import padded_cost, partition
 from ppo_affine.rollout import Episode
+from ppo_affine.token_trees import TreeBuilder, TreeRows
 
 
 @dataclass
@@ -26,6 +28,9 @@ class TrainSequence:
     spans: list[tuple[int, int]]  # [start, end) of each turn's reply tokens, in turn order
     turns: list[int]  # the episode's turn index of each span
     sampler_logprobs: list[float] | None = None
+    # A tree of several sequences (`as_trees`): per token, the index of the token before it in its own sequence
+    # (-1 at the root). None: a plain sequence.
+    parents: list[int] | None = None
     # Per reply token, the spans concatenated in order: [R]
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
@@ -51,7 +56,7 @@ class TrainSequence:
 
 
 def build_sequences(episodes: list[Episode]) -> list[TrainSequence]:
-    """Every episode's token sequences that hold at least one reply token."""
+    """Every episode's token sequences that hold at least one reply token, in episode order."""
     sequences = []
     for e, episode in enumerate(episodes):
         by_sequence: dict[int, list[int]] = {}
@@ -67,6 +72,49 @@ def build_sequences(episodes: list[Episode]) -> list[TrainSequence]:
             sequences.append(TrainSequence(episode=e, input_ids=episode.sequences[s][: spans[-1][1]], spans=spans,
                                            turns=turn_indices, sampler_logprobs=sampler))
     return sequences
+
+
+def as_trees(sequences: list[TrainSequence], token_budget: int) -> list[TrainSequence]:
+    """Each episode's sequences merged into prefix trees, in their order (a tree takes the place of its first
+    sequence). A tree grows while it holds at most max(`token_budget`, the longest of `sequences`) tokens, then
+    the next starts afresh (running the shared history again): a micro-batch never holds more tokens than the
+    largest one of the sequences scored one by one (a sequence longer than the budget gets one of its own). A
+    tree of one sequence is that sequence, unchanged. Call before anything is scored: per-token fields are not
+    carried over."""
+    by_episode: dict[int, list[TrainSequence]] = {}
+    for sequence in sequences:
+        if sequence.old_logprobs is not None or sequence.parents is not None:
+            raise ValueError("as_trees merges plain sequences before they are scored")
+        by_episode.setdefault(sequence.episode, []).append(sequence)
+    token_budget = max([token_budget, *(len(s.input_ids) for s in sequences)])
+    merged = []
+    for members in by_episode.values():
+        groups: list[list[TrainSequence]] = []
+        builder = None
+        for member in members:
+            if builder is None or len(builder.tokens) + builder.added_tokens(member.input_ids, member.spans) \
+                    > token_budget:
+                builder = TreeBuilder()
+                groups.append([])
+            builder.add(member.input_ids, member.spans)
+            groups[-1].append(member)
+        merged.extend(_tree_sequence(group) for group in groups)
+    return merged  # episodes in the order they first appear, each episode's trees in its sequences' order
+
+
+def _tree_sequence(group: list[TrainSequence]) -> TrainSequence:
+    """One sequence, or several merged into one tree sequence."""
+    if len(group) == 1:
+        return group[0]
+    builder = TreeBuilder()
+    for member in group:
+        builder.add(member.input_ids, member.spans)
+    sampler = None
+    if all(member.sampler_logprobs is not None for member in group):
+        sampler = [lp for member in group for lp in member.sampler_logprobs]
+    return TrainSequence(episode=group[0].episode, input_ids=builder.tokens, spans=builder.spans,
+                         turns=[turn for member in group for turn in member.turns], sampler_logprobs=sampler,
+                         parents=builder.parents)
 
 
 def plan_micro_batches(token_ids: list[list[int]], budget: int, share_prefixes: bool = True) -> list[list[int]]:
@@ -112,6 +160,7 @@ class Batch:
     token_weights: torch.Tensor | None  # [B, T]
     value_weights: torch.Tensor | None  # [B, T]
     importance_weights: torch.Tensor | None  # [B, T]
+    tree: TreeRows | None = None  # when a row is a tree: which positions attend to which
 
 
 def collate(sequences: list[TrainSequence], pad_id: int, device: torch.device) -> Batch:
@@ -147,6 +196,8 @@ def collate(sequences: list[TrainSequence], pad_id: int, device: torch.device) -
         token_weights=per_token("token_weights", [s.token_weights for s in sequences]),
         value_weights=per_token("value_weights", [s.value_weights for s in sequences]),
         importance_weights=per_token("importance_weights", [s.importance_weights for s in sequences]),
+        tree=(TreeRows.of([s.parents for s in sequences], width, device)
+              if any(s.parents is not None for s in sequences) else None),
     )
 
 

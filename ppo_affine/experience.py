@@ -14,12 +14,17 @@ from ppo_affine.batching import TrainSequence, micro_batches
 from ppo_affine.policy import Policy, common_prefix_length
 from ppo_affine.prefixes import padded_cost
 from ppo_affine.ppo import truncated_importance_weights
+from ppo_affine.token_trees import TreeRows, paths, unique_token_count
 
 
-def batch_cost(input_ids: torch.Tensor) -> int:
-    """Tokens a [B, T] right-padded micro-batch puts through the model (a shared prefix counted once)."""
+def batch_cost(input_ids: torch.Tensor, tree: TreeRows | None = None) -> int:
+    """Tokens a [B, T] right-padded micro-batch puts through the model (a shared prefix counted once; with tree
+    rows, as far as every row is one chain)."""
     rows, width = input_ids.shape
-    return padded_cost(rows, common_prefix_length(input_ids), width)
+    shared = common_prefix_length(input_ids)
+    if tree is not None:
+        shared = min(shared, tree.shared_prefix_limit())
+    return padded_cost(rows, shared, width)
 
 
 @torch.no_grad()
@@ -30,12 +35,12 @@ def score_sequences(policy: Policy, sequences: list[TrainSequence], token_budget
     processed = 0
     with policy.evaluating():
         for batch in micro_batches(sequences, token_budget, policy.tokenizer.pad_token_id, policy.device):
-            processed += batch_cost(batch.input_ids)
+            processed += batch_cost(batch.input_ids, batch.tree)
             mask = batch.response_mask.bool()
-            scored = policy.score(batch.input_ids, None, batch.response_mask, with_values=with_values,
+            scored = policy.score(batch.input_ids, None, batch.response_mask, tree=batch.tree, with_values=with_values,
                                   with_entropy=True, temperature=temperature)
             with policy.reference():
-                ref = policy.score(batch.input_ids, None, batch.response_mask, with_values=False,
+                ref = policy.score(batch.input_ids, None, batch.response_mask, tree=batch.tree, with_values=False,
                                    temperature=temperature)
             for row, sequence in enumerate(batch.sequences):
                 sequence.old_logprobs = scored.logprobs[row][mask[row]].cpu()
@@ -43,10 +48,21 @@ def score_sequences(policy: Policy, sequences: list[TrainSequence], token_budget
                 sequence.entropy = scored.entropy[row][mask[row]].cpu()
                 sequence.old_values = (scored.values[row][mask[row]].cpu() if scored.values is not None
                                        else torch.zeros(sequence.response_len))
-    unique = sum(len(s.input_ids) for s in sequences)
+    unique = unique_tokens(sequences)
     # processed < unique where micro-batches share prefixes, > unique where rows are padded
     return {"perf/tokens_processed": float(processed), "perf/unique_tokens": float(unique),
             "perf/processed_over_unique": processed / unique if unique else 0.0}
+
+
+def unique_tokens(sequences: list[TrainSequence]) -> int:
+    """The tokens of each episode's prefix tree over its sequences, counted once: the least a pass must compute,
+    whether the sequences are scored one by one or as trees (the same number either way)."""
+    by_episode: dict[int, list[list[int]]] = {}
+    for sequence in sequences:
+        members = (paths(sequence.input_ids, sequence.parents) if sequence.parents is not None
+                   else [sequence.input_ids])
+        by_episode.setdefault(sequence.episode, []).extend(members)
+    return sum(unique_token_count(members) for members in by_episode.values())
 
 
 def sampler_gap(sequences: list[TrainSequence],

@@ -19,6 +19,7 @@ from torch import nn
 
 from ppo_affine.ppo import logprobs_and_entropy_from_logits, logprobs_from_logits
 from ppo_affine import prefixes
+from ppo_affine.token_trees import TreeRows
 from ppo_affine.model_files import load_base_model, load_tokenizer
 from ppo_affine.config import ConfigError, LoraConfig, ModelConfig
 
@@ -144,17 +145,18 @@ class Policy(nn.Module):
         with_entropy: bool = False,
         detach_trunk: bool = False,
         temperature: float = 1.0,
+        tree: TreeRows | None = None,  # rows that are prefix trees (`token_trees.py`); attention_mask must be None
     ) -> ScoredTokens:
         """Per-token log-probs, values and entropies of the response tokens. `detach_trunk` runs the
         model without gradients, so only the value head can learn from the result (critic warm-up)."""
         with torch.no_grad() if detach_trunk else contextlib.nullcontext():
-            hidden = self._hidden_states(input_ids, attention_mask)  # [B, T, H]
-        # the state that predicts token t is the hidden state at t-1
-        predictor = torch.zeros_like(response_mask, dtype=torch.bool)
-        predictor[:, :-1] = response_mask[:, 1:].bool()
-        target = torch.zeros_like(predictor)
-        target[:, 1:] = predictor[:, :-1]
-        predicting = hidden[predictor]  # [N, H], N = response tokens
+            hidden = self._hidden_states(input_ids, attention_mask, tree)  # [B, T, H]
+        # the state that predicts token t is the hidden state of the token before it: t - 1, or its parent in a tree
+        target = response_mask.bool().clone()
+        target[:, 0] = False
+        rows, columns = target.nonzero(as_tuple=True)  # row-major, the order of full[target] below
+        before = columns - 1 if tree is None else tree.parents[rows, columns]
+        predicting = hidden[rows, before]  # [N, H], N = response tokens
 
         def scatter(per_token: torch.Tensor) -> torch.Tensor:
             full = torch.zeros(response_mask.shape, dtype=torch.float32, device=hidden.device)
@@ -178,17 +180,24 @@ class Policy(nn.Module):
             values = scatter(self.value_head(predicting.float()).squeeze(-1))
         return ScoredTokens(logprobs=logprobs, values=values, entropy=entropy)
 
-    def _hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def _hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       tree: TreeRows | None = None) -> torch.Tensor:
         """Last hidden states [B, T, H]. Rows that begin with the same tokens (one system prompt, or a group's
         episodes of one task and seed) run that prefix once: its hidden states are shared and its keys and
-        values are attended to by every row's rest, which gives the same numbers as running each row whole."""
+        values are attended to by every row's rest, which gives the same numbers as running each row whole.
+        Tree rows attend along their branches (`tree.attention`) at their positions in their own sequences."""
         decoder = self.model.get_base_model().get_decoder()
         batch, width = input_ids.shape
+        layout = {}
+        if tree is not None:
+            layout = {"attention_mask": self._tree_attention(tree.attention), "position_ids": tree.positions}
         can_share = batch > 1 and attention_mask is None and (self.shares_prefixes_with_gradients()
                                                               or not torch.is_grad_enabled())
         shared = common_prefix_length(input_ids) if can_share else 0
+        if tree is not None:
+            shared = min(shared, tree.shared_prefix_limit())  # a plain chain in every row: one causal prefix
         if shared < prefixes.MIN_SHARED_PREFIX:
-            return decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return decoder(input_ids=input_ids, **(layout or {"attention_mask": attention_mask})).last_hidden_state
         prefix = decoder(input_ids=input_ids[:1, :shared], use_cache=shared < width)
         hidden = prefix.last_hidden_state.expand(batch, -1, -1)  # gradients of the rows add up in the prefix
         if shared == width:
@@ -196,8 +205,24 @@ class Policy(nn.Module):
         keyword = kv_cache_keyword()
         cache = getattr(prefix, keyword)
         cache.batch_repeat_interleave(batch)
-        rest = decoder(input_ids=input_ids[:, shared:], use_cache=True, **{keyword: cache}).last_hidden_state
+        rest_layout = {}
+        if tree is not None:  # the rest's queries against every key, the prefix's included
+            rest_layout = {"attention_mask": layout["attention_mask"][:, :, shared:, :],
+                           "position_ids": tree.positions[:, shared:]}
+        rest = decoder(input_ids=input_ids[:, shared:], use_cache=True, **{keyword: cache},
+                       **rest_layout).last_hidden_state
         return torch.cat([hidden, rest], dim=1)
+
+    def _tree_attention(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A [B, 1, T, T] bool mask as the model's attention takes a ready-made 4D mask: bool for SDPA (True =
+        attend), else additive (0 or the dtype's minimum), which eager attention adds to its scores."""
+        base = self.model.get_base_model()
+        if base.config._attn_implementation == "sdpa":
+            return allowed
+        dtype = next(base.parameters()).dtype
+        dtype = dtype if dtype.is_floating_point else torch.float32
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)
 
     def shares_prefixes_with_gradients(self) -> bool:
         """Whether training passes can share prefixes: they need the KV cache, which gradient checkpointing

@@ -181,7 +181,7 @@ def micro_batch_loss(policy: Policy, batch: Batch, settings: UpdateSettings, wei
     collated micro-batch."""
     cfg, kl_coef = settings.ppo, settings.kl_coef
     use_critic, train_policy = cfg.advantage == "gae", not settings.value_only
-    scored = policy.score(batch.input_ids, None, batch.response_mask, with_values=use_critic,
+    scored = policy.score(batch.input_ids, None, batch.response_mask, tree=batch.tree, with_values=use_critic,
                           with_logprobs=train_policy, with_entropy=train_policy and cfg.entropy_coef > 0,
                           detach_trunk=settings.value_only, temperature=settings.temperature)
     loss = torch.zeros((), device=policy.device)
@@ -337,7 +337,7 @@ def _advantages_and_changes(policy: Policy, sequences: list[TrainSequence], sett
         for batch in micro_batches(sequences, settings.micro_batch_tokens, policy.tokenizer.pad_token_id,
                                    policy.device):
             mask = batch.response_mask.bool()
-            new = policy.score(batch.input_ids, None, batch.response_mask, with_values=False,
+            new = policy.score(batch.input_ids, None, batch.response_mask, tree=batch.tree, with_values=False,
                                temperature=settings.temperature).logprobs
             for row, sequence in enumerate(batch.sequences):
                 change = new[row][mask[row]].cpu() - sequence.old_logprobs

@@ -29,11 +29,18 @@ CASES = {
     "uneven": (["ppo.credit=token"], [1.0, 0.0, 0.5], None),
     # one usable episode: rank 0 has nothing to train and still takes part in every exchange
     "one_episode": ([], [1.0], None),
+    # each first reply reasons and the second turn's sequence shows it stripped: scored as one tree per episode,
+    # and (the same episodes) each sequence whole, which test_distributed.py compares the tree runs with. One
+    # minibatch: minibatches are drawn over sequences, and a tree is one where the per-turn path has two
+    "stripped": (["ppo.entropy_coef=0.01", "logging.signal_check_every=1"], [1.0, 0.0, 0.75, 0.25], None),
+    "stripped_per_turn": (["ppo.entropy_coef=0.01", "logging.signal_check_every=1", "ppo.tree_scoring=false"],
+                          [1.0, 0.0, 0.75, 0.25], None),
 }
 
 
-def hand_built_episodes(tokenizer, scores: list[float]) -> list[Episode]:
-    """Two-turn games held in one sequence each (reply, glue, reply), a different pair of replies per episode."""
+def hand_built_episodes(tokenizer, scores: list[float], stripped: bool = False) -> list[Episode]:
+    """Two-turn games held in one sequence each (reply, glue, reply), a different pair of replies per episode.
+    `stripped`: the first reply reasons first, and the second turn is a sequence of its own that shows it without."""
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     prompt = encode("<|im_start|>user\nplay<|im_end|>\n<|im_start|>assistant\n")
     glue = [tokenizer.eos_token_id] + encode("\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
@@ -42,6 +49,15 @@ def hand_built_episodes(tokenizer, scores: list[float]) -> list[Episode]:
     for i, score in enumerate(scores):
         first, second = encode(f"{words[i]} {i}"), encode(f"{words[(i + 3) % 8]} {2 * i} and more")
         sequence = prompt + first + glue + second + [tokenizer.eos_token_id]
+        if stripped:
+            reasoned = encode(f"<think>{words[(i + 5) % 8]} {i}</think>") + first
+            turns = [Turn(reasoned + [tokenizer.eos_token_id], "", None, sequence=0, start=len(prompt), reward=0.1 * i),
+                     Turn(second + [tokenizer.eos_token_id], "", None, sequence=1, start=len(prompt + first + glue))]
+            episodes.append(Episode(task=Task("openspiel", i, i, "random", "s", False), env_kind="openspiel",
+                                    done=True, turns=turns, sequences=[prompt + reasoned + [tokenizer.eos_token_id],
+                                                                       sequence], score=score,
+                                    game_name="leduc_poker" if i % 3 else "liars_dice"))
+            continue
         turns = [Turn(first, "", None, sequence=0, start=len(prompt), reward=0.1 * i, parse_error=i == 2),
                  Turn(second + [tokenizer.eos_token_id], "", None, sequence=0, start=len(prompt + first + glue))]
         episodes.append(Episode(task=Task("openspiel", i, i, "random", "s", False), env_kind="openspiel", done=True,
@@ -63,7 +79,8 @@ def learn_once(model_dir: Path, run_dir: Path, case: str, ranks: Ranks = ONE_PRO
     config = load_config(overrides=overrides)
     torch.manual_seed(0)
     trainer = train_ppo.Trainer(config, run_dir, resume_from=None, ranks=ranks)
-    metrics = trainer.learn_with_oom_retry(hand_built_episodes(trainer.policy.tokenizer, scores), group_ids)
+    episodes = hand_built_episodes(trainer.policy.tokenizer, scores, stripped=case.startswith("stripped"))
+    metrics = trainer.learn_with_oom_retry(episodes, group_ids)
     weights = {name: parameter.detach().clone() for name, parameter in trainer.policy.named_parameters()
                if parameter.requires_grad}
     return {"weights": weights, "metrics": metrics, "kl_coef": trainer.kl_ctl.value}

@@ -130,6 +130,15 @@ def test_two_ranks_of_two_episodes_update_like_one_process_of_four(tiny_model_di
             if key in alone["metrics"]:
                 assert rank0["metrics"][key] == pytest.approx(alone["metrics"][key], rel=1e-5, abs=1e-7), (case, key)
         assert rank0["kl_coef"] == pytest.approx(alone["kl_coef"], rel=1e-9)
+        if case == "stripped":  # two ranks scoring trees end where one process scoring each sequence whole does
+            per_turn = learn_once(tiny_model_dir, tmp_path / "alone-stripped_per_turn", "stripped_per_turn")
+            # the same losses and gradient norm to 1e-5; the weights after two Adam steps at lr 1e-2 differ by up
+            # to about 1e-3 where a gradient is near 0 (Adam moves each weight by about lr whatever its size)
+            for name, weight in per_turn["weights"].items():
+                assert torch.allclose(rank0["weights"][name], weight, rtol=0, atol=2e-3), f"trees: {name}"
+            for key in ("policy/loss", "value/loss", "update/grad_norm", "reward/kl_per_token", "policy/entropy"):
+                assert rank0["metrics"][key] == pytest.approx(per_turn["metrics"][key], rel=1e-5, abs=1e-6), key
+            assert alone["metrics"]["perf/tokens_processed"] < per_turn["metrics"]["perf/tokens_processed"]
         if case == "gae":  # the update-signal check correlates every rank's replies
             assert rank0["metrics"]["signal/advantage_logprob_corr"] == pytest.approx(
                 alone["metrics"]["signal/advantage_logprob_corr"], abs=1e-4)

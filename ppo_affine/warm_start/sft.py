@@ -82,30 +82,48 @@ def conversations_to_episodes(records: list[dict[str, Any]], builder, strategy: 
 
 
 def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: int, token_budget: int,
-              seed: int, max_grad_norm: float = 1.0) -> list[dict[str, float]]:
-    """Masked SFT: minibatches of `batch_size` sequences, micro-batches by `token_budget`; per-epoch stats."""
+              seed: int, max_grad_norm: float = 1.0, trees: bool = False) -> list[dict[str, float]]:
+    """Masked SFT: minibatches of `batch_size` sequences, micro-batches by `token_budget`; per-epoch stats.
+
+    `trees`: the conversations are shuffled and each keeps its sequences together, in order, so that a
+    minibatch's sequences of one conversation (its turns after stripped reasoning) run as one prefix tree
+    (`batching.as_trees`). The number of sequences per optimizer step is the same as without, and where every
+    conversation is one sequence (no reasoning stripped) so is the order."""
     import torch
 
-    from ppo_affine.batching import micro_batches
+    from ppo_affine.batching import as_trees, micro_batches
+    from ppo_affine.experience import batch_cost
 
     optimizer = torch.optim.AdamW(policy.adapter_parameters(), lr=learning_rate, weight_decay=0.0)
     order_rng = torch.Generator().manual_seed(seed)
     pad_id = policy.tokenizer.pad_token_id
+    by_conversation: dict[int, list[int]] = {}
+    for index, sequence in enumerate(sequences):
+        by_conversation.setdefault(sequence.episode, []).append(index)
+    conversations = list(by_conversation.values())
     policy.train()
     history = []
     steps = 0
     for epoch in range(epochs):
-        order = torch.randperm(len(sequences), generator=order_rng).tolist()
+        if trees:
+            order = [index for c in torch.randperm(len(conversations), generator=order_rng).tolist()
+                     for index in conversations[c]]
+        else:
+            order = torch.randperm(len(sequences), generator=order_rng).tolist()
         total_loss = total_tokens = 0.0
+        processed = 0  # tokens through the model (padding included, a shared prefix counted once)
         batches = (len(order) + batch_size - 1) // batch_size
         with rollout_progress(batches, f"SFT epoch {epoch + 1}/{epochs}") as advance:
             for first in range(0, len(order), batch_size):
                 minibatch = [sequences[i] for i in order[first:first + batch_size]]
+                if trees:
+                    minibatch = as_trees(minibatch, token_budget)
                 tokens = sum(s.response_len for s in minibatch)
                 optimizer.zero_grad(set_to_none=True)
                 for batch in micro_batches(minibatch, token_budget, pad_id, policy.device,
                                            policy.shares_prefixes_with_gradients()):
-                    scored = policy.score(batch.input_ids, None, batch.response_mask, with_values=False)
+                    processed += batch_cost(batch.input_ids, batch.tree)
+                    scored = policy.score(batch.input_ids, None, batch.response_mask, tree=batch.tree, with_values=False)
                     loss = -(scored.logprobs * batch.response_mask).sum() / tokens
                     loss.backward()
                     total_loss += loss.item() * tokens
@@ -114,7 +132,8 @@ def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: 
                 steps += 1
                 total_tokens += tokens
                 advance()
-        history.append({"epoch": epoch + 1, "loss": total_loss / max(1.0, total_tokens), "optimizer_steps": steps})
+        history.append({"epoch": epoch + 1, "loss": total_loss / max(1.0, total_tokens), "optimizer_steps": steps,
+                        "tokens_processed": processed})
         console.print(f"SFT epoch {epoch + 1}: mean NLL per reply token {history[-1]['loss']:.4f}", highlight=False)
     optimizer.zero_grad(set_to_none=True)
     policy.eval()
@@ -154,7 +173,7 @@ def fine_tune(config: Config, records: list[dict[str, Any]], settings: WarmStart
                   f"({sum(s.response_len for s in sequences)} reply tokens)", highlight=False)
     with training_allocations():
         history = train_sft(policy, sequences, settings.epochs, settings.learning_rate, settings.batch_size,
-                            cfg.ppo.micro_batch_tokens, cfg.run.seed)
+                            cfg.ppo.micro_batch_tokens, cfg.run.seed, trees=cfg.ppo.tree_scoring)
     state = {"kind": SFT_STATE_KIND, "step": history[-1]["optimizer_steps"], "history": history,
              "config": config.model_dump(mode="json"), "sft": settings.model_dump(mode="json")}
     (output_dir / "sft_metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
