@@ -103,18 +103,35 @@ def as_trees(sequences: list[TrainSequence], token_budget: int) -> list[TrainSeq
 
 
 def _tree_sequence(group: list[TrainSequence]) -> TrainSequence:
-    """One sequence, or several merged into one tree sequence."""
+    """One sequence, or several merged into one tree sequence. The longest goes in first: it holds the history
+    every other one repeats, so the tree begins with one plain chain of it (`Policy` runs that chain causally, with
+    no mask) and the other sequences' own parts are short branches after it. Spans are listed by position, each
+    with its turn (turn order is not position order) and its sampler log-probs."""
     if len(group) == 1:
         return group[0]
+    longest = max(range(len(group)), key=lambda i: len(group[i].input_ids))
+    order = [longest] + [i for i in range(len(group)) if i != longest]
     builder = TreeBuilder()
-    for member in group:
-        builder.add(member.input_ids, member.spans)
+    for i in order:
+        builder.add(group[i].input_ids, group[i].spans)
+    turns = [turn for i in order for turn in group[i].turns]
+    spans = builder.spans
+    by_position = sorted(range(len(spans)), key=lambda k: spans[k][0])
     sampler = None
     if all(member.sampler_logprobs is not None for member in group):
-        sampler = [lp for member in group for lp in member.sampler_logprobs]
-    return TrainSequence(episode=group[0].episode, input_ids=builder.tokens, spans=builder.spans,
-                         turns=[turn for member in group for turn in member.turns], sampler_logprobs=sampler,
-                         parents=builder.parents)
+        per_span = [part for i in order for part in _per_span(group[i].sampler_logprobs, group[i].spans)]
+        sampler = [lp for k in by_position for lp in per_span[k]]
+    return TrainSequence(episode=group[0].episode, input_ids=builder.tokens, spans=[spans[k] for k in by_position],
+                         turns=[turns[k] for k in by_position], sampler_logprobs=sampler, parents=builder.parents)
+
+
+def _per_span(values: list[float], spans: list[tuple[int, int]]) -> list[list[float]]:
+    """A per-reply-token list cut into one list per span."""
+    parts, position = [], 0
+    for start, end in spans:
+        parts.append(values[position:position + end - start])
+        position += end - start
+    return parts
 
 
 def plan_micro_batches(token_ids: list[list[int]], budget: int, share_prefixes: bool = True) -> list[list[int]]:

@@ -185,40 +185,44 @@ class Policy(nn.Module):
         """Last hidden states [B, T, H]. Rows that begin with the same tokens (one system prompt, or a group's
         episodes of one task and seed) run that prefix once: its hidden states are shared and its keys and
         values are attended to by every row's rest, which gives the same numbers as running each row whole.
-        Tree rows attend along their branches (`tree.attention`) at their positions in their own sequences."""
+
+        Tree rows (`token_trees.py`) begin with one plain chain (the sequence holding the whole history); up to
+        where every row's chain ends they run causally as plain rows do, and the rest (the other sequences' own
+        branches) attends along its branches by a 4D mask, at its positions in its own sequences."""
         decoder = self.model.get_base_model().get_decoder()
         batch, width = input_ids.shape
-        layout = {}
-        if tree is not None:
-            layout = {"attention_mask": self._tree_attention(tree.attention), "position_ids": tree.positions}
         can_share = batch > 1 and attention_mask is None and (self.shares_prefixes_with_gradients()
                                                               or not torch.is_grad_enabled())
-        shared = common_prefix_length(input_ids) if can_share else 0
-        if tree is not None:
-            shared = min(shared, tree.shared_prefix_limit())  # a plain chain in every row: one causal prefix
+        chain = tree.shared_prefix_limit() if tree is not None else width  # causal up to here in every row
+        shared = min(common_prefix_length(input_ids), chain) if can_share else 0
         if shared < prefixes.MIN_SHARED_PREFIX:
-            return decoder(input_ids=input_ids, **(layout or {"attention_mask": attention_mask})).last_hidden_state
-        prefix = decoder(input_ids=input_ids[:1, :shared], use_cache=shared < width)
-        hidden = prefix.last_hidden_state.expand(batch, -1, -1)  # gradients of the rows add up in the prefix
-        if shared == width:
-            return hidden
+            shared = 0
+        if tree is None and shared == 0:
+            return decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         keyword = kv_cache_keyword()
-        cache = getattr(prefix, keyword)
-        cache.batch_repeat_interleave(batch)
-        rest_layout = {}
-        if tree is not None:  # the rest's queries against every key, the prefix's included
-            rest_layout = {"attention_mask": layout["attention_mask"][:, :, shared:, :],
-                           "position_ids": tree.positions[:, shared:]}
-        rest = decoder(input_ids=input_ids[:, shared:], use_cache=True, **{keyword: cache},
-                       **rest_layout).last_hidden_state
-        return torch.cat([hidden, rest], dim=1)
+        parts, cache = [], None
+        if shared:
+            prefix = decoder(input_ids=input_ids[:1, :shared], use_cache=True)
+            parts.append(prefix.last_hidden_state.expand(batch, -1, -1))  # gradients of the rows add up in it
+            cache = getattr(prefix, keyword)
+            cache.batch_repeat_interleave(batch)
+        if chain > shared:  # every row's own causal part
+            causal = decoder(input_ids=input_ids[:, shared:chain], use_cache=True, **({keyword: cache} if cache
+                                                                                      else {}))
+            parts.append(causal.last_hidden_state)
+            cache = getattr(causal, keyword)
+        if width > chain:  # the branches: their queries against every key before them in the flat layout
+            rest = decoder(input_ids=input_ids[:, chain:], use_cache=True, **({keyword: cache} if cache else {}),
+                           attention_mask=self._tree_attention(tree.attention[:, :, chain:, :]),
+                           position_ids=tree.positions[:, chain:])
+            parts.append(rest.last_hidden_state)
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def _tree_attention(self, allowed: torch.Tensor) -> torch.Tensor:
-        """A [B, 1, T, T] bool mask as the model's attention takes a ready-made 4D mask: bool for SDPA (True =
-        attend), else additive (0 or the dtype's minimum), which eager attention adds to its scores."""
+        """A bool mask as an additive one (0 where a token may attend, the dtype's minimum elsewhere), made once for
+        every layer: given a bool mask, SDPA converts it in each layer, forward and backward, and eager attention
+        adds a mask to its scores."""
         base = self.model.get_base_model()
-        if base.config._attn_implementation == "sdpa":
-            return allowed
         dtype = next(base.parameters()).dtype
         dtype = dtype if dtype.is_floating_point else torch.float32
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(

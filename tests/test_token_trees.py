@@ -67,13 +67,18 @@ def test_as_trees_merges_by_episode_and_cuts_at_the_budget():
     b0 = _sequence(1, [1, 2, 11], [(2, 3)], [0])
     merged = as_trees([a0, a1, a2, b0], token_budget=100)
     assert [s.episode for s in merged] == [0, 1] and merged[1] is b0  # one sequence stays as it is
-    assert merged[0].input_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] and merged[0].turns == [0, 1, 2]
-    assert merged[0].spans == [(3, 4), (6, 7), (9, 10)]
+    # the longest (a2, the whole history) first, as one chain; then each other one's own tokens as a branch
+    assert merged[0].input_ids == [1, 2, 3, 5, 6, 8, 9, 10, 4, 7]
+    assert merged[0].parents == [-1, 0, 1, 2, 3, 4, 5, 6, 2, 4]
+    assert merged[0].spans == [(7, 8), (8, 9), (9, 10)] and merged[0].turns == [2, 0, 1]
     # a budget of 8 tokens (the longest sequence's length): the first two make a tree of 7, the third would add
     # 3 more and starts a tree of its own
     cut = as_trees([a0, a1, a2], token_budget=4)
-    assert [s.turns for s in cut] == [[0, 1], [2]] and cut[1] is a2
-    assert [s.turns for s in as_trees([a0, a1, a2], token_budget=10)] == [[0, 1, 2]]
+    assert [s.turns for s in cut] == [[1, 0], [2]] and cut[1] is a2
+    assert [s.turns for s in as_trees([a0, a1, a2], token_budget=10)] == [[2, 0, 1]]
+    for sequence, logprob in ((a0, -0.1), (a1, -0.2), (a2, -0.3)):  # the sampler's, in the spans' new order
+        sequence.sampler_logprobs = [logprob]
+    assert as_trees([a0, a1, a2], token_budget=10)[0].sampler_logprobs == [-0.3, -0.1, -0.2]
 
 
 # A Qwen3-style template: every earlier assistant message is shown without its reasoning.
