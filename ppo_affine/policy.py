@@ -191,8 +191,11 @@ class Policy(nn.Module):
         branches) attends along its branches by a 4D mask, at its positions in its own sequences."""
         decoder = self.model.get_base_model().get_decoder()
         batch, width = input_ids.shape
-        can_share = batch > 1 and attention_mask is None and (self.shares_prefixes_with_gradients()
-                                                              or not torch.is_grad_enabled())
+        can_cache = self.shares_prefixes_with_gradients() or not torch.is_grad_enabled()
+        if tree is not None and not can_cache:  # gradient checkpointing: no KV cache, so one call with the whole mask
+            return decoder(input_ids=input_ids, attention_mask=self._tree_attention(tree.attention),
+                           position_ids=tree.positions).last_hidden_state
+        can_share = batch > 1 and attention_mask is None and can_cache
         chain = tree.shared_prefix_limit() if tree is not None else width  # causal up to here in every row
         shared = min(common_prefix_length(input_ids), chain) if can_share else 0
         if shared < prefixes.MIN_SHARED_PREFIX:

@@ -132,13 +132,21 @@ def _per_turn(sequences: list[TrainSequence], name: str) -> dict[tuple[int, int]
             for part, turn in zip(s.span_slices(), s.turns)}
 
 
-@pytest.mark.parametrize("advantage", ["gae", "group"])
-def test_tree_scoring_equals_per_turn_scoring(tiny_policy, advantage):
+@pytest.mark.parametrize("advantage,checkpointing", [("gae", False), ("group", False), ("gae", True)])
+def test_tree_scoring_equals_per_turn_scoring(tiny_policy, advantage, checkpointing):
     from ppo_affine.config import PPOConfig
     from ppo_affine.experience import score_sequences
     from ppo_affine.update import UpdateSettings, accumulate_gradients
     from ppo_affine.distributed import ONE_PROCESS
 
+    if checkpointing:  # no KV cache in training passes: the tree runs as one call with its whole mask
+        base = tiny_policy.model.get_base_model()
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers 5.2x's name (model_files.py)
+            base.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.config.use_cache = False
+        assert not tiny_policy.shares_prefixes_with_gradients()
     torch.manual_seed(0)
     with torch.no_grad():  # a value head and LoRA B not zero, so every gradient means something
         tiny_policy.value_head.weight.normal_(0, 0.5)
