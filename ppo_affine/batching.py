@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ppo_affine.prefixes import padded_cost, partition
+from ppo_affine.prefixes import common_prefix, padded_cost, partition
 from ppo_affine.rollout import Episode
 from ppo_affine.token_trees import TreeBuilder, TreeRows
 
@@ -100,6 +100,54 @@ def as_trees(sequences: list[TrainSequence], token_budget: int) -> list[TrainSeq
             groups[-1].append(member)
         merged.extend(_tree_sequence(group) for group in groups)
     return merged  # episodes in the order they first appear, each episode's trees in its sequences' order
+
+
+TREE_MIN_SAVING = 0.25  # trees run only when they cut the tokens through the model by at least this fraction
+
+
+def scoring_sequences(sequences: list[TrainSequence], token_budget: int, mode: str) -> list[TrainSequence]:
+    """The sequences as scoring, the update and SFT run them under `ppo.tree_scoring` (`mode`): as they are
+    (off), as trees (always), or as trees where they pay (auto)."""
+    if mode == "off":
+        return sequences
+    if mode == "always":
+        return as_trees(sequences, token_budget)
+    return with_trees_where_they_pay(sequences, token_budget)
+
+
+def with_trees_where_they_pay(sequences: list[TrainSequence], token_budget: int) -> list[TrainSequence]:
+    """`as_trees(sequences)` when its micro-batches put at least TREE_MIN_SAVING fewer tokens through the model
+    than the sequences' own (which already run a prefix shared by a micro-batch's rows once, such as a two-turn
+    episode's history); else the sequences as they are. A tree's branches attend by a mask, which on two CPU
+    cores cost more than a fifth fewer tokens saved (docs/benchmarks.md, "Reasoned turns as one tree")."""
+    trees = as_trees(sequences, token_budget)
+    if len(trees) == len(sequences):
+        return sequences
+    if planned_tokens(trees, token_budget) <= (1 - TREE_MIN_SAVING) * planned_tokens(sequences, token_budget):
+        return trees
+    return sequences
+
+
+def planned_tokens(sequences: list[TrainSequence], token_budget: int) -> int:
+    """Tokens the micro-batches of `sequences` put through the model: padding included, a prefix shared by a
+    micro-batch's rows counted once (for tree rows, as far as every row is one plain chain)."""
+    total = 0
+    for rows in plan_micro_batches([s.input_ids for s in sequences], token_budget):
+        members = [sequences[i] for i in rows]
+        shared = min(common_prefix(members[0].input_ids, m.input_ids) for m in members)
+        shared = min([shared, *(_chain_length(m) for m in members)])
+        total += padded_cost(len(members), shared, max(len(m.input_ids) for m in members))
+    return total
+
+
+def _chain_length(sequence: TrainSequence) -> int:
+    """How many leading tokens of `sequence` are one plain chain (all of a plain sequence)."""
+    if sequence.parents is None:
+        return len(sequence.input_ids)
+    for index, parent in enumerate(sequence.parents):
+        if parent != index - 1:
+            return index
+    return len(sequence.parents)
 
 
 def _tree_sequence(group: list[TrainSequence]) -> TrainSequence:

@@ -106,10 +106,10 @@ class PPOConfig(Strict):
     micro_batch_tokens: int = Field(
         4096, ge=64, description="Token budget of one forward/backward pass (gradient accumulation)."
     )
-    tree_scoring: bool = Field(
-        True, description="Where an episode is several sequences (earlier reasoning stripped from the history), "
-        "score and train them as one prefix tree that runs their shared history once (same numbers); false = "
-        "each sequence whole, for comparison."
+    tree_scoring: Literal["auto", "always", "off"] = Field(
+        "auto", description="Where an episode is several sequences (earlier reasoning stripped from the history), "
+        "score and train them as one prefix tree that runs their shared history once (same numbers). auto = "
+        "where that puts a quarter fewer tokens through the model or more; always; off = each sequence whole."
     )
     cliprange: float = Field(0.2, gt=0, description="PPO ratio clip: the surrogate stops gaining past 1 ± this.")
     cliprange_value: float = Field(0.2, gt=0, description="Values may move at most this far from the rollout's "

@@ -32,8 +32,9 @@ CASES = {
     # each first reply reasons and the second turn's sequence shows it stripped: scored as one tree per episode,
     # and (the same episodes) each sequence whole, which test_distributed.py compares the tree runs with. One
     # minibatch: minibatches are drawn over sequences, and a tree is one where the per-turn path has two
-    "stripped": (["ppo.entropy_coef=0.01", "logging.signal_check_every=1"], [1.0, 0.0, 0.75, 0.25], None),
-    "stripped_per_turn": (["ppo.entropy_coef=0.01", "logging.signal_check_every=1", "ppo.tree_scoring=false"],
+    "stripped": (["ppo.entropy_coef=0.01", "logging.signal_check_every=1", "ppo.tree_scoring=always"],
+                 [1.0, 0.0, 0.75, 0.25], None),
+    "stripped_per_turn": (["ppo.entropy_coef=0.01", "logging.signal_check_every=1", "ppo.tree_scoring=off"],
                           [1.0, 0.0, 0.75, 0.25], None),
 }
 

@@ -218,7 +218,7 @@ def test_sft_on_trees_takes_the_same_step(tiny_model_dir, monkeypatch):
                 module.p = 0.0
         before = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
         history = train_sft(policy, reasoned_conversations(policy.tokenizer), epochs=1, learning_rate=0.5,
-                            batch_size=8, token_budget=4096, seed=0, trees=trees)
+                            batch_size=8, token_budget=4096, seed=0, trees="always" if trees else "off")
         after = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
         assert any(not torch.equal(before[n], after[n]) for n in after)
         results.append((history[0]["loss"], after))
@@ -226,3 +226,20 @@ def test_sft_on_trees_takes_the_same_step(tiny_model_dir, monkeypatch):
     assert tree_loss == pytest.approx(plain_loss, abs=1e-5)
     for name, value in plain_after.items():
         torch.testing.assert_close(tree_after[name], value, atol=1e-6, rtol=0, msg=name)
+
+
+def test_auto_uses_trees_only_where_they_put_a_quarter_fewer_tokens_through_the_model():
+    from ppo_affine.batching import planned_tokens, scoring_sequences
+
+    history = list(range(100, 400))
+    # five turns, each repeating a growing history before its own 5-token reply: as trees about a third the tokens
+    long_episode = [_sequence(0, history[:60 * t + 40] + [900 + t] * 5, [(60 * t + 40, 60 * t + 45)], [t])
+                    for t in range(5)]
+    assert scoring_sequences(long_episode, 4096, "auto")[0].parents is not None
+    # two turns whose common history the per-turn micro-batch already runs once: a tree saves a few tokens only
+    short_episode = [_sequence(0, history[:200] + [901] * 5, [(200, 205)], [0]),
+                     _sequence(0, history[:201] + [902] * 5, [(201, 206)], [1])]
+    trees = scoring_sequences(short_episode, 4096, "always")
+    assert len(trees) == 1 and planned_tokens(trees, 4096) > 0.75 * planned_tokens(short_episode, 4096)
+    assert scoring_sequences(short_episode, 4096, "auto") is short_episode
+    assert scoring_sequences(long_episode, 4096, "off") is long_episode

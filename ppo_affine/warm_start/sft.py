@@ -82,16 +82,16 @@ def conversations_to_episodes(records: list[dict[str, Any]], builder, strategy: 
 
 
 def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: int, token_budget: int,
-              seed: int, max_grad_norm: float = 1.0, trees: bool = False) -> list[dict[str, float]]:
+              seed: int, max_grad_norm: float = 1.0, trees: str = "off") -> list[dict[str, float]]:
     """Masked SFT: minibatches of `batch_size` sequences, micro-batches by `token_budget`; per-epoch stats.
 
-    `trees`: the conversations are shuffled and each keeps its sequences together, in order, so that a
-    minibatch's sequences of one conversation (its turns after stripped reasoning) run as one prefix tree
-    (`batching.as_trees`). The number of sequences per optimizer step is the same as without, and where every
+    `trees` (`ppo.tree_scoring`), unless "off": the conversations are shuffled and each keeps its sequences
+    together, in order, so that a minibatch's sequences of one conversation (its turns after stripped reasoning)
+    can run as one prefix tree (`batching.scoring_sequences`). The number of sequences per optimizer step is the same as without, and where every
     conversation is one sequence (no reasoning stripped) so is the order."""
     import torch
 
-    from ppo_affine.batching import as_trees, micro_batches
+    from ppo_affine.batching import micro_batches, scoring_sequences
     from ppo_affine.experience import batch_cost
 
     optimizer = torch.optim.AdamW(policy.adapter_parameters(), lr=learning_rate, weight_decay=0.0)
@@ -105,7 +105,7 @@ def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: 
     history = []
     steps = 0
     for epoch in range(epochs):
-        if trees:
+        if trees != "off":
             order = [index for c in torch.randperm(len(conversations), generator=order_rng).tolist()
                      for index in conversations[c]]
         else:
@@ -116,8 +116,7 @@ def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: 
         with rollout_progress(batches, f"SFT epoch {epoch + 1}/{epochs}") as advance:
             for first in range(0, len(order), batch_size):
                 minibatch = [sequences[i] for i in order[first:first + batch_size]]
-                if trees:
-                    minibatch = as_trees(minibatch, token_budget)
+                minibatch = scoring_sequences(minibatch, token_budget, trees)
                 tokens = sum(s.response_len for s in minibatch)
                 optimizer.zero_grad(set_to_none=True)
                 for batch in micro_batches(minibatch, token_budget, pad_id, policy.device,
