@@ -19,6 +19,16 @@ processes; `opponent_seconds` is the opponents' own move time summed over the st
 `opponent_share_of_step` that over the step's wall time:
 
     python -m bench.step_speed --settings validator/exact-search,validator/fast-search
+
+The `.../reason` settings play replies that reason first, '<think>...</think>ID', which the conversation
+shows stripped from the next turn on, so every turn after the first is a sequence of its own: scripted
+replies (a legal action ID after a reason of a set number of words, the same episodes every run, the model's
+own replies would need a reasoning SFT first), scored and trained as one prefix tree per episode
+(`ppo.tree_scoring: auto`: where they pay) and, in the `.../per-turn` twin, each sequence whole. goofspiel's reasons are as long
+as its teacher's (about 14 tokens a reply), liars_dice's as the counting reasons; the validator pair is the
+validator profile's step with those counting replies:
+
+    python -m bench.step_speed --settings goofspiel/reason,goofspiel/reason/per-turn --max-new-tokens 40
 """
 from __future__ import annotations
 
@@ -35,11 +45,21 @@ from pathlib import Path
 import torch
 
 from bench.rollout_speed import plain_generate
+from ppo_affine.generation import Generation
 
 # name -> (games, opponent, context strategy, extra overrides, share prefixes)
 GROUPS = ["ppo.advantage=group", "ppo.group_size=4", "ppo.micro_batch_tokens=4096",
           'env.envs.openspiel.mcts_simulations={"liars_dice": 300}']
+REASONED = ["goofspiel/reason", "liars_dice/reason", "validator/reason"]
+REASON_WORDS = {"goofspiel": 12, "leduc_poker": 12, "liars_dice": 40}  # of the scripted replies' reasons
 SETTINGS = {
+    "goofspiel/reason": (["goofspiel"], "random", "full", [], True),
+    "goofspiel/reason/per-turn": (["goofspiel"], "random", "full", ["ppo.tree_scoring=off"], True),
+    "liars_dice/reason": (["liars_dice"], "random", "full", [], True),
+    "liars_dice/reason/per-turn": (["liars_dice"], "random", "full", ["ppo.tree_scoring=off"], True),
+    "validator/reason": (["leduc_poker", "liars_dice"], "mcts", "full", GROUPS, True),
+    "validator/reason/per-turn": (["leduc_poker", "liars_dice"], "mcts", "full", [*GROUPS, "ppo.tree_scoring=off"],
+                                  True),
     "goofspiel/full": (["goofspiel"], "random", "full", [], True),
     "goofspiel/last": (["goofspiel"], "random", "last", [], True),
     "leduc_poker/full": (["leduc_poker"], "random", "full", [], True),
@@ -64,10 +84,30 @@ def plain_generate_rate(policy, prompts: list[list[int]], batch_size: int, max_n
     return generated / seconds
 
 
+class ReasonedReplies:
+    """The rollout's generator for the `reason` settings: '<think>' + a reason of the game's REASON_WORDS words +
+    '</think>' + a legal action ID (chosen by the request's seed) + EOS, at once, for any prompt."""
+
+    def __init__(self, tokenizer, eos_ids: set[int], words: int):
+        self.tokenizer, self.eos_ids = tokenizer, eos_ids
+        self.reason = " ".join(["the", "opponent", "bid", "high", "so", "my", "card", "keeps", "the", "lead"] * 8)
+        self.reason = " ".join(self.reason.split()[:words])
+
+    async def generate(self, prompt_ids: list[int], order_key: int, seed: int) -> Generation:
+        from bench.host_speed import scripted_reply
+
+        move = scripted_reply(self.tokenizer, prompt_ids, seed, min(self.eos_ids))
+        reason = self.tokenizer.encode(f"<think>{self.reason}</think>", add_special_tokens=False)
+        return Generation(reason + move)
+
+    async def close(self) -> None:
+        pass
+
+
 def run_setting(name: str, args: argparse.Namespace) -> dict:
     import train_ppo
     from ppo_affine import prefixes
-    from ppo_affine.batching import build_sequences
+    from ppo_affine.batching import build_sequences, plan_micro_batches, scoring_sequences
     from ppo_affine.run_log import opponent_seconds
     from ppo_affine.config import load_config
 
@@ -83,6 +123,11 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
     config = load_config(presets=[args.preset], overrides=overrides)
     trainer = train_ppo.Trainer(config, Path(tempfile.mkdtemp(prefix="step-speed-")), resume_from=None)
     policy = trainer.policy
+    reasoned = "/reason" in name
+    if reasoned:  # one game per setting, or the validator pair: the longest reasons of its games
+        words = max(REASON_WORDS[game] for game in games)
+        trainer.generator = trainer.runner.generator = ReasonedReplies(policy.tokenizer, trainer.generator.eos_ids,
+                                                                       words)
 
     async def one_step():
         warm = trainer.policy.tokenizer.eos_token_id
@@ -105,8 +150,13 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
     generated = sum(e.generated_tokens for e in episodes)
     searching = opponent_seconds(episodes)  # perf/opponent_seconds of this step
     prompts = [e.prompt_ids(turn) for e in episodes for turn in e.turns]
-    ceiling = plain_generate_rate(policy, prompts, args.episodes, args.max_new_tokens, trainer.generator.eos_ids)
+    ceiling = (float("nan") if reasoned  # scripted replies: no rollout speed to compare
+               else plain_generate_rate(policy, prompts, args.episodes, args.max_new_tokens, trainer.generator.eos_ids))
     sequences = build_sequences(usable)
+    budget = trainer.micro_batch_tokens
+    scored = scoring_sequences(sequences, budget, config.train.ppo.tree_scoring)
+    largest = max((len(rows) * max(len(scored[i].input_ids) for i in rows)
+                   for rows in plan_micro_batches([s.input_ids for s in scored], budget)), default=0)
     per_turn = sum(turn.start + len(turn.response_ids) for e in usable for turn in e.turns if turn.response_ids)
     return {
         "setting": name, "device": str(policy.device), "episodes": len(episodes),
@@ -120,7 +170,14 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
         "prefill_fraction": round(trainer.generator.prefilled_tokens / max(1, trainer.generator.prompt_tokens), 3)
         if hasattr(trainer.generator, "prefilled_tokens") else None,
         "rollout_seconds": round(rollout_seconds, 2), "step_seconds": round(step_seconds, 2),
-        "update_seconds": round(metrics["perf/update_seconds"], 2), "peak_memory_bytes": int(peak),
+        "update_seconds": round(metrics["perf/update_seconds"], 2),
+        # of update_seconds (the whole learn phase): scoring the batch, and the PPO epochs with the rest
+        "score_seconds": round(metrics["perf/score_seconds"], 2),
+        "ppo_seconds": round(metrics["perf/update_seconds"] - metrics["perf/score_seconds"], 2),
+        "reply_tokens": sum(len(turn.response_ids) for e in usable for turn in e.turns),
+        "peak_memory_bytes": int(peak),
+        # rows x width of the largest micro-batch (what activation memory grows with; RSS on CPU is noisy)
+        "largest_micro_batch_tokens": largest,
         "opponent_seconds": round(searching, 2),
         "opponent_share_of_step": round(searching / step_seconds, 3),
     }
@@ -141,9 +198,9 @@ def main() -> None:
         return
     results = []
     for name in args.settings.split(","):
-        command = [sys.executable, __file__, "--one", name, "--preset", args.preset, "--episodes", str(args.episodes),
+        command = [sys.executable, "-m", "bench.step_speed", "--one", name, "--preset", args.preset, "--episodes", str(args.episodes),
                    "--max-new-tokens", str(args.max_new_tokens), *[a for s in args.set for a in ("--set", s)]]
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
         if done.returncode != 0:
             sys.exit(f"setting {name} failed:\n{done.stderr[-3000:]}")
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
