@@ -24,8 +24,8 @@ The `.../reason` settings play replies that reason first, '<think>...</think>ID'
 shows stripped from the next turn on, so every turn after the first is a sequence of its own: scripted
 replies (a legal action ID after a reason of a set number of words, the same episodes every run, the model's
 own replies would need a reasoning SFT first), scored and trained as one prefix tree per episode
-(`ppo.tree_scoring: auto`: where they pay) and, in the `.../per-turn` twin, each sequence whole. goofspiel's reasons are as long
-as its teacher's (about 14 tokens a reply), liars_dice's as the counting reasons; the validator pair is the
+(`ppo.tree_scoring: auto`: where they pay) and, in the `.../per-turn` twin, each sequence whole.
+goofspiel's reasons are as long as its teacher's (about 14 tokens a reply), liars_dice's as the counting reasons; the validator pair is the
 validator profile's step with those counting replies:
 
     python -m bench.step_speed --settings goofspiel/reason,goofspiel/reason/per-turn --max-new-tokens 40
@@ -198,8 +198,8 @@ def main() -> None:
         return
     results = []
     for name in args.settings.split(","):
-        command = [sys.executable, "-m", "bench.step_speed", "--one", name, "--preset", args.preset, "--episodes", str(args.episodes),
-                   "--max-new-tokens", str(args.max_new_tokens), *[a for s in args.set for a in ("--set", s)]]
+        command = [sys.executable, "-m", "bench.step_speed", "--one", name, "--preset", args.preset,
+                   "--episodes", str(args.episodes), "--max-new-tokens", str(args.max_new_tokens), *[a for s in args.set for a in ("--set", s)]]
         done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
         if done.returncode != 0:
             sys.exit(f"setting {name} failed:\n{done.stderr[-3000:]}")

@@ -17,8 +17,6 @@ import json
 import random
 import resource
 
-import torch
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

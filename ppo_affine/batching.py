@@ -18,7 +18,7 @@ import torch
 
 from ppo_affine.prefixes import common_prefix, padded_cost, partition
 from ppo_affine.rollout import Episode
-from ppo_affine.token_trees import TreeBuilder, TreeRows
+from ppo_affine.token_trees import TreeBuilder, TreeRows, chain_length
 
 
 @dataclass
@@ -135,19 +135,9 @@ def planned_tokens(sequences: list[TrainSequence], token_budget: int) -> int:
     for rows in plan_micro_batches([s.input_ids for s in sequences], token_budget):
         members = [sequences[i] for i in rows]
         shared = min(common_prefix(members[0].input_ids, m.input_ids) for m in members)
-        shared = min([shared, *(_chain_length(m) for m in members)])
+        shared = min([shared, *(chain_length(m.parents) for m in members if m.parents is not None)])
         total += padded_cost(len(members), shared, max(len(m.input_ids) for m in members))
     return total
-
-
-def _chain_length(sequence: TrainSequence) -> int:
-    """How many leading tokens of `sequence` are one plain chain (all of a plain sequence)."""
-    if sequence.parents is None:
-        return len(sequence.input_ids)
-    for index, parent in enumerate(sequence.parents):
-        if parent != index - 1:
-            return index
-    return len(sequence.parents)
 
 
 def _tree_sequence(group: list[TrainSequence]) -> TrainSequence:

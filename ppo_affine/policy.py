@@ -205,10 +205,11 @@ class Policy(nn.Module):
         keyword = kv_cache_keyword()
         parts, cache = [], None
         if shared:
-            prefix = decoder(input_ids=input_ids[:1, :shared], use_cache=True)
+            prefix = decoder(input_ids=input_ids[:1, :shared], use_cache=shared < width)
             parts.append(prefix.last_hidden_state.expand(batch, -1, -1))  # gradients of the rows add up in it
-            cache = getattr(prefix, keyword)
-            cache.batch_repeat_interleave(batch)
+            if shared < width:  # the rows go on from the prefix's keys and values
+                cache = getattr(prefix, keyword)
+                cache.batch_repeat_interleave(batch)
         if chain > shared:  # every row's own causal part
             causal = decoder(input_ids=input_ids[:, shared:chain], use_cache=True, **({keyword: cache} if cache
                                                                                       else {}))
@@ -224,10 +225,9 @@ class Policy(nn.Module):
     def _tree_attention(self, allowed: torch.Tensor) -> torch.Tensor:
         """A bool mask as an additive one (0 where a token may attend, the dtype's minimum elsewhere), made once for
         every layer: given a bool mask, SDPA converts it in each layer, forward and backward, and eager attention
-        adds a mask to its scores."""
-        base = self.model.get_base_model()
-        dtype = next(base.parameters()).dtype
-        dtype = dtype if dtype.is_floating_point else torch.float32
+        adds a mask to its scores. In the hidden states' dtype (the embeddings'; a 4-bit model's packed weights are
+        no guide), which SDPA requires of a float mask."""
+        dtype = self.model.get_input_embeddings().weight.dtype
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
             ~allowed, torch.finfo(dtype).min)
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ppo_affine.prefixes import common_prefix
+
 ROOT = -1
 
 
@@ -60,15 +62,9 @@ class TreeBuilder:
 def unique_token_count(sequences: Sequence[Sequence[int]]) -> int:
     """Tokens of the prefix tree of `sequences` (every shared prefix counted once): what one pass over them
     must compute at least. Sorted, each sequence adds what it does not have in common with the one before."""
-    ordered = sorted(map(list, sequences))
     total, previous = 0, []
-    for ids in ordered:
-        shared = 0
-        for a, b in zip(previous, ids):
-            if a != b:
-                break
-            shared += 1
-        total += len(ids) - shared
+    for ids in sorted(map(list, sequences)):
+        total += len(ids) - common_prefix(previous, ids)
         previous = ids
     return total
 
@@ -86,6 +82,14 @@ def paths(tokens: Sequence[int], parents: Sequence[int]) -> list[list[int]]:
             node = parents[node]
         out.append(path[::-1])
     return out
+
+
+def chain_length(parents: Sequence[int]) -> int:
+    """How many leading tokens of a tree are one plain chain (each one's parent the token before it)."""
+    for index, parent in enumerate(parents):
+        if parent != index - 1:
+            return index
+    return len(parents)
 
 
 def depths(parents: Sequence[int]) -> list[int]:

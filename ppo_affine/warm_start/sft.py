@@ -87,8 +87,8 @@ def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: 
 
     `trees` (`ppo.tree_scoring`), unless "off": the conversations are shuffled and each keeps its sequences
     together, in order, so that a minibatch's sequences of one conversation (its turns after stripped reasoning)
-    can run as one prefix tree (`batching.scoring_sequences`). The number of sequences per optimizer step is the same as without, and where every
-    conversation is one sequence (no reasoning stripped) so is the order."""
+    can run as one prefix tree (`batching.scoring_sequences`). The number of sequences per optimizer step is the
+    same as without, and where every conversation is one sequence (no reasoning stripped) so is the order."""
     import torch
 
     from ppo_affine.batching import micro_batches, scoring_sequences
@@ -122,7 +122,8 @@ def train_sft(policy, sequences, epochs: int, learning_rate: float, batch_size: 
                 for batch in micro_batches(minibatch, token_budget, pad_id, policy.device,
                                            policy.shares_prefixes_with_gradients()):
                     processed += batch_cost(batch.input_ids, batch.tree)
-                    scored = policy.score(batch.input_ids, None, batch.response_mask, tree=batch.tree, with_values=False)
+                    scored = policy.score(batch.input_ids, None, batch.response_mask, tree=batch.tree,
+                                          with_values=False)
                     loss = -(scored.logprobs * batch.response_mask).sum() / tokens
                     loss.backward()
                     total_loss += loss.item() * tokens
