@@ -39,12 +39,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import os
 import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +75,7 @@ from ppo_affine.model_files import served_folder, write_served_folder
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
 from ppo_affine.run_log import (RunLogger, console, episode_summary, report_failure, rollout_progress,
-                                setup_logging)
+                                setup_logging, steps_behind)
 from ppo_affine.vllm_server import ManagedVLLMServer, VLLMServerError
 from ppo_affine.update import (TooManySkips, TrainingSnapshot, UpdateSettings, UpdateState, build_optimizer, ppo_update,
                                update_signal)
@@ -119,6 +122,15 @@ class BatchFailed(RuntimeError):
     """Most episodes of a step failed: something outside the trainer is broken."""
 
 
+@dataclass
+class PlayedStep:
+    """A step's episodes, played and not trained on yet; under `async_steps: 1` the next step's wait here
+    through the update and go into every checkpoint, so that a resumed run trains on the very same episodes."""
+    episodes: list[Episode]
+    group_ids: list[int] | None
+    rollout_seconds: float
+
+
 class StartupError(RuntimeError):
     """Something the run depends on cannot be reached; the message says how to fix it."""
 
@@ -152,6 +164,11 @@ class Trainer:
         self.step = self.saved_step = 0
         self.saved_path: Path | None = None  # the newest checkpoint this run wrote or resumed from
         self.totals = {"episodes": 0, "episodes_failed": 0, "generated_tokens": 0}
+        self.pending: PlayedStep | None = None  # the next step's episodes, played ahead (async_steps: 1)
+        # async_steps: every update runs on this one thread (asyncio's default executor may pick another each
+        # time, and each thread that computes gets torch's OpenMP team of its own)
+        self.update_thread = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="update")
+                              if cfg.async_steps else None)
         self.checkpoint_dir = run_dir / "checkpoints"
         wandb_id = self._resume(resume_from) if resume_from else None
         if init_adapter is not None:
@@ -170,37 +187,95 @@ class Trainer:
         self.ranks.broadcast_parameters(p for group in self.optimizer.param_groups for p in group["params"])
         if isinstance(self.generator, VLLMServers):
             await self.ranks.all_succeed_async(self.generator.check_server(sampler_logprobs=True))
-            await self.push_adapter()
+            await self.push_adapter(self.step)
+        take_step = self.step_overlapped if cfg.async_steps else self.step_in_turn
         while self.step < cfg.run.max_steps and not self.stopping():
-            before = self.curriculum.state_dict(), dict(self.totals)
-            tasks, group_ids = self.sample()
-            started = time.perf_counter()
-            episodes = await self.rollout(tasks)
-            if episodes is None:  # interrupted mid-rollout: forget this step's draws
-                self.forget_step(*before)
+            if not await take_step():  # interrupted: the step is undone
                 break
-            rollout_seconds = time.perf_counter() - started
-            usable, usable_groups = self.usable(episodes, group_ids)
-            metrics = self.episode_metrics(episodes, rollout_seconds)
-            if usable:
-                learned = self.learn_with_oom_retry(usable, usable_groups)
-                if learned is None:  # interrupted mid-update: the weights are back where the step began
-                    self.forget_step(*before)
-                    break
-                metrics.update(learned)
-            self.step += 1
-            if cfg.logging.log_samples_every and self.step % cfg.logging.log_samples_every == 0:
-                self.logger.log_sample(self.step, episodes[0])
-            metrics.update(self.advance_curriculum(episodes))
-            metrics["kl/coef"] = self.kl_ctl.value
-            if isinstance(self.generator, VLLMServers) and usable:
-                await self.push_adapter()
-            metrics["perf/step_seconds"] = time.perf_counter() - started
-            self.logger.log(self.step, metrics)
             if self.step % cfg.checkpointing.save_every == 0 or self.step == cfg.run.max_steps or self.stopping():
                 self.save()
         if self.stopping() and self.saved_step != self.step:
             self.save()
+
+    async def step_in_turn(self) -> bool:
+        """One step: rollout, then update (then the server gets the new adapter); False when interrupted."""
+        before = self.curriculum.state_dict(), dict(self.totals)
+        started = time.perf_counter()
+        played = self.pending or await self.play(*self.sample(), self.step)
+        if played is None:  # interrupted mid-rollout: forget this step's draws
+            self.forget_step(*before)
+            return False
+        usable, usable_groups = self.usable(played.episodes, played.group_ids)
+        metrics = self.episode_metrics(played.episodes, played.rollout_seconds)
+        if usable:
+            learned = self.learn_with_oom_retry(usable, usable_groups)
+            if learned is None:  # interrupted mid-update: the weights are back where the step began
+                self.forget_step(*before)
+                return False
+            metrics.update(learned)
+        self.pending = None
+        self.step += 1
+        metrics.update(self.advance_curriculum(played.episodes))
+        if isinstance(self.generator, VLLMServers) and usable:
+            await self.push_adapter(self.step)
+        self.finish_step(played, metrics, started)
+        return True
+
+    async def step_overlapped(self) -> bool:
+        """One step under `async_steps: 1`: this step's episodes (played during the last update, by the adapter
+        before it) train in a thread while the server plays the next step's with the adapter it has; the new
+        adapter is loaded as soon as the update ends and serves the rollout after. The curriculum hears of this
+        step's episodes before it draws the next step's tasks, as when the two take turns. False when
+        interrupted: the whole step is undone, the update too if it had finished."""
+        cfg = self.config.train
+        before = self.curriculum.state_dict(), dict(self.totals)
+        started = time.perf_counter()
+        played = self.pending or await self.play(*self.sample(), self.step)  # the first step has nothing ahead
+        if played is None:
+            self.forget_step(*before)
+            return False
+        curriculum_metrics = self.advance_curriculum(played.episodes)
+        usable, usable_groups = self.usable(played.episodes, played.group_ids)
+        metrics = self.episode_metrics(played.episodes, played.rollout_seconds)
+        ahead = (asyncio.ensure_future(self.play(*self.sample(), self.step + 1))
+                 if self.step + 1 < cfg.run.max_steps else None)
+        snapshot = TrainingSnapshot.take(self.optimizer, self.update_state)
+        undo = self.kl_ctl.state_dict(), self.micro_batch_tokens
+        try:
+            update = functools.partial(self.learn_with_oom_retry, usable, usable_groups, snapshot)
+            learned = await asyncio.get_running_loop().run_in_executor(self.update_thread, update) if usable else {}
+            if learned is not None and usable:
+                await self.push_adapter(self.step + 1, activate=False)
+            updated = time.perf_counter()
+            upcoming = await ahead if ahead is not None else None
+        except BaseException:
+            if ahead is not None:
+                ahead.cancel()
+                await asyncio.gather(ahead, return_exceptions=True)
+            raise
+        if learned is None or (ahead is not None and upcoming is None):  # a stop signal
+            if learned is not None:
+                snapshot.restore(self.optimizer, self.update_state)
+                self.kl_ctl.load_state_dict(undo[0])
+                self.micro_batch_tokens = undo[1]
+            self.forget_step(*before)
+            return False
+        metrics["perf/wait_for_rollout_seconds"] = time.perf_counter() - updated  # the update's lead, unused
+        metrics.update(learned)
+        self.pending = upcoming
+        self.step += 1
+        metrics.update(curriculum_metrics)
+        await self.generator.activate_staged()
+        self.finish_step(played, metrics, started)
+        return True
+
+    def finish_step(self, played: PlayedStep, metrics: dict[str, Any], started: float) -> None:
+        cfg = self.config.train
+        if cfg.logging.log_samples_every and self.step % cfg.logging.log_samples_every == 0:
+            self.logger.log_sample(self.step, played.episodes[0])
+        metrics["kl/coef"] = self.kl_ctl.value
+        metrics["perf/step_seconds"] = time.perf_counter() - started
+        self.logger.log(self.step, metrics)
 
     def stopping(self) -> bool:
         """SIGINT/SIGTERM reached this rank or another: every rank leaves the loop at the same point."""
@@ -228,11 +303,17 @@ class Trainer:
 
         return self.ranks.from_main(draw)
 
-    async def rollout(self, tasks: list[Task]) -> list[Episode] | None:
+    async def play(self, tasks: list[Task], group_ids: list[int] | None, step: int) -> PlayedStep | None:
+        """The rollout of step `step` (counted from 0), timed; None when it was interrupted."""
+        started = time.perf_counter()
+        episodes = await self.rollout(tasks, step)
+        return None if episodes is None else PlayedStep(episodes, group_ids, time.perf_counter() - started)
+
+    async def rollout(self, tasks: list[Task], step: int) -> list[Episode] | None:
         """This rank plays its share of `tasks`; returns every rank's episodes, or None when any was interrupted."""
         mine = self.ranks.share(len(tasks))
-        with rollout_progress(len(mine), f"step {self.step + 1} rollout", visible=self.ranks.is_main) as advance:
-            play = asyncio.ensure_future(self.runner.run([tasks[i] for i in mine], self.step,
+        with rollout_progress(len(mine), f"step {step + 1} rollout", visible=self.ranks.is_main) as advance:
+            play = asyncio.ensure_future(self.runner.run([tasks[i] for i in mine], step,
                                                          on_episode_done=advance, first_index=mine.start))
             while not play.done():
                 await asyncio.wait({play}, timeout=0.2)
@@ -267,10 +348,12 @@ class Trainer:
                         cut_off, len(episodes), self.config.train.generation.max_turns)
         return [episodes[i] for i in keep], ([group_ids[i] for i in keep] if group_ids is not None else None)
 
-    def learn_with_oom_retry(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float] | None:
+    def learn_with_oom_retry(self, episodes: list[Episode], group_ids: list[int] | None,
+                             snapshot: TrainingSnapshot | None = None) -> dict[str, float] | None:
         """`score_and_update`, undone when it cannot finish: CUDA out of memory retries it with half the token
-        budget (every rank together); a stop signal returns None, the weights back where the step began."""
-        snapshot = TrainingSnapshot.take(self.optimizer, self.update_state)
+        budget (every rank together); a stop signal returns None, the weights back where the step began (as
+        `snapshot` holds them, when the caller took it)."""
+        snapshot = snapshot or TrainingSnapshot.take(self.optimizer, self.update_state)
         retries = 0
         while True:
             try:
@@ -364,6 +447,7 @@ class Trainer:
         ppo = self.config.train.ppo
         rewards = {id(e): final_reward(e, ppo) + sum(turn_rewards(e, ppo)) for e in episodes}
         metrics = episode_summary(episodes, rollout_seconds, rewards)
+        metrics.update(steps_behind(episodes, self.step))
         self.totals["episodes"] += len(episodes)
         self.totals["episodes_failed"] += metrics["env/episodes_failed"]
         self.totals["generated_tokens"] += sum(e.generated_tokens for e in episodes)
@@ -390,21 +474,24 @@ class Trainer:
                            eos_token_ids(self.policy.tokenizer, self.policy.model.generation_config), api_key=api_key,
                            served_from=served_folder(cfg.model))
 
-    async def push_adapter(self) -> None:
-        """Rank 0 saves the LoRA weights alone and hot-loads them into every vLLM server under a new name;
-        every rank then requests that name."""
+    async def push_adapter(self, step: int, activate: bool = True) -> None:
+        """Rank 0 saves the LoRA weights (those after `step` updates) alone and hot-loads them into every vLLM
+        server under a new name; every rank then requests that name. `activate=False` stages them: requests keep
+        the adapter they have until `activate_staged` (async_steps)."""
 
         async def save_and_load() -> list[str]:
-            folder = self.run_dir / "vllm_adapters" / f"step-{self.step}"
+            folder = self.run_dir / "vllm_adapters" / f"step-{step}"
             self.policy.model.save_pretrained(folder)
-            names = await self.generator.load_adapter(folder, f"{self.run_dir.name}-step-{self.step}")
+            names = await self.generator.load_adapter(folder, f"{self.run_dir.name}-step-{step}", step, activate)
             in_use = {path.name for path in self.generator.loaded.values()}
             for old in (self.run_dir / "vllm_adapters").iterdir():
                 if old.name not in in_use:
                     shutil.rmtree(old, ignore_errors=True)
             return names
 
-        self.generator.use_adapters(await self.ranks.from_main_async(save_and_load))
+        names = await self.ranks.from_main_async(save_and_load)
+        if activate:
+            self.generator.use_adapters(names, step)
 
     def save(self) -> None:
         state = {
@@ -418,6 +505,8 @@ class Trainer:
             "config": self.config.model_dump(mode="json"),
             "wandb_id": self.logger.wandb_id,
             "micro_batch_tokens": self.micro_batch_tokens,  # below the config's after an out-of-memory error
+            # async_steps: the next step's episodes, played during this step's update (a dict: the class lives here)
+            "pending": vars(self.pending) if self.pending is not None else None,
         }
         path = self.ranks.from_main(lambda: save_checkpoint(self.checkpoint_dir, self.step, self.policy.save, state,
                                                             self.config.train.checkpointing.keep_last))
@@ -437,6 +526,7 @@ class Trainer:
         self.update_state = UpdateState(**state["update_state"])
         self.totals = state["totals"]
         self.step = self.saved_step = state["step"]
+        self.pending = PlayedStep(**state["pending"]) if state.get("pending") else None
         self.saved_path = checkpoint
         self._keep_a_halved_token_budget(state)
         rng = rng_state_of(self.ranks, state["rng"])
@@ -468,6 +558,8 @@ class Trainer:
                  "that adapter" if anchored_to_it else "the base model")
 
     async def close(self) -> None:
+        if self.update_thread is not None:
+            self.update_thread.shutdown()
         await self.generator.close()
         for _, env in self.envs.values():
             try:
@@ -502,6 +594,9 @@ def check_can_train(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError("generation.temperature=0 samples nothing for PPO to learn from (greedy replies): "
                           "train with a temperature > 0; evaluate.py plays greedily on its own.")
     check_world_size(cfg.ppo, world_size)
+    if cfg.async_steps and world_size > 1:
+        raise ConfigError("async_steps=1 runs in one process: with several ranks the update's exchanges would "
+                          "interleave with the rollout's; set async_steps=0 for data-parallel runs.")
     if cfg.generation.top_p < 1 or cfg.generation.top_k:
         log.warning("generation.top_p/top_k truncate sampling, but old log-probs are scored on the full "
                     "distribution (temperature only), so the PPO ratio starts slightly off-policy; "

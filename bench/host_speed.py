@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import re
 import tempfile
 import time
 from pathlib import Path
@@ -44,18 +43,8 @@ from ppo_affine.generation import Generation
 from ppo_affine.local_generation import LocalGenerator
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import RolloutRunner
+from ppo_affine.testing.scripted import scripted_reply
 from ppo_affine.testing.tiny import load_tiny_policy, make_tiny_model_dir
-
-LEGAL_LINE = re.compile(r"^(\d+) -> ", re.MULTILINE)
-
-
-# ---------------------------------------------------------------------- scripted replies
-def scripted_reply(tokenizer, prompt_ids: list[int], seed: int, eos_id: int) -> list[int]:
-    """A legal action id from the prompt's last 'Legal Actions:' block (chosen by `seed`), then EOS."""
-    tail = tokenizer.decode(prompt_ids[-200:], skip_special_tokens=True)
-    block = tail.rsplit("Legal Actions:", 1)[-1]
-    legal = LEGAL_LINE.findall(block) or ["0"]
-    return tokenizer.encode(legal[seed % len(legal)], add_special_tokens=False) + [eos_id]
 
 
 class ScriptedGenerator(LocalGenerator):

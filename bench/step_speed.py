@@ -94,7 +94,7 @@ class ReasonedReplies:
         self.reason = " ".join(self.reason.split()[:words])
 
     async def generate(self, prompt_ids: list[int], order_key: int, seed: int) -> Generation:
-        from bench.host_speed import scripted_reply
+        from ppo_affine.testing.scripted import scripted_reply
 
         move = scripted_reply(self.tokenizer, prompt_ids, seed, min(self.eos_ids))
         reason = self.tokenizer.encode(f"<think>{self.reason}</think>", add_special_tokens=False)
@@ -134,7 +134,7 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
         plain_generate_rate(policy, [[warm] * 8], 1, 2, {warm})  # first calls pay one-off costs
         started = time.perf_counter()
         tasks, group_ids = trainer.sample()
-        episodes = await trainer.rollout(tasks)
+        episodes = await trainer.rollout(tasks, trainer.step)
         rollout_seconds = time.perf_counter() - started
         usable, usable_groups = trainer.usable(episodes, group_ids)
         metrics = trainer.learn_with_oom_retry(usable, usable_groups)

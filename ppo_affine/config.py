@@ -263,6 +263,11 @@ class TrainConfig(Strict):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    async_steps: int = Field(
+        0, ge=0, le=1, description="vLLM backend: 1 = the next step's episodes are generated (with the adapter of "
+        "the step before) while this step's update runs; the update trains one step off-policy, corrected by "
+        "ppo.sampler_correction, which this switches on. 0 = rollout, then update (docs/training.md)."
+    )
 
     @model_validator(mode="after")
     def _critic_warmup_needs_a_critic(self) -> "TrainConfig":
@@ -270,6 +275,21 @@ class TrainConfig(Strict):
         if warmup and self.ppo.advantage == "group":
             raise ValueError(f"value_head.warmup_steps={warmup} trains a critic, but ppo.advantage='group' has none: "
                              "set value_head.warmup_steps=0 or ppo.advantage=gae")
+        return self
+
+    @model_validator(mode="after")
+    def _async_steps_need_a_server_and_the_correction(self) -> "TrainConfig":
+        if not self.async_steps:
+            return self
+        if self.generation.backend != "vllm":
+            raise ValueError("async_steps=1 overlaps a vLLM server's generation with the update; with "
+                             "generation.backend=local the model being trained generates, on the same device, so "
+                             "there is nothing to overlap: set async_steps=0 or generation.backend=vllm")
+        if not self.ppo.sampler_correction:
+            if "sampler_correction" in self.ppo.model_fields_set:
+                raise ValueError("async_steps=1 trains on replies of the adapter one step behind, which "
+                                 "ppo.sampler_correction corrects for: leave it on (or set async_steps=0)")
+            self.ppo.sampler_correction = True
         return self
 
 

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 class Generation:
     token_ids: list[int]
     logprobs: list[float] | None = None  # the sampler's own log-probs (vLLM), for the gap metric
+    adapter_step: int | None = None  # the training step whose adapter sampled it (vLLM); None: the trainer itself
 
 
 def eos_token_ids(tokenizer, generation_config=None) -> set[int]:
@@ -76,7 +77,9 @@ class VLLMGenerator:
 
     Adapter names end with a token unique to this process, so a resumed run, a second evaluation
     of the same checkpoint or a crashed process's leftovers never collide; every adapter this
-    process loaded is unloaded when it closes."""
+    process loaded is unloaded when it closes. An adapter can be loaded `staged`: it waits beside the
+    active one until `activate_staged` (async training loads step k's adapter while step k+1's
+    episodes are still generated with step k-1's)."""
 
     def __init__(self, base_url: str, base_model: str, tokenizer, gen_cfg: GenerationConfig, lora_rank: int,
                  eos_ids: set[int], api_key: str | None = None, served_from: str | None = None):
@@ -94,7 +97,9 @@ class VLLMGenerator:
         )
         self.instance = uuid.uuid4().hex[:8]
         self.active_adapter: str | None = None
+        self.staged_adapter: str | None = None  # loaded, made active by activate_staged
         self.loaded: dict[str, Path] = {}  # adapter name -> folder, in load order
+        self.adapter_steps: dict[str, int] = {}  # adapter name -> the training step it was saved at
         self.in_flight: dict[str, int] = {}
         self.retries = 0
         self.generated_tokens = 0
@@ -257,30 +262,33 @@ class VLLMGenerator:
             return None
 
     async def _restore_adapter(self, served: set[str]) -> bool | None:
-        """Load the active adapter again if a restarted server lost it: True if it did, False if nothing was
-        missing, None while it is still missing (loaded by another rank, or the load failed): wait more."""
-        for name in [n for n in self.loaded if n not in served and n != self.active_adapter]:
+        """Load the active (and a staged) adapter again if a restarted server lost it: True if it did, False if
+        nothing was missing, None while one is still missing (loaded by another rank, or the load failed): wait
+        more."""
+        needed = [name for name in (self.active_adapter, self.staged_adapter) if name is not None]
+        for name in [n for n in self.loaded if n not in served and n not in needed]:
             del self.loaded[name]  # a restarted server lost the older adapters too
-        if self.active_adapter is None or self.active_adapter in served:
-            return False
-        folder = self.loaded.get(self.active_adapter)
-        if folder is None:  # rank 0 loaded it and loads it again
-            return None
-        try:
-            payload = {"lora_name": self.active_adapter, "lora_path": str(folder.resolve())}
-            response = await self.client.post(f"{self.server_root}/v1/load_lora_adapter", json=payload)
-        except httpx.HTTPError:
-            return None
-        if response.status_code >= 400:
-            log.warning("reloading adapter %s into vLLM at %s failed: HTTP %s %s", self.active_adapter, self.base_url,
-                        response.status_code, response.text[:200])
-            return None
-        log.warning("vLLM at %s had lost adapter %s (restarted): loaded it again", self.base_url, self.active_adapter)
-        return True
+        missing = [name for name in needed if name not in served]
+        for name in missing:
+            folder = self.loaded.get(name)
+            if folder is None:  # rank 0 loaded it and loads it again
+                return None
+            try:
+                payload = {"lora_name": name, "lora_path": str(folder.resolve())}
+                response = await self.client.post(f"{self.server_root}/v1/load_lora_adapter", json=payload)
+            except httpx.HTTPError:
+                return None
+            if response.status_code >= 400:
+                log.warning("reloading adapter %s into vLLM at %s failed: HTTP %s %s", name, self.base_url,
+                            response.status_code, response.text[:200])
+                return None
+            log.warning("vLLM at %s had lost adapter %s (restarted): loaded it again", self.base_url, name)
+        return bool(missing)
 
-    async def load_adapter(self, adapter_dir: Path, label: str) -> str:
-        """Load an adapter under a new name (never in place) and make it the active one, then retire unused
-        older ones; returns the name. A name the server already holds gets a fresh suffix."""
+    async def load_adapter(self, adapter_dir: Path, label: str, step: int | None = None, activate: bool = True) -> str:
+        """Load an adapter (saved at training step `step`) under a new name (never in place) and make it the
+        active one, or with `activate=False` the staged one, then retire unused older ones; returns the name. A
+        name the server already holds gets a fresh suffix."""
         name = f"{label}-{self.instance}"
         path = str(Path(adapter_dir).resolve())
         response = await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
@@ -296,16 +304,29 @@ class VLLMGenerator:
             raise VLLMError(f"vLLM refused adapter {name} from {adapter_dir}: HTTP {response.status_code} "
                             f"{response.text[:300]}")
         self.loaded[name] = Path(adapter_dir)
-        self.active_adapter = name
+        if step is not None:
+            self.adapter_steps[name] = step
+        if activate:
+            self.active_adapter = name
+        else:
+            self.staged_adapter = name
         await self.unload_unused()
         return name
 
+    async def activate_staged(self) -> None:
+        """The staged adapter becomes the one every new request uses; the one before is unloaded."""
+        if self.staged_adapter is not None:
+            self.active_adapter, self.staged_adapter = self.staged_adapter, None
+            await self.unload_unused()
+
     async def unload_unused(self) -> None:
-        for name in [n for n in self.loaded if n != self.active_adapter and not self.in_flight.get(n)]:
+        keep = {self.active_adapter, self.staged_adapter}
+        for name in [n for n in self.loaded if n not in keep and not self.in_flight.get(n)]:
             response = await self._post("/v1/unload_lora_adapter", {"lora_name": name})
             if response.status_code >= 400:
                 log.warning("could not unload adapter %s: HTTP %s", name, response.status_code)
             del self.loaded[name]
+            self.adapter_steps.pop(name, None)
 
     async def generate(self, prompt_ids: list[int], order_key: int, seed: int) -> Generation:
         model = self.active_adapter or self.base_model
@@ -335,7 +356,7 @@ class VLLMGenerator:
             raise VLLMError(f"/v1/completions with model {model!r}: HTTP {response.status_code} {response.text[:300]}")
         token_ids, logprobs = self._parse_logprobs(response.json()["choices"][0])
         self.generated_tokens += len(token_ids)
-        return Generation(token_ids, logprobs)
+        return Generation(token_ids, logprobs, self.adapter_steps.get(model))
 
     @staticmethod
     def _parse_logprobs(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
@@ -363,7 +384,7 @@ class VLLMGenerator:
             except httpx.HTTPError as exc:
                 log.warning("could not unload adapter %s from vLLM: %s", name, exc)
             del self.loaded[name]
-        self.active_adapter = None
+        self.active_adapter = self.staged_adapter = None
         await self.client.aclose()
 
 
@@ -397,14 +418,22 @@ class VLLMServers:
         for server in self.servers:
             await server.check_server(sampler_logprobs)
 
-    async def load_adapter(self, adapter_dir: Path, label: str) -> list[str]:
-        """Load the adapter into every server at once; returns its name on each (they may differ)."""
-        return list(await asyncio.gather(*(server.load_adapter(adapter_dir, label) for server in self.servers)))
+    async def load_adapter(self, adapter_dir: Path, label: str, step: int | None = None,
+                           activate: bool = True) -> list[str]:
+        """Load the adapter into every server at once (active, or staged); returns its name on each (they may
+        differ)."""
+        return list(await asyncio.gather(*(server.load_adapter(adapter_dir, label, step, activate)
+                                           for server in self.servers)))
 
-    def use_adapters(self, names: list[str]) -> None:
+    async def activate_staged(self) -> None:
+        await asyncio.gather(*(server.activate_staged() for server in self.servers))
+
+    def use_adapters(self, names: list[str], step: int | None = None) -> None:
         """Request these adapters (one per server), loaded by another process (rank 0), which also unloads them."""
         for server, name in zip(self.servers, names):
             server.active_adapter = name
+            if step is not None:
+                server.adapter_steps[name] = step
 
     async def generate(self, prompt_ids: list[int], order_key: int, seed: int) -> Generation:
         return await self.servers[order_key % len(self.servers)].generate(prompt_ids, order_key, seed)

@@ -42,6 +42,7 @@ class Turn:
     start: int = 0  # position of the reply's first token in that sequence (= prompt length)
     reward: float = 0.0  # non-final env reward earned by this turn (the final score is the episode's)
     parse_error: bool = False
+    adapter_step: int | None = None  # the training step whose adapter (vLLM) wrote it; None: the trainer itself
 
 
 @dataclass
@@ -233,7 +234,7 @@ class RolloutRunner:
                 episode.turns.append(Turn(
                     response_ids=generation.token_ids, response_text=text, sampler_logprobs=generation.logprobs,
                     sequence=sequence, start=start, parse_error=parse_error,
-                    reward=0.0 if result["done"] else float(result["reward"]),
+                    reward=0.0 if result["done"] else float(result["reward"]), adapter_step=generation.adapter_step,
                 ))
                 episode.messages.append({"role": "assistant", "content": text})
                 self._absorb(episode, result)

@@ -162,6 +162,17 @@ def opponent_seconds(episodes) -> float:
     return sum(e.info.get("opponent_seconds", 0.0) for e in episodes)
 
 
+def steps_behind(episodes, policy_step: int) -> dict[str, float]:
+    """How many updates behind the policy about to be updated (after `policy_step` updates) the adapters that wrote
+    the replies were: mean and most over the replies a vLLM server wrote (none: the trainer sampled them itself).
+    0 when rollout and update take turns; 1 under `async_steps: 1` from the second update on."""
+    behind = [policy_step - turn.adapter_step for episode in episodes for turn in episode.turns
+              if turn.adapter_step is not None]
+    if not behind:
+        return {}
+    return {"async/steps_behind_mean": sum(behind) / len(behind), "async/steps_behind_max": float(max(behind))}
+
+
 def episode_summary(episodes, rollout_seconds: float, rewards: dict[int, float]) -> dict[str, Any]:
     """The env/ and perf/ numbers of one step's episodes; `rewards` maps id(episode) to its total reward."""
     ok = [e for e in episodes if not e.error]

@@ -29,3 +29,13 @@ def tiny_policy(tiny_model_dir):
     from ppo_affine.testing.tiny import load_tiny_policy
 
     return load_tiny_policy(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def fake_vllm(tiny_model_dir):
+    """One fake vLLM server (ppo_affine/testing/fake_vllm.py; about 15 s to start) that the runs of every test
+    module share, as runs share a real one: each run loads adapters under names of its own and unloads them at exit,
+    which the tests check (served_adapters)."""
+    from test_train import _serve_fake_vllm
+
+    yield from _serve_fake_vllm(tiny_model_dir)

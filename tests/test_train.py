@@ -167,13 +167,6 @@ def _serve_fake_vllm(model_dir: Path, *flags: str):
     process.wait(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def fake_vllm(tiny_model_dir):
-    """One fake vLLM server (about 15 s to start) that this module's runs share, as runs share a real one: each run
-    loads adapters under names of its own and unloads them at exit, which the tests check with served_adapters."""
-    yield from _serve_fake_vllm(tiny_model_dir)
-
-
 @pytest.fixture
 def fake_vllm_ignoring_adapters(tiny_model_dir):
     """A fake vLLM server of the test's own that accepts adapters but keeps serving the base model."""

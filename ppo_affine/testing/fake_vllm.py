@@ -12,16 +12,21 @@ is on, like vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING); what an env's evalua
 log-probs whatever the temperature, `processed_logprobs` those of the tempered distribution it samples; `logprobs: N`
 returns the top N of them at each position beside the sampled token's (`top_logprobs`).
 
+`--latency-seconds S` makes every completion take S seconds more of wall time and no CPU (the server sleeps), a
+stand-in for a GPU server's generation time in benchmarks (bench/async_speed.py); with `--scripted` a completion
+runs no model either: its reply is a legal action id read off the prompt, then EOS, each token's log-prob -1.
+
 `--exit-once-marker FILE` makes that crash happen once (a server that is then started again serves). It also
 accepts vLLM's own server flags (--host, --enable-lora, --max-loras, ...), so it can stand in for an owned server.
 
 Run: python -m ppo_affine.testing.fake_vllm --model DIR --port P [--no-runtime-lora] [--ignore-adapters]
         [--served-model-name NAME] [--max-model-len N] [--max-new-tokens N] [--exit-after-completions N]
-        [--logprobs-mode raw_logprobs|processed_logprobs]
+        [--logprobs-mode raw_logprobs|processed_logprobs] [--latency-seconds S] [--scripted]
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import os
@@ -40,7 +45,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool = False, served_name: str | None = None,
               max_model_len: int = 32768, max_new_tokens: int | None = None,
-              exit_after_completions: int | None = None, logprobs_mode: str = "raw_logprobs") -> FastAPI:
+              exit_after_completions: int | None = None, logprobs_mode: str = "raw_logprobs",
+              latency_seconds: float = 0.0, scripted: bool = False) -> FastAPI:
     from peft import PeftModel
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -103,6 +109,8 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
         if next(received) == exit_after_completions:
             os._exit(1)
         body = await request.json()
+        if latency_seconds:
+            await asyncio.sleep(latency_seconds)  # other requests are served meanwhile, as by a batching server
         model, adapter = model_for(body["model"])
         prompt = body["prompt"]
         if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
@@ -111,8 +119,12 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
         generator = torch.Generator().manual_seed(int(body.get("seed") or 0))
         with lock:
             stop_ids = {tokenizer.eos_token_id, *body.get("stop_token_ids", [])}
-            tokens, logprobs, finish = _sample(model, adapter, prompt, int(body.get("max_tokens", 16)), temperature,
-                                               stop_ids, generator, ignore_adapters, logprobs_mode)
+            if scripted:
+                tokens, logprobs, finish = _scripted(tokenizer, prompt, int(body.get("max_tokens", 16)),
+                                                     int(body.get("seed") or 0))
+            else:
+                tokens, logprobs, finish = _sample(model, adapter, prompt, int(body.get("max_tokens", 16)),
+                                                   temperature, stop_ids, generator, ignore_adapters, logprobs_mode)
             stats["completions"] += 1
         as_ids = bool(body.get("return_tokens_as_token_ids"))
 
@@ -200,6 +212,20 @@ def _sample(model, adapter, prompt, max_tokens, temperature, stop_ids, generator
     return tokens, logprobs, finish
 
 
+def _scripted(tokenizer, prompt, max_tokens, seed):
+    """A legal action id off the prompt and EOS, as `_sample` returns them: no model runs; every position's
+    log-probs are -1 for the sampled token, -inf elsewhere (only the sampled ones are read)."""
+    from ppo_affine.testing.scripted import scripted_reply
+
+    tokens = scripted_reply(tokenizer, prompt, seed, tokenizer.eos_token_id)[:max_tokens]
+    logprobs = []
+    for token in tokens:
+        logp = torch.full((len(tokenizer),), float("-inf"))
+        logp[token] = -1.0
+        logprobs.append(logp)
+    return tokens, logprobs, "stop" if tokens[-1] == tokenizer.eos_token_id else "length"
+
+
 def wait_until_serving(process: subprocess.Popen, port: int, timeout: float, poll_seconds: float = 0.1) -> bool:
     """Whether an OpenAI-compatible server (this one, or vLLM) answered `/v1/models` on `port` within `timeout`
     seconds; False as soon as `process` exits."""
@@ -251,6 +277,10 @@ if __name__ == "__main__":
     parser.add_argument("--exit-after-completions", type=int, help="die on receiving the Nth completion request")
     parser.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"], default="raw_logprobs",
                         help="vLLM's: the model's log-probs, or those of the tempered distribution it samples")
+    parser.add_argument("--latency-seconds", type=float, default=0.0,
+                        help="every completion takes this much more wall time, and no CPU")
+    parser.add_argument("--scripted", action="store_true",
+                        help="replies are a legal action id read off the prompt: no model runs")
     parser.add_argument("--exit-once-marker", help="with --exit-after-completions: die only if this file does not "
                         "exist yet, and create it (a server that crashes once, then serves when started again)")
     # vLLM's own flags, as an owned server (ppo_affine/vllm_server.py) passes them: accepted, and only --host used
@@ -268,5 +298,6 @@ if __name__ == "__main__":
         else:
             open(args.exit_once_marker, "w").close()
     uvicorn.run(build_app(args.model, not args.no_runtime_lora, args.ignore_adapters, args.served_model_name,
-                          args.max_model_len, args.max_new_tokens, exit_after, args.logprobs_mode),
+                          args.max_model_len, args.max_new_tokens, exit_after, args.logprobs_mode,
+                          args.latency_seconds, args.scripted),
                 host=args.host, port=args.port, log_level="warning")
