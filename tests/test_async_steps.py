@@ -132,6 +132,14 @@ STALL_SCRIPT = textwrap.dedent("""
 """)
 
 
+def unload_leftovers(url, keep):
+    """Unload the adapters a killed run left on the shared server (a run that exits unloads its own)."""
+    import httpx
+
+    for name in set(served_adapters(url)) - set(keep):
+        httpx.post(f"{url[: -len('/v1')]}/v1/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
+
+
 def stop_at(tmp_path, args, where, sig):
     """Run `args` in a process stalled at `where` in step 2, send it `sig` there; returns its exit code."""
     marker = tmp_path / f"marker-{where}"
@@ -175,7 +183,10 @@ def test_async_steps_overlap_resume_exactly_after_kill_and_sigterm_mid_step(tiny
     # kill -9 inside step 2's update, with step 3's rollout in flight: resumes from checkpoint 1
     killed = tmp_path / "killed"
     args = async_args(tiny_model_dir, killed, fake_vllm, "--max-steps", str(steps))
-    assert stop_at(tmp_path, args, "update", signal.SIGKILL) == -signal.SIGKILL
+    try:
+        assert stop_at(tmp_path, args, "update", signal.SIGKILL) == -signal.SIGKILL
+    finally:
+        unload_leftovers(fake_vllm, keep=[])
     assert train_ppo.main(args + ["--resume", "latest"]) == 0
     assert_same_run(straight, killed, steps)
 
@@ -204,6 +215,7 @@ def test_a_server_that_lost_its_adapters_gets_the_active_and_the_staged_one_back
 
     tiny_policy.save(tmp_path)
     root = fake_vllm[: -len("/v1")]
+    assert served_adapters(fake_vllm) == []  # every run before unloaded what it loaded
 
     async def outage_with_an_adapter_staged():
         generator = VLLMGenerator(fake_vllm, fake_vllm_model(fake_vllm), tiny_policy.tokenizer,
