@@ -168,6 +168,10 @@ def test_async_steps_overlap_resume_exactly_after_kill_and_sigterm_mid_step(tiny
     assert [r["step"] for r in records] == [1, 2, 3]
     # step 1 trains on the initial adapter's replies; from step 2 on, on those of the adapter one update behind
     assert [r["async/steps_behind_mean"] for r in records] == [0.0, 1.0, 1.0]
+    reported = 0  # the curriculum hears of each step's episodes once, in that step, before the next draw
+    for record in records:
+        reported += record["env/episodes"] - record["env/episodes_cut_off"] - record["env/episodes_failed"]
+        assert record["curriculum/stage_episodes"] + record["curriculum/replayed"] == reported
     for record in records:
         assert 0 < record["tis/weight_mean"] and 0 <= record["tis/clip_fraction"] <= 1
         assert "policy/loss" in record and record["perf/wait_for_rollout_seconds"] >= 0
