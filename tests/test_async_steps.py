@@ -1,7 +1,6 @@
 """async_steps: 1, the next step's rollout during this step's update (train_ppo.Trainer.step_overlapped): the
 settings it refuses, the adapter versions and the steps-behind bookkeeping, the correction of stale replies, and exact
 resume after kill -9 or SIGTERM with a rollout in flight, against a fake vLLM server that samples with the adapters."""
-import json
 import math
 import signal
 import subprocess
@@ -72,18 +71,20 @@ def test_the_correction_weighs_stale_replies_by_hand_computed_truncated_ratios()
 
 
 # ---------------------------------------------------------------------- the loop, through a fake vLLM server
-def async_args(model_dir, out, url, *extra):
+def async_args(model_dir, out, url, name, *extra):
+    """A tiny async run named `name` (its adapters' names start with it) in `out`/`name`."""
     return tiny_args(model_dir, out, "--set", "generation.backend=vllm", "--set", f"env.vllm_url={url}",
                      "--set", "async_steps=1", "--set", "ppo.learning_rate=1e-2", "--set", "generation.max_turns=3",
-                     "--set", "checkpointing.save_every=1", "--set", "ppo.ppo_epochs=1", *extra)
+                     "--set", "checkpointing.save_every=1", "--set", "ppo.ppo_epochs=1", "--set", f"run.name={name}",
+                     *extra)
 
 
 def adapter_weights(run, step):
-    return load_file(str(run / "t" / "checkpoints" / f"checkpoint-{step}" / "adapter" / "adapter_model.safetensors"))
+    return load_file(str(run / "checkpoints" / f"checkpoint-{step}" / "adapter" / "adapter_model.safetensors"))
 
 
 def assert_same_run(straight, resumed, steps):
-    a, b = metrics(straight / "t"), metrics(resumed / "t")
+    a, b = metrics(straight), metrics(resumed)
     assert [r["step"] for r in b] == list(range(1, steps + 1))
     for x, y in zip(a, b):
         x, y = deterministic(x), deterministic(y)
@@ -132,39 +133,63 @@ STALL_SCRIPT = textwrap.dedent("""
 """)
 
 
-def unload_leftovers(url, keep):
-    """Unload the adapters a killed run left on the shared server (a run that exits unloads its own)."""
+def unload_leftovers(url, prefix):
+    """Unload the adapters a killed run (its name `prefix`) left on the shared server; a run that exits unloads its
+    own."""
     import httpx
 
-    for name in set(served_adapters(url)) - set(keep):
-        httpx.post(f"{url[: -len('/v1')]}/v1/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
+    for name in served_adapters(url):
+        if name.startswith(prefix):
+            httpx.post(f"{url[: -len('/v1')]}/v1/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
 
 
-def stop_at(tmp_path, args, where, sig):
-    """Run `args` in a process stalled at `where` in step 2, send it `sig` there; returns its exit code."""
+def start_stalled(tmp_path, args, where):
+    """`args` run in a process that stalls at `where` in step 2; returns the process and its marker file."""
     marker = tmp_path / f"marker-{where}"
     script = tmp_path / f"stall_{where}.py"
     script.write_text(STALL_SCRIPT.format(marker=str(marker), where=where))
-    process = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, env=ROOT_ON_PATH)
+    log = open(tmp_path / f"stall_{where}.log", "w+")  # a file: a pipe nobody reads meanwhile could fill and block
+    process = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.DEVNULL, stderr=log,
+                               env=ROOT_ON_PATH)
+    process.log = log
+    return process, marker
+
+
+def signal_when_stalled(process, marker, sig):
+    """Send `sig` once the process has stalled; returns its exit code."""
     deadline = time.time() + 300
     while not marker.exists():
-        assert process.poll() is None, process.stderr.read().decode()[-3000:]
-        assert time.time() < deadline, f"the run never reached step 2's {where}"
+        if process.poll() is not None:
+            process.log.seek(0)
+            pytest.fail(f"the run stopped before {marker.name}: {process.log.read()[-3000:]}")
+        assert time.time() < deadline, f"the run never reached {marker.name}"
         time.sleep(0.1)
     process.send_signal(sig)
-    try:
-        return process.wait(timeout=120)
-    finally:
-        process.kill()
+    return process.wait(timeout=120)
 
 
 @pytest.mark.slow
 def test_async_steps_overlap_resume_exactly_after_kill_and_sigterm_mid_step(tiny_model_dir, tmp_path, fake_vllm):
     steps = 3
-    straight = tmp_path / "straight"
-    assert train_ppo.main(async_args(tiny_model_dir, straight, fake_vllm, "--max-steps", str(steps))) == 0
-    records = metrics(straight / "t")
+    runs = {name: tmp_path / name / name for name in ("straight", "killed", "stopped")}
+    args = {name: async_args(tiny_model_dir, run.parent, fake_vllm, name, "--max-steps", str(steps))
+            for name, run in runs.items()}
+    # kill -9 inside step 2's update, with step 3's rollout in flight; SIGTERM inside step 3's rollout once step 2's
+    # update has finished. Both start first and stall while the straight run goes (they share the server).
+    killing = start_stalled(tmp_path, args["killed"], "update")
+    stopping = start_stalled(tmp_path, args["stopped"], "rollout")
+    try:
+        assert train_ppo.main(args["straight"]) == 0
+        killed_code = signal_when_stalled(*killing, signal.SIGKILL)
+        stopped_code = signal_when_stalled(*stopping, signal.SIGTERM)
+    finally:
+        for process, _ in (killing, stopping):
+            process.kill()
+            process.wait()
+            process.log.close()
+        unload_leftovers(fake_vllm, "killed-")
+
+    records = metrics(runs["straight"])
     assert [r["step"] for r in records] == [1, 2, 3]
     # step 1 trains on the initial adapter's replies; from step 2 on, on those of the adapter one update behind
     assert [r["async/steps_behind_mean"] for r in records] == [0.0, 1.0, 1.0]
@@ -177,33 +202,26 @@ def test_async_steps_overlap_resume_exactly_after_kill_and_sigterm_mid_step(tiny
         assert "policy/loss" in record and record["perf/wait_for_rollout_seconds"] >= 0
     # the stale replies were sampled by another adapter than the one scored: the gap shows it
     assert records[1]["vllm/logprob_gap"] > 10 * records[0]["vllm/logprob_gap"]
-    assert served_adapters(fake_vllm) == []  # every adapter it loaded (staged ones too) is unloaded at exit
-    state = torch.load(straight / "t" / "checkpoints" / "checkpoint-2" / "trainer_state.pt", weights_only=False)
+    # every adapter it loaded (staged ones too) is unloaded at exit
+    assert not [name for name in served_adapters(fake_vllm) if name.startswith("straight-")]
+    checkpoints = runs["straight"] / "checkpoints"
+    state = torch.load(checkpoints / "checkpoint-2" / "trainer_state.pt", weights_only=False)
     assert len(state["pending"]["episodes"]) == 4  # step 3's episodes, played during step 2's update
     assert all(t.adapter_step == 1 for e in state["pending"]["episodes"] for t in e.turns)
-    assert torch.load(straight / "t" / "checkpoints" / "checkpoint-3" / "trainer_state.pt",
+    assert torch.load(checkpoints / "checkpoint-3" / "trainer_state.pt",
                       weights_only=False)["pending"] is None  # the last step plays nothing ahead
 
-    # kill -9 inside step 2's update, with step 3's rollout in flight: resumes from checkpoint 1
-    killed = tmp_path / "killed"
-    args = async_args(tiny_model_dir, killed, fake_vllm, "--max-steps", str(steps))
-    try:
-        assert stop_at(tmp_path, args, "update", signal.SIGKILL) == -signal.SIGKILL
-    finally:
-        unload_leftovers(fake_vllm, keep=[])
-    assert train_ppo.main(args + ["--resume", "latest"]) == 0
-    assert_same_run(straight, killed, steps)
+    # the killed run resumes from checkpoint 1 to the straight run
+    assert killed_code == -signal.SIGKILL
+    assert train_ppo.main(args["killed"] + ["--resume", "latest"]) == 0
+    assert_same_run(runs["straight"], runs["killed"], steps)
 
-    # SIGTERM inside step 3's rollout once step 2's update has finished: the whole step is undone, step 1 is
-    # the last one saved (with step 2's episodes), and the resumed run is the straight one
-    stopped = tmp_path / "stopped"
-    args = async_args(tiny_model_dir, stopped, fake_vllm, "--max-steps", str(steps))
-    assert stop_at(tmp_path, args, "rollout", signal.SIGTERM) == 128 + signal.SIGTERM
-    assert [r["step"] for r in metrics(stopped / "t")] == [1]
-    assert json.loads((stopped / "t" / "checkpoints" / "checkpoint-1" / "manifest.json").read_text())["step"] == 1
-    assert not (stopped / "t" / "checkpoints" / "checkpoint-2").exists()
-    assert train_ppo.main(args + ["--resume", "latest"]) == 0
-    assert_same_run(straight, stopped, steps)
+    # the stopped run undid its whole step 2 and saved step 1 (with step 2's episodes); it resumes to the straight run
+    assert stopped_code == 128 + signal.SIGTERM
+    assert [r["step"] for r in metrics(runs["stopped"])] == [1]
+    assert not (runs["stopped"] / "checkpoints" / "checkpoint-2").exists()
+    assert train_ppo.main(args["stopped"] + ["--resume", "latest"]) == 0
+    assert_same_run(runs["straight"], runs["stopped"], steps)
 
 
 @pytest.mark.slow  # uses the session's fake vLLM server

@@ -81,14 +81,18 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
         name, path = body["lora_name"], body["lora_path"]
         if name in state["adapters"]:
             raise HTTPException(400, f"The lora adapter '{name}' has already been loaded.")
-        with lock:
-            if not ignore_adapters:
-                if isinstance(state["model"], PeftModel):
-                    state["model"].load_adapter(path, adapter_name=name)
-                else:
-                    state["model"] = PeftModel.from_pretrained(base, path, adapter_name=name).eval()
-            state["adapters"][name] = path
-            stats["loaded"].append(name)
+
+        def load() -> None:
+            with lock:
+                if not ignore_adapters:
+                    if isinstance(state["model"], PeftModel):
+                        state["model"].load_adapter(path, adapter_name=name)
+                    else:
+                        state["model"] = PeftModel.from_pretrained(base, path, adapter_name=name).eval()
+                state["adapters"][name] = path
+                stats["loaded"].append(name)
+
+        await asyncio.to_thread(load)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     @app.post("/v1/unload_lora_adapter")
@@ -98,10 +102,14 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
         name = (await request.json())["lora_name"]
         if name not in state["adapters"]:
             raise HTTPException(404, f"The lora adapter '{name}' cannot be found.")
-        with lock:
-            if not ignore_adapters:
-                state["model"].delete_adapter(name)
-            del state["adapters"][name]
+
+        def unload() -> None:
+            with lock:
+                if not ignore_adapters:
+                    state["model"].delete_adapter(name)
+                del state["adapters"][name]
+
+        await asyncio.to_thread(unload)
         return f"Success: LoRA adapter '{name}' removed successfully."
 
     @app.post("/v1/completions")
@@ -111,21 +119,27 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
         body = await request.json()
         if latency_seconds:
             await asyncio.sleep(latency_seconds)  # other requests are served meanwhile, as by a batching server
-        model, adapter = model_for(body["model"])
+        model_for(body["model"])  # a 404 before anything else
         prompt = body["prompt"]
         if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             raise HTTPException(400, "this test server takes one prompt as a list of token ids")
         temperature = float(body.get("temperature", 1.0))
         generator = torch.Generator().manual_seed(int(body.get("seed") or 0))
-        with lock:
-            stop_ids = {tokenizer.eos_token_id, *body.get("stop_token_ids", [])}
-            if scripted:
-                tokens, logprobs, finish = _scripted(tokenizer, prompt, int(body.get("max_tokens", 16)),
-                                                     int(body.get("seed") or 0))
-            else:
-                tokens, logprobs, finish = _sample(model, adapter, prompt, int(body.get("max_tokens", 16)),
-                                                   temperature, stop_ids, generator, ignore_adapters, logprobs_mode)
-            stats["completions"] += 1
+
+        def complete():
+            with lock:  # the model is looked up again under the lock: an adapter load may have wrapped it
+                model, adapter = model_for(body["model"])
+                stop_ids = {tokenizer.eos_token_id, *body.get("stop_token_ids", [])}
+                if scripted:
+                    sampled = _scripted(tokenizer, prompt, int(body.get("max_tokens", 16)), int(body.get("seed") or 0))
+                else:
+                    sampled = _sample(model, adapter, prompt, int(body.get("max_tokens", 16)), temperature, stop_ids,
+                                      generator, ignore_adapters, logprobs_mode)
+                stats["completions"] += 1
+                return sampled
+
+        # in a thread, so that /v1/models and the other endpoints answer meanwhile, as vLLM's do
+        tokens, logprobs, finish = await asyncio.to_thread(complete)
         as_ids = bool(body.get("return_tokens_as_token_ids"))
 
         def shown(token: int) -> str:
@@ -151,16 +165,21 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await request.json()
-        model, adapter = model_for(body["model"])
+        model_for(body["model"])  # a 404 before anything else
         text = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
         prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         # like vLLM: the request's max_tokens, else what the context leaves, and never past the server's cap
         limits = [max_model_len - len(prompt), body.get("max_tokens"), max_new_tokens]
         temperature = float(body.get("temperature", 1.0))
         generator = torch.Generator().manual_seed(int(body.get("seed") or 0))
-        with lock:
-            tokens, _, finish = _sample(model, adapter, prompt, min(v for v in limits if v is not None), temperature,
-                                        {tokenizer.eos_token_id}, generator, ignore_adapters, logprobs_mode)
+
+        def complete():
+            with lock:
+                model, adapter = model_for(body["model"])
+                return _sample(model, adapter, prompt, min(v for v in limits if v is not None), temperature,
+                               {tokenizer.eos_token_id}, generator, ignore_adapters, logprobs_mode)
+
+        tokens, _, finish = await asyncio.to_thread(complete)
         content = tokenizer.decode([t for t in tokens if t != tokenizer.eos_token_id], skip_special_tokens=True)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
                  "total_tokens": len(prompt) + len(tokens)}
