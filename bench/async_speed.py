@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import json
 import shutil
-import socket
 import statistics
 import tempfile
 from pathlib import Path
@@ -37,14 +36,9 @@ from pathlib import Path
 import train_ppo
 from ppo_affine.testing import fake_vllm
 from ppo_affine.testing.tiny import make_tiny_model_dir
+from ppo_affine.vllm_server import free_port
 
 RATIOS = {"1:1": 1.0, "1:3": 1 / 3, "3:1": 3.0}  # rollout : update
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

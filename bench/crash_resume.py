@@ -40,7 +40,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from pathlib import Path
 
 from ppo_affine.checkpoint import CHECKPOINT_RE, find_resumable, verify
 from ppo_affine.testing import fake_vllm as fake_vllm_server
+from ppo_affine.vllm_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -257,12 +257,6 @@ def sigterm(work: Path, model_dir: Path, args: argparse.Namespace) -> dict:
             "before_first_step": before_first_step,
             "max_seconds_to_exit": slowest, "seconds_to_exit": [s["seconds_to_exit"] for s in stops],
             "runs": runs, "all_runs_reproduce_uninterrupted_metrics": equal}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class FakeVLLM:
