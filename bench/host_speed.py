@@ -19,6 +19,12 @@ Per setting, side by side in one run, `wave` (the old barrier) and `continuous` 
 
     python -m bench.host_speed                         # SmolLM2-135M's op counts; 32 episodes per setting, 50 ms
     python -m bench.host_speed --small                 # CI size: the tiny model, 8 episodes, 20 ms, no MCTS
+
+On a GPU, `--real-model cuda` replaces the stand-in by the preset's model itself: the same rollouts with the decode
+loop as it was (`wave` batching, the adapter unfolded) and as it is (`continuous`, folded), their wall time,
+generated tokens/s and nvidia-smi's busy readings (bench/gpu_busy.py):
+
+    python -m bench.host_speed --real-model cuda --json host_speed_gpu.json
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ import psutil
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.gpu_busy import GpuBusy
 from ppo_affine.config import GenerationConfig, load_config
 from ppo_affine.seeds import derive_seed
 from ppo_affine.envs.factory import make_envs
@@ -151,7 +158,8 @@ async def timed_rollout(runner: RolloutRunner, tasks: list[Task]) -> dict:
     episodes = await runner.run(tasks, step=0)
     wall = time.perf_counter() - started
     return {"wall_s": wall, "search_cpu_s": children_cpu_seconds() - cpu,
-            "turns": sum(len(e.turns) for e in episodes), "errors": sum(bool(e.error) for e in episodes)}
+            "turns": sum(len(e.turns) for e in episodes), "errors": sum(bool(e.error) for e in episodes),
+            "generated_tokens": sum(e.generated_tokens for e in episodes)}
 
 
 async def play_setting(policy, games: list[str], opponent: str, episodes: int, cost: float,
@@ -181,6 +189,37 @@ async def play_setting(policy, games: list[str], opponent: str, episodes: int, c
             result[batching] = timed | {"busy_s": busy, "busy_fraction": busy / timed["wall_s"],
                                         "bound_ratio": timed["wall_s"] / bound, "forward_calls": calls}
         result["continuous_over_wave"] = result["continuous"]["wall_s"] / result["wave"]["wall_s"]
+    finally:
+        for _, env in envs.values():
+            await env.close()
+    return result
+
+
+# The decode loop as it was (a barrier per wave, the adapter's own matmuls) and as it is.
+REAL_MODES = {"before": {"local_batching": "wave", "fold_adapter": False},
+              "after": {"local_batching": "continuous", "fold_adapter": True}}
+
+
+async def play_real(policy, games: list[str], opponent: str, episodes: int, max_new_tokens: int) -> dict:
+    """The setting's rollout with the real model generating, the decode loop before and after, with nvidia-smi's
+    busy readings on a GPU."""
+    config = load_config(overrides=["env.envs.openspiel.workers=auto"])
+    envs = make_envs(config.env, seed=0, meets_search=opponent == "mcts")
+    builder = PromptBuilder(policy.tokenizer, GenerationConfig().max_prompt_tokens)
+    result: dict = {"games": games, "opponent": opponent, "episodes": episodes, "max_new_tokens": max_new_tokens}
+    try:
+        for label in ("warm-up", *REAL_MODES):
+            cfg = GenerationConfig(backend="local", max_concurrent_episodes=episodes, max_new_tokens=max_new_tokens,
+                                   temperature=1.0, **REAL_MODES.get(label, REAL_MODES["after"]))
+            generator = LocalGenerator(policy, cfg, seed=0)
+            tasks = tasks_for(games, opponent, episodes if label != "warm-up" else 4)
+            with GpuBusy() as busy:
+                timed = await timed_rollout(RolloutRunner(envs, generator, builder, cfg), tasks)
+            await generator.close()
+            if label != "warm-up":
+                result[label] = timed | {"tokens_per_s": timed["generated_tokens"] / timed["wall_s"],
+                                         "forward_calls": generator.forward_calls, "gpu_busy": busy.summary()}
+        result["after_over_before"] = result["after"]["wall_s"] / result["before"]["wall_s"]
     finally:
         for _, env in envs.values():
             await env.close()
@@ -283,12 +322,27 @@ def generate_ops_per_token(policy, prompts: list[list[int]], tokens: int) -> int
 
 
 # ---------------------------------------------------------------------- the run
-def real_policy(preset: str):
+def real_policy(preset: str, device: str = "cpu", overrides: list[str] = ()):
     from ppo_affine.policy import load_policy
 
-    config = load_config(presets=[preset])
+    config = load_config(presets=[preset], overrides=list(overrides))
     torch.manual_seed(0)
-    return load_policy(config.train.model, config.train.lora, torch.device("cpu")), config.train.model.name_or_path
+    return load_policy(config.train.model, config.train.lora, torch.device(device)), config.train.model.name_or_path
+
+
+def real_model_main(args) -> dict:
+    """`--real-model DEVICE`: no stand-in; the preset's model generates on DEVICE, before and after."""
+    policy, name = real_policy(args.preset, args.real_model, args.set)
+    settings = {"leduc_poker/random": (["leduc_poker"], "random"), "goofspiel/random": (["goofspiel"], "random"),
+                "validator/mcts": (["leduc_poker", "liars_dice", "goofspiel"], "mcts")}
+    skip = set(filter(None, args.skip.split(",")))
+    result: dict = {"model": name, "device": args.real_model, "settings": {}}
+    for setting, (games, opponent) in settings.items():
+        if setting not in skip:
+            result["settings"][setting] = asyncio.run(play_real(policy, games, opponent, args.episodes or 32,
+                                                                args.max_new_tokens))
+            print(setting, json.dumps(result["settings"][setting]), flush=True)
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -299,7 +353,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--preset", default="cpu", help="the real model whose operations are counted")
     parser.add_argument("--skip", default="", help="comma-separated settings to leave out")
     parser.add_argument("--json", type=Path, default=None, help="also write the result to this file")
+    parser.add_argument("--real-model", metavar="DEVICE",
+                        help="no stand-in: the preset's model generates on DEVICE (e.g. cuda), decode loop before and "
+                             "after, with nvidia-smi's busy readings")
+    parser.add_argument("--max-new-tokens", type=int, default=6, help="with --real-model")
+    parser.add_argument("--set", action="append", default=[], help="with --real-model: config overrides")
     args = parser.parse_args(argv)
+    if args.real_model:
+        result = real_model_main(args)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        return result
     episodes = args.episodes or (8 if args.small else 32)
     cost = (args.cost_ms or (20.0 if args.small else 50.0)) / 1000
     skip = set(filter(None, args.skip.split(",")))

@@ -16,7 +16,8 @@ run whole, so the pair measures prefix sharing side by side. `validator/exact-se
 `validator/fast-search` play leduc_poker + liars_dice against the MCTS opponent at the validators'
 budgets, with the exact Python search in the trainer's process and with the fast C++ search on worker
 processes; `opponent_seconds` is the opponents' own move time summed over the step's episodes and
-`opponent_share_of_step` that over the step's wall time:
+`opponent_share_of_step` that over the step's wall time. On a GPU, `gpu_busy_rollout` and `gpu_busy_update` are
+nvidia-smi's busy readings during each phase (bench/gpu_busy.py):
 
     python -m bench.step_speed --settings validator/exact-search,validator/fast-search
 
@@ -44,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from bench.gpu_busy import GpuBusy
 from bench.rollout_speed import plain_generate
 from ppo_affine.generation import Generation
 
@@ -129,15 +131,19 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
         trainer.generator = trainer.runner.generator = ReasonedReplies(policy.tokenizer, trainer.generator.eos_ids,
                                                                        words)
 
+    busy = {"rollout": GpuBusy(), "update": GpuBusy()}  # nvidia-smi's readings, where there is one
+
     async def one_step():
         warm = trainer.policy.tokenizer.eos_token_id
         plain_generate_rate(policy, [[warm] * 8], 1, 2, {warm})  # first calls pay one-off costs
         started = time.perf_counter()
         tasks, group_ids = trainer.sample()
-        episodes = await trainer.rollout(tasks, trainer.step)
+        with busy["rollout"]:
+            episodes = await trainer.rollout(tasks, trainer.step)
         rollout_seconds = time.perf_counter() - started
         usable, usable_groups = trainer.usable(episodes, group_ids)
-        metrics = trainer.learn_with_oom_retry(usable, usable_groups)
+        with busy["update"]:
+            metrics = trainer.learn_with_oom_retry(usable, usable_groups)
         step_seconds = time.perf_counter() - started
         await trainer.close()
         return episodes, usable, metrics, rollout_seconds, step_seconds
@@ -180,6 +186,7 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
         "largest_micro_batch_tokens": largest,
         "opponent_seconds": round(searching, 2),
         "opponent_share_of_step": round(searching / step_seconds, 3),
+        "gpu_busy_rollout": busy["rollout"].summary(), "gpu_busy_update": busy["update"].summary(),
     }
 
 

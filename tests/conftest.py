@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def tiny_policy(tiny_model_dir):
     from ppo_affine.testing.tiny import load_tiny_policy
 
-    return load_tiny_policy(tiny_model_dir)
+    # CI has no GPU; on a CUDA machine `PPO_AFFINE_TEST_DEVICE=cuda pytest tests/test_token_trees.py` puts it there
+    return load_tiny_policy(tiny_model_dir, os.environ.get("PPO_AFFINE_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="session")

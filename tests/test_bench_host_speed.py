@@ -1,4 +1,7 @@
 """bench/host_speed.py at CI size: the stand-in's busy time, the barrier's absence, operations per decode step."""
+import os
+import time
+
 import pytest
 
 from bench import host_speed
@@ -29,3 +32,35 @@ def test_the_folded_adapter_cuts_the_operations_of_a_decode_step(small_run):
     assert ops["decode_loop_folded"] <= FOLDED_DECODE_OPS_CEILING
     assert ops["decode_loop_folded"] < 0.75 * ops["decode_loop_adapter_path"]
     assert ops["decode_loop_folded"] < ops["generate_adapter_path"]
+
+
+def test_the_real_model_mode_plays_the_same_games_before_and_after(tiny_model_dir):
+    """`--real-model DEVICE` (the GPU row): the model itself generates, the old decode loop then the new; sampling is
+    keyed by (request seed, token index), so both play the same games. No nvidia-smi here: no busy readings."""
+    result = host_speed.main(["--real-model", "cpu", "--episodes", "3", "--skip", "goofspiel/random,validator/mcts",
+                              "--set", f"model.name_or_path={tiny_model_dir}", "--set", "model.gguf_package=null"])
+    played = result["settings"]["leduc_poker/random"]
+    before, after = played["before"], played["after"]
+    assert before["errors"] == after["errors"] == 0
+    assert before["turns"] == after["turns"] > 0 and before["generated_tokens"] == after["generated_tokens"] > 0
+    assert before["gpu_busy"] is None and after["gpu_busy"] is None
+    assert played["after_over_before"] == pytest.approx(after["wall_s"] / before["wall_s"])
+
+
+def test_gpu_busy_keeps_nvidia_smis_readings_and_skips_what_is_not_a_number(tmp_path, monkeypatch):
+    from bench.gpu_busy import GpuBusy
+
+    fake = tmp_path / "nvidia-smi"  # prints three readings, one of them "[N/A]", then waits to be stopped
+    fake.write_text("#!/bin/sh\nprintf '37\\n[N/A]\\n5\\n'\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with GpuBusy() as busy:
+        deadline = time.monotonic() + 10
+        while len(busy.readings) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert busy.readings == [37.0, 5.0]
+    assert busy.summary() == {"readings": 2, "mean_percent": 21.0, "at_most_20_percent": 0.5}
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no nvidia-smi: nothing read, no summary
+    with GpuBusy() as nothing:
+        pass
+    assert nothing.summary() is None

@@ -56,8 +56,9 @@ def make_tiny_model_dir(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def load_tiny_policy(model_dir: Path):
-    """The trainer's Policy (default LoRA, float32, CPU) on a tiny model folder, seeded so the adapter is repeatable."""
+def load_tiny_policy(model_dir: Path, device: str = "cpu"):
+    """The trainer's Policy (default LoRA, float32, on `device`) on a tiny model folder, seeded so the adapter is
+    repeatable."""
     import torch
 
     from ppo_affine.policy import load_policy
@@ -65,7 +66,7 @@ def load_tiny_policy(model_dir: Path):
 
     torch.manual_seed(0)
     model_cfg = ModelConfig(name_or_path=str(model_dir), use_4bit=False, dtype="float32", gradient_checkpointing=False)
-    return load_policy(model_cfg, LoraConfig(), torch.device("cpu"))
+    return load_policy(model_cfg, LoraConfig(), torch.device(device))
 
 
 def save_checkpoint_with_active_adapter(model_dir: Path, folder: Path) -> Path:
