@@ -5,6 +5,8 @@
 #   .whl/       cp312 wheels the GPU image lacks: open_spiel, pydantic(+core, typing-inspection, annotated-types),
 #               gguf, fastapi, starlette, uvicorn, annotated-doc, ml_collections, peft (transformers: the image's)
 #   .gpu/a, .gpu/b  SmolLM2-135M's GGUF, xz-compressed (90 MB) and cut in two, one part a call
+#   .gpu/w      wheels found missing on the way: opentelemetry-api and importlib-metadata (fastapi 0.165 imports
+#               them), installed by `measure`
 #
 #   bash bench/gpu_rows.sh prepare   # call 1 (carry .whl .gpu/a): packages, part one, tests on CUDA
 #   bash bench/gpu_rows.sh measure   # call 2 (carry .gpu/b), while the machine is warm: the benches
