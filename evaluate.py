@@ -45,7 +45,7 @@ from ppo_affine import report
 from ppo_affine.envs.tasks import Task
 from ppo_affine.envs.factory import make_env
 from ppo_affine.envs.games import is_playable
-from ppo_affine.envs.tasks import (AVAILABLE_GAMES, TRACE_LEVELS, game_name_of, game_task_id, paired_seed,
+from ppo_affine.envs.tasks import (AVAILABLE_GAMES, game_name_of, game_task_id, paired_seed,
                                    trace_level_range, validator_seed)
 from ppo_affine.model_files import served_folder
 from ppo_affine.model_files import load_adapter_model
@@ -62,6 +62,8 @@ log = logging.getLogger("evaluate")
 
 VALIDATOR_ENV_NAME = {"openspiel": "game", "trace": "trace"}  # the env names validator seeds are hashed with
 TRACE = report.TRACE
+# `--games trace` plays the levels that resemble the validators' dataset; the starter level 0 is for training
+EVALUATED_TRACE_LEVELS = (1, 2, 3)
 
 
 # ---------------------------------------------------------------------- which tasks to play
@@ -74,8 +76,8 @@ def game_tasks(game: str, episodes: int, seed: int | None, opponent: str, env_na
     tasks = []
     if game == TRACE:
         for i in range(episodes):
-            low, _ = trace_level_range(TRACE_LEVELS[i % len(TRACE_LEVELS)])
-            task_id = low + i // len(TRACE_LEVELS)
+            low, _ = trace_level_range(EVALUATED_TRACE_LEVELS[i % len(EVALUATED_TRACE_LEVELS)])
+            task_id = low + i // len(EVALUATED_TRACE_LEVELS)
             task_seed = validator_seed("trace", task_id) if seed is None else paired_seed(seed, TRACE, i)
             tasks.append(Task(env=env_name, task_id=task_id, seed=task_seed, opponent=None, stage="eval",
                               replay=False))

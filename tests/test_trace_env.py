@@ -422,16 +422,29 @@ def test_generator_is_diverse(level):
     assert len(shapes) > 100  # different structures, not only different names and numbers
 
 
+def test_level_0_is_one_print_of_a_value_a_copy_or_one_expression():
+    low, high = trace_level_range(0)
+    assert (low, high) == (3_000_000, 4_000_000) and trace_level_range(1) == (0, 1_000_000)  # levels 1-3 kept ids
+    assert trace_level_of(low) == 0 and trace_level_of(high) == 1  # past the fourth block the ids wrap
+    sources = [generate_program(task_id).source for task_id in range(low, low + 200)]
+    assert len(set(sources)) > 150
+    for source in sources:
+        statements = ast.parse(source).body
+        assert 2 <= len(statements) <= 3 and sum("print(" in line for line in source.splitlines()) == 1
+    injected = [inject_debug_prints(source, task_id)[0] for task_id, source in enumerate(sources, low)]
+    assert sum("__DBG_0__" in program for program in injected) > 150  # most carry the env's debug print
+
+
 def test_generator_programs_grow_with_the_level():
     mean_lines = []
-    for level in (1, 2, 3):
+    for level in (0, 1, 2, 3):
         low, _ = trace_level_range(level)
         counts = [len(generate_program(task_id).source.splitlines()) for task_id in range(low, low + 100)]
         mean_lines.append(sum(counts) / len(counts))
-    assert mean_lines[0] < mean_lines[1] < mean_lines[2]
+    assert mean_lines[0] < mean_lines[1] < mean_lines[2] < mean_lines[3]
 
 
-@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_generated_programs_run_cleanly_and_print(level):
     low, _ = trace_level_range(level)
     task_ids = list(range(low, low + 4))

@@ -19,9 +19,12 @@ GAME_ID_STRIDE = 100_000_000
 # The env seats the model at seed mod this number (evaluate(): (seed mod 2) mod it).
 OTHER_PLAYER_COUNTS: dict[str, int] = {"hearts": 4, "euchre": 4, "bridge": 4, "blackjack": 1, "2048": 1, "solitaire": 1}
 
-# Embedded trace tasks: difficulty level L (1 = easy .. 3 = hard) owns ids [(L-1)*R, L*R).
+# Embedded trace tasks: each difficulty level (0 = a starter level, 1 = easy .. 3 = hard) owns a block of R ids.
+# Levels 1-3 own [(L-1)*R, L*R); level 0 came later and owns the fourth block, [3R, 4R), so that the ids of levels
+# 1-3 kept their programs. Ids past 4R wrap around the four blocks.
 TRACE_LEVEL_STRIDE = 1_000_000
-TRACE_LEVELS = (1, 2, 3)
+TRACE_LEVELS = (0, 1, 2, 3)
+_TRACE_LEVEL_BLOCKS = (1, 2, 3, 0)  # the level of block 0, 1, 2, 3
 
 
 def game_task_id(game_name: str, config_id: int = 0) -> int:
@@ -45,11 +48,12 @@ def trace_level_range(level: int) -> tuple[int, int]:
     """Half-open task-id range of embedded trace tasks at difficulty `level`."""
     if level not in TRACE_LEVELS:
         raise ValueError(f"trace difficulty must be one of {TRACE_LEVELS}, got {level}")
-    return ((level - 1) * TRACE_LEVEL_STRIDE, level * TRACE_LEVEL_STRIDE)
+    block = _TRACE_LEVEL_BLOCKS.index(level)
+    return (block * TRACE_LEVEL_STRIDE, (block + 1) * TRACE_LEVEL_STRIDE)
 
 
 def trace_level_of(task_id: int) -> int:
-    return TRACE_LEVELS[(task_id // TRACE_LEVEL_STRIDE) % len(TRACE_LEVELS)]
+    return _TRACE_LEVEL_BLOCKS[(task_id // TRACE_LEVEL_STRIDE) % len(_TRACE_LEVEL_BLOCKS)]
 
 
 def validator_seed(env_name: str, task_id: int) -> int:

@@ -1,7 +1,8 @@
 """Embedded trace tasks: a deterministic generator of small Python programs, one per task id.
 
 `generate_program(task_id)` draws everything from `random.Random(task_id)`; the difficulty is the
-task id's trace level (ppo_affine/envs/tasks.py). A program is a few independent snippets, each picked from a
+task id's trace level (ppo_affine/envs/tasks.py). Level 0 is one tiny snippet (a value printed, copied, or one
+arithmetic expression); from level 1 on a program is a few independent snippets, each picked from a
 table of builders (loops, string and list work, dicts, functions, recursion, classes, handled
 exceptions, generators, closures, stdin parsing) and filled with random names, words and numbers.
 Harder levels allow more snippets, longer loops, the harder builders, and wrap the whole program
@@ -86,6 +87,39 @@ def nest(code: str, spaces: int) -> str:
     """Indent the continuation lines of `code` by `spaces`: the column its first line sits at in the
     template, before `emit` dedents the template."""
     return code.replace("\n", "\n" + " " * spaces)
+
+
+# ---------------------------------------------------------------- level 0: one value, one print
+# A starter level for a model that cannot yet answer level 1: two or three assignments (so the env's injector,
+# which may print after each assignment, usually adds a debug line) and one print of a literal, a copied
+# variable or one small expression.
+def print_value(w: _ProgramWriter) -> None:
+    name = w.name(w.rng.choice(["num", "text"]))
+    value = w.rng.randint(0, 99) if name in NAMES["num"] else w.word()
+    w.emit(f"""
+        {name} = {value!r}
+        print({name})
+    """)
+
+
+def copy_value(w: _ProgramWriter) -> None:
+    a, b = w.name("num"), w.name("num")
+    value = w.rng.choice([w.rng.randint(0, 99), w.word()])
+    w.emit(f"""
+        {a} = {value!r}
+        {b} = {a}
+        print({w.rng.choice([b, f"{a}, {b}"])})
+    """)
+
+
+def one_expression(w: _ProgramWriter) -> None:
+    a, b = w.name("num"), w.name("num")
+    op = w.rng.choice(["+", "-", "*"])
+    w.emit(f"""
+        {a} = {w.rng.randint(1, 20)}
+        {b} = {a} {op} {w.rng.randint(1, 9)}
+        print({b})
+    """)
 
 
 # ---------------------------------------------------------------- level 1: straight lines and loops
@@ -682,6 +716,7 @@ def subsets(w: _ProgramWriter) -> None:
     """)
 
 
+LEVEL_0: tuple[Snippet, ...] = (print_value, copy_value, one_expression)
 LEVEL_1: tuple[Snippet, ...] = (
     arithmetic, sum_loop, string_build, list_ops, collatz, fibonacci_pairs, branch, string_methods,
     char_counts, comprehension, min_max, times_table,
@@ -702,7 +737,9 @@ def generate_program(task_id: int) -> TraceProgram:
     level = trace_level_of(task_id)
     rng = random.Random(task_id)
     writer = _ProgramWriter(rng, level)
-    if level == 1:
+    if level == 0:
+        snippets = [rng.choice(LEVEL_0)]
+    elif level == 1:
         snippets = rng.sample(LEVEL_1, rng.randint(1, 2))
     elif level == 2:
         snippets = rng.sample(LEVEL_2, rng.randint(1, 2)) + rng.sample(LEVEL_1, 1)
