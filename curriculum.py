@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from ppo_affine.curriculum_config import CurriculumConfig, Stage, TaskSource
-from ppo_affine.envs.tasks import GAME_ID_STRIDE, Task, game_name_of, game_task_id, players_of, trace_level_range
+from ppo_affine.envs.tasks import (GAME_ID_STRIDE, Task, game_name_of, game_task_id, players_of,
+                                   trace_training_range)
 
 SEED_LIMIT = 2**32 - 1  # seeds are drawn from [0, SEED_LIMIT)
 MAX_PLAYABLE_DRAWS = 100  # task ids tried per sample before giving up on an unplayable source
@@ -130,7 +131,7 @@ class Curriculum:
             return game_task_id(game, config_id)
         if source.trace_difficulty is not None:
             level = source.trace_difficulty[int(self._rng.integers(len(source.trace_difficulty)))]
-            return int(self._rng.integers(*trace_level_range(level)))
+            return int(self._rng.integers(*trace_training_range(level)))  # never a held-out task
         # one offset into the concatenated ranges: uniform over their union (overlaps count twice)
         offset = int(self._rng.integers(0, sum(hi - lo for lo, hi in source.task_id_ranges)))
         for lo, hi in source.task_id_ranges:

@@ -3,7 +3,7 @@ fine-tuning of the LoRA adapter on the expert's replies, written as a checkpoint
 
 1. Generate: for every game, `--episodes` expert episodes against the env's opponent, both seats, on every core
    (`sft_data.jsonl`); `--explore`, `--openings` and `--relabel FILE` (DAgger data: a model's games with the
-   expert answering at every turn) add to them.
+   expert answering at every turn) add to them, and `--trace N` trace tasks answered by the interpreter.
 2. Train: the mean negative log-likelihood of the expert's replies, tokenised as a rollout builds them.
 3. Save `checkpoints/checkpoint-<optimizer steps>`; `--dagger-rounds N` then lets the newest adapter play, the
    experts relabel its games, and SFT go on, N times.
@@ -13,6 +13,7 @@ The engine is `ppo_affine/warm_start/` (its docstring explains each step); every
 option measured.
 
 Run:  python sft_warmstart.py --preset cpu --games leduc_poker,goofspiel --episodes 200
+      python sft_warmstart.py --preset cpu --preset trace --games '' --trace 400 --trace-levels 0,1
       python train_ppo.py --preset cpu --preset warm_start --init-adapter runs/sft-warmstart/checkpoints/checkpoint-50
 """
 from __future__ import annotations
@@ -58,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_option(parser, "reason", nargs="?", const="*", metavar="GAMES")
     add_option(parser, "explore", type=float, metavar="P")
     add_option(parser, "openings", metavar="N")
+    add_option(parser, "trace", type=int, metavar="N")
+    add_option(parser, "trace_levels", metavar="LEVELS")
     add_option(parser, "data", type=Path)
     add_option(parser, "relabel", action="append", metavar="FILE[:MODEL]")
     add_option(parser, "relabel_missed_only", action="store_true")

@@ -173,13 +173,13 @@ def test_seat_without_games_or_beyond_the_players_is_rejected():
     assert "stages.0.tasks.0.seat" in validation_error({"stages": [{"name": "a", "tasks": [third]}]})
 
 
-def test_trace_difficulty_maps_to_level_ranges():
-    # level 1 = [0, 1_000_000), level 3 = [2_000_000, 3_000_000); trace tasks have no opponent
-    config = make_config([{"name": "s", "tasks": [{"env": "trace", "trace_difficulty": [1, 3]}]}])
-    tasks = Curriculum(config, seed=4).sample(200)
-    levels = {1 if t.task_id < 1_000_000 else 3 for t in tasks}
-    assert levels == {1, 3}
-    assert all(t.task_id < 1_000_000 or 2_000_000 <= t.task_id < 3_000_000 for t in tasks)
+def test_trace_difficulty_maps_to_level_ranges_above_the_held_out_tasks():
+    # level 1 = [0, 1_000_000), level 3 = [2_000_000, 3_000_000), level 0 = [3_000_000, 4_000_000); the first
+    # 10 000 ids of each are held out for evaluation; trace tasks have no opponent
+    config = make_config([{"name": "s", "tasks": [{"env": "trace", "trace_difficulty": [0, 1, 3]}]}])
+    tasks = Curriculum(config, seed=4).sample(300)
+    assert {t.task_id // 1_000_000 for t in tasks} == {0, 2, 3}
+    assert all(t.task_id % 1_000_000 >= 10_000 for t in tasks)
     assert all(t.opponent is None and t.env == "trace" for t in tasks)
 
 

@@ -52,6 +52,22 @@ def trace_level_range(level: int) -> tuple[int, int]:
     return (block * TRACE_LEVEL_STRIDE, (block + 1) * TRACE_LEVEL_STRIDE)
 
 
+# The first TRACE_HELD_OUT ids of each level's block are the held-out tasks results are judged on (evaluate.py's
+# `--games trace` plays from the start of each block); the curriculum and the interpreter teacher draw above them.
+TRACE_HELD_OUT = 10_000
+
+
+def trace_training_range(level: int) -> tuple[int, int]:
+    """Half-open task-id range that training draws `level`'s trace tasks from: the level's block less its
+    held-out start."""
+    low, high = trace_level_range(level)
+    return (low + TRACE_HELD_OUT, high)
+
+
+def is_held_out_trace_task(task_id: int) -> bool:
+    return task_id % TRACE_LEVEL_STRIDE < TRACE_HELD_OUT
+
+
 def trace_level_of(task_id: int) -> int:
     return _TRACE_LEVEL_BLOCKS[(task_id // TRACE_LEVEL_STRIDE) % len(_TRACE_LEVEL_BLOCKS)]
 

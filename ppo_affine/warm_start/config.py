@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ppo_affine.config import ConfigError, Strict
 from ppo_affine.curriculum_config import Opponent
+from ppo_affine.envs.tasks import TRACE_LEVELS
 
 DaggerAggregate = Literal["sft", "all"]
 DAGGER_AGGREGATES: tuple[str, ...] = get_args(DaggerAggregate)  # the first is the default
@@ -113,6 +114,13 @@ class WarmStartConfig(Strict):
         {"*": 0}, description="more expert episodes per game, cut after the expert's first reply (a number, or a "
         "number then GAME=N items): the decision that decides short games, such as a liars_dice opening bid, at "
         "one prompt each")
+    trace: int = Field(
+        0, ge=0, description="trace tasks whose reply the interpreter writes: the program's real stdout in a fenced "
+        "block, the form the trace env scores, on the env's own prompt; task ids of their own, never the held-out "
+        "ones evaluation plays (with --games '' the only data)")
+    trace_levels: list[int] = Field(
+        [0, 1], min_length=1, description=f"comma-separated trace levels from {TRACE_LEVELS} that --trace's tasks "
+        "cycle through")
     data: Path | None = Field(None, description="train on this JSONL instead of generating episodes")
     relabel: list[str] = Field(
         [], description="also train on the games a model played (evaluate.py's episodes.jsonl played with --seed S; "
@@ -184,6 +192,24 @@ class WarmStartConfig(Strict):
         except ValueError:
             raise ValueError(f"--config-ids: expected comma-separated integers, got {value!r}.") from None
 
+    @field_validator("trace_levels", mode="before")
+    @classmethod
+    def _trace_levels_from_text(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return [int(level) for level in value.split(",")]
+        except ValueError:
+            raise ValueError(f"--trace-levels: expected comma-separated levels from {TRACE_LEVELS}, got {value!r}.") \
+                from None
+
+    @field_validator("trace_levels")
+    @classmethod
+    def _trace_levels_exist(cls, levels: list[int]) -> list[int]:
+        if any(level not in TRACE_LEVELS for level in levels):
+            raise ValueError(f"--trace-levels: {levels} are not all in {TRACE_LEVELS}.")
+        return levels
+
     @field_validator("episodes", "openings", "dagger_episodes", mode="before")
     @classmethod
     def _counts_from_text(cls, value: Any, info) -> Any:
@@ -251,12 +277,15 @@ class WarmStartConfig(Strict):
         """The teachers play --games when no --data replaces the expert games, and in every DAgger round."""
         if self.data is not None and not self.dagger_rounds:
             return self
+        if not self.games and self.trace and not self.dagger_rounds:  # the interpreter's trace records alone
+            return self
         # DAgger rounds may start from --init-adapter alone, and --relabel's games may be the only data
         starts_elsewhere = self.relabel or (self.dagger_rounds and self.init_adapter is not None)
         if self.data is None and min(self.episodes.values()) < (0 if starts_elsewhere else 1):
             raise ValueError(f"--episodes must be at least 1 for every game, got {self.episodes}.")
         if not self.games:
-            raise ValueError("--games is empty; name games with an expert, e.g. --games leduc_poker,goofspiel.")
+            raise ValueError("--games is empty; name games with an expert, e.g. --games leduc_poker,goofspiel "
+                             "(or ask for trace records alone: --games '' --trace N).")
         from ppo_affine.experts import ExpertUnavailable, expert_kind
 
         for game in self.games:

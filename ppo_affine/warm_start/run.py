@@ -9,7 +9,7 @@ from typing import Any
 
 from ppo_affine.config import Config
 from ppo_affine.run_log import console
-from ppo_affine.warm_start import dagger, expert_play, sft
+from ppo_affine.warm_start import dagger, expert_play, sft, trace_teacher
 from ppo_affine.warm_start.config import WarmStartConfig
 from ppo_affine.warm_start.relabel import RELABEL_FILE, read_played, relabel
 
@@ -63,13 +63,16 @@ def expert_conversations(settings: WarmStartConfig, config: Config, inputs: Inpu
     """--data's conversations, else the expert games the options ask for, played and written to DATA_FILE."""
     if settings.data is not None:
         return sft.read_records(settings.data)
-    if not any(settings.episodes.values()) and not any(settings.openings.values()) and not inputs.played:
+    games_asked = settings.games and (any(settings.episodes.values()) or any(settings.openings.values()))
+    if not games_asked and not settings.trace and not inputs.played:
         return []  # DAgger rounds from --init-adapter alone
     # expert games meet seeds of their own: a file of recorded opponent moves would only grow
-    jobs = expert_play.plan_jobs(settings, config.train.run.seed, replace(setup, moves=None))
+    jobs = expert_play.plan_jobs(settings, config.train.run.seed, replace(setup, moves=None)) if games_asked else []
     started = time.perf_counter()
     path = settings.output_dir / DATA_FILE
-    records = expert_play.generate(jobs, settings.workers, path)
+    records = expert_play.generate(jobs, settings.workers, None)
+    records += trace_teacher.interpreter_records(config, settings.trace_levels, settings.trace, config.train.run.seed)
+    expert_play.write_records(path, records)
     console.print(f"{len(records)} expert episodes in {time.perf_counter() - started:.0f} s -> {path}",
                   highlight=False)
     return records

@@ -30,9 +30,12 @@ def read_records(path: Path, option: str = "--data") -> list[dict[str, Any]]:
 def refuse_evaluation_game(record: dict[str, Any], where: str) -> None:
     """A ConfigError when `record` is a game on an evaluation seed (the validators' or bench/learning.py's
     held-out ones): SFT or DAgger on it would train on the deals and opponent moves the results are judged on."""
-    from ppo_affine.envs.tasks import game_name_of, is_evaluation_seed
+    from ppo_affine.envs.tasks import game_name_of, is_evaluation_seed, is_held_out_trace_task
 
     task_id, seed = record.get("task_id"), record.get("seed")
+    if record.get("env") == "trace" and isinstance(task_id, int) and is_held_out_trace_task(task_id):
+        raise ConfigError(f"{where}: trace task {task_id} is a held-out task (evaluate.py's and the benches'); "
+                          "training on it would train on the test.")
     if record.get("env", "openspiel") != "openspiel" or not isinstance(task_id, int) or not isinstance(seed, int):
         return
     try:
@@ -61,8 +64,9 @@ def conversations_to_episodes(records: list[dict[str, Any]], builder, strategy: 
         replies_seen = 0
         has_system = bool(messages) and messages[0]["role"] == "system"
         history = TokenHistory(builder, eos_ids)
-        episode = Episode(task=Task("openspiel", record.get("task_id", 0), record.get("seed", 0), None, "sft", False),
-                          env_kind="openspiel", sequences=history.sequences, game_name=record.get("game", ""),
+        kind = record.get("env", "openspiel")
+        episode = Episode(task=Task(kind, record.get("task_id", 0), record.get("seed", 0), None, "sft", False),
+                          env_kind=kind, sequences=history.sequences, game_name=record.get("game", ""),
                           done=True, score=float(record.get("score") or 0.0))  # None: a cut record
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
