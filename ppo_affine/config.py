@@ -221,6 +221,10 @@ class GenerationConfig(Strict):
         True, description="local backend: generate with the LoRA adapter added into a copy of each weight it adapts "
         "(one matmul per layer instead of three; the trained weights are untouched). Needs the copy's memory during "
         "rollouts; 4-bit models always keep the adapter path.")
+    stop_at_closing_fence: bool = Field(
+        False, description="A reply ends once it has closed a ``` fenced block (both backends): a trace reply whose "
+        "answer is fenced stops there instead of looping to max_new_tokens. The trace preset sets it; a game reply "
+        "(an ID) never opens a fence.")
     max_turns: int = Field(200, ge=1, description="Model decisions per episode before it is cut off.")
     request_timeout: float = Field(300.0, gt=0, description="Seconds per vLLM request.")
     request_retries: int = Field(3, ge=0, description="Retries of a failed vLLM request (transient errors only).")

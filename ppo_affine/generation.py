@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 from ppo_affine.envs.base import EpisodeLost
+from ppo_affine.seeds import derive_seed
 from ppo_affine.vllm_server import CPU_KV_CACHE_GIB, vllm_server_args
 from ppo_affine.config import GenerationConfig
 
@@ -49,6 +50,14 @@ def cut_at_eos(token_ids: list[int], eos_ids: set[int]) -> list[int]:
         if token in eos_ids:
             return token_ids[: position + 1]
     return token_ids
+
+
+FENCE = "```"
+
+
+def closes_fence(text: str) -> bool:
+    """Whether `text` has opened and closed a fenced block (`generation.stop_at_closing_fence`)."""
+    return text.count(FENCE) >= 2
 
 
 class VLLMError(RuntimeError):
@@ -329,11 +338,31 @@ class VLLMGenerator:
             self.adapter_steps.pop(name, None)
 
     async def generate(self, prompt_ids: list[int], order_key: int, seed: int) -> Generation:
+        """One reply. With `stop_at_closing_fence`, vLLM stops at every fence (a stop string cannot count them): a
+        reply stopped at its opening fence goes on in a second request from where it stopped (the same adapter,
+        prompt + the ids so far, the tokens left) until the fence closes."""
         model = self.active_adapter or self.base_model
+        token_ids, logprobs = [], []
+        self.in_flight[model] = self.in_flight.get(model, 0) + 1  # the adapter stays loaded until the reply ends
+        try:
+            while True:
+                more_ids, more_logprobs, stopped_at_fence = await self._complete(
+                    model, prompt_ids + token_ids, self.cfg.max_new_tokens - len(token_ids),
+                    seed if not token_ids else derive_seed(seed, "after-fence", len(token_ids)))
+                token_ids, logprobs = token_ids + more_ids, logprobs + more_logprobs
+                if (not stopped_at_fence or len(token_ids) >= self.cfg.max_new_tokens
+                        or closes_fence(self.tokenizer.decode(token_ids, skip_special_tokens=True))):
+                    return Generation(token_ids, logprobs, self.adapter_steps.get(model))
+        finally:
+            self.in_flight[model] -= 1
+
+    async def _complete(self, model: str, prompt_ids: list[int], max_tokens: int,
+                        seed: int) -> tuple[list[int], list[float], bool]:
+        """One /v1/completions request: (sampled ids, their log-probs, whether it stopped at a fence)."""
         payload: dict[str, Any] = {
             "model": model,
             "prompt": prompt_ids,
-            "max_tokens": self.cfg.max_new_tokens,
+            "max_tokens": max_tokens,
             "temperature": self.cfg.temperature,
             "top_p": self.cfg.top_p,
             "logprobs": 1,
@@ -341,22 +370,21 @@ class VLLMGenerator:
             "stop_token_ids": sorted(self.eos_ids),
             "seed": seed,
         }
+        if self.cfg.stop_at_closing_fence:
+            payload |= {"stop": [FENCE], "include_stop_str_in_output": True}
         if self.cfg.top_k:
             payload["top_k"] = self.cfg.top_k
-        self.in_flight[model] = self.in_flight.get(model, 0) + 1
         outages = self.outages
-        try:
-            response = await self._post("/v1/completions", payload, replay_on_outage=True)
-        finally:
-            self.in_flight[model] -= 1
+        response = await self._post("/v1/completions", payload, replay_on_outage=True)
         adapter_missing = response.status_code == 404 and model != self.base_model  # a restarted server?
         if adapter_missing and (await self._recover(f"{model!r} not served") or self.outages != outages):
             raise EpisodeLost(f"the vLLM server at {self.base_url} restarted without adapter {model!r}", outage=True)
         if response.status_code >= 400:
             raise VLLMError(f"/v1/completions with model {model!r}: HTTP {response.status_code} {response.text[:300]}")
-        token_ids, logprobs = self._parse_logprobs(response.json()["choices"][0])
+        choice = response.json()["choices"][0]
+        token_ids, logprobs = self._parse_logprobs(choice)
         self.generated_tokens += len(token_ids)
-        return Generation(token_ids, logprobs, self.adapter_steps.get(model))
+        return token_ids, logprobs, self.cfg.stop_at_closing_fence and choice.get("stop_reason") == FENCE
 
     @staticmethod
     def _parse_logprobs(choice: dict[str, Any]) -> tuple[list[int], list[float]]:

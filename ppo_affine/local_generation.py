@@ -5,8 +5,8 @@ it launches each step's kernels itself and waits for the device in a thread (the
 meanwhile, and no second Python thread contends for the GIL); on CPU the whole step runs in a
 thread. A request (an episode's prompt for its next turn) joins at the next step: its new tokens are
 prefilled, from its episode's kept keys/values where they match, and its row is appended to the
-batch; a row leaves when it samples an end-of-sequence id or reaches `max_new_tokens`, and its
-keys/values are kept for the episode's next turn. So an episode waiting on its opponent's search
+batch; a row leaves when it samples an end-of-sequence id, reaches `max_new_tokens` or (with
+`stop_at_closing_fence`) closes a fenced block, and its keys/values are kept for the episode's next turn. So an episode waiting on its opponent's search
 holds up no other episode's reply (`generation.local_batching: continuous`). `wave` keeps the old
 barrier for comparison: a batch starts only when every live episode has asked and runs until its
 last row ends.
@@ -34,7 +34,7 @@ import torch
 from ppo_affine import prefixes
 from ppo_affine.config import GenerationConfig
 from ppo_affine.seeds import derive_seed
-from ppo_affine.generation import Generation, eos_token_ids
+from ppo_affine.generation import Generation, closes_fence, eos_token_ids
 from ppo_affine.policy import kv_cache_keyword
 from ppo_affine.sampling import sample_tokens
 
@@ -152,6 +152,9 @@ class LocalGenerator:
         self.seed = seed
         self.tokenizer = policy.tokenizer
         self.eos_ids = eos_token_ids(self.tokenizer, policy.model.generation_config)
+        # the tokens that can complete a fence: only a reply that just sampled one is decoded to count its fences
+        self.fence_ids = ({i for token, i in self.tokenizer.get_vocab().items() if "`" in token}
+                          if gen_cfg.stop_at_closing_fence else set())
         self.reuse_cache = gen_cfg.reuse_kv_cache and cache_reuse_supported(policy.model)
         self.continuous = gen_cfg.local_batching == "continuous"
         self._cache_name = kv_cache_keyword()
@@ -399,7 +402,10 @@ class LocalGenerator:
         return DynamicCache(ddp_cache_data=layers)
 
     def _finished(self, request: Request) -> bool:
-        return request.reply[-1] in self.eos_ids or len(request.reply) >= self.cfg.max_new_tokens
+        last = request.reply[-1]
+        if last in self.eos_ids or len(request.reply) >= self.cfg.max_new_tokens:
+            return True
+        return last in self.fence_ids and closes_fence(self.tokenizer.decode(request.reply, skip_special_tokens=True))
 
     def _retire_finished(self) -> None:
         """Rows whose reply ended leave the batch: their keys/values are kept for their episode's next turn,

@@ -56,3 +56,15 @@ def test_log_probs_are_the_models_or_the_tempered_ones_as_vllms_logprobs_mode_sa
     for other in rest:
         gap = top[f"token_id:{best}"] - top[f"token_id:{other}"]
         assert gap == pytest.approx(scale * float(logp[best] - logp[other]), rel=1e-4)
+
+
+def test_stop_strings_end_a_reply_at_the_token_that_completes_one(tiny_policy):
+    from ppo_affine.testing.fake_vllm import _cut_at_stop_string
+
+    tokenizer = tiny_policy.tokenizer
+    tokens = tokenizer.encode("ab```cd```ef", add_special_tokens=False)
+    logprobs = list(range(len(tokens)))
+    cut, kept, finish, reason = _cut_at_stop_string(tokenizer, tokens, logprobs, "length", ["```"])
+    assert tokenizer.decode(cut).count("```") == 1 and tokenizer.decode(cut[:-1]).count("```") == 0
+    assert kept == logprobs[:len(cut)] and (finish, reason) == ("stop", "```")
+    assert _cut_at_stop_string(tokenizer, tokens, logprobs, "length", []) == (tokens, logprobs, "length", None)

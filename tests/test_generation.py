@@ -4,6 +4,7 @@ import json
 
 import httpx
 import pytest
+import torch
 
 from ppo_affine.generation import VLLMGenerator, eos_token_ids
 from ppo_affine.local_generation import LocalGenerator
@@ -285,3 +286,55 @@ def test_the_folded_adapter_gives_the_adapters_logits_and_leaves_the_weights_unt
     assert all(p.requires_grad == ("lora_" in name) for name, p in policy.model.named_parameters())
     with policy.base():  # the base model's turn: nothing to fold, the generator leaves the adapter path alone
         assert FoldedAdapter.foldable_layers(policy.model) is None
+
+
+# ---------------------------------------------------------------------- stopping at the closing fence
+class FencedReplies(LocalGenerator):
+    """The real decode loop, replying with a fenced answer and then a loop that never ends by itself."""
+
+    def _choose(self, logits, requests):
+        script = self.tokenizer.encode("```\n7\n```" + " and again" * 40, add_special_tokens=False)
+        return torch.tensor([script[len(r.reply)] for r in requests], device=logits.device)
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_a_local_reply_ends_at_its_closing_fence_with_the_setting_and_runs_on_without(tiny_policy, stop):
+    cfg = GenerationConfig(backend="local", max_new_tokens=40, stop_at_closing_fence=stop)
+    prompt = PromptBuilder(tiny_policy.tokenizer, 4096).encode([{"role": "user", "content": "go"}])
+    [reply] = replies(FencedReplies(tiny_policy, cfg, seed=0), [prompt])
+    text = tiny_policy.tokenizer.decode(reply)
+    if stop:  # the token that closed the fence is the last one: nothing after it was generated
+        assert text.rstrip().endswith("```") and text.count("```") == 2 and "again" not in text
+        assert not tiny_policy.tokenizer.decode(reply[:-1]).rstrip().endswith("```")
+    else:
+        assert len(reply) == 40 and "again" in text
+
+
+def test_a_vllm_reply_stopped_at_its_opening_fence_goes_on_until_the_fence_closes(tiny_policy):
+    tokenizer = tiny_policy.tokenizer
+    opening, rest = tokenizer.encode("```", add_special_tokens=False), tokenizer.encode("\n5\n```",
+                                                                                          add_special_tokens=False)
+    requests = []
+
+    def serve(request: httpx.Request) -> httpx.Response:  # vLLM with stop ["```"]: it stops at every fence
+        body = json.loads(request.content)
+        requests.append(body)
+        tokens = opening if len(requests) == 1 else rest
+        return httpx.Response(200, json={"choices": [{"finish_reason": "stop", "stop_reason": "```", "logprobs": {
+            "tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": [-0.25] * len(tokens)}}]})
+
+    cfg = GenerationConfig(max_new_tokens=32, stop_at_closing_fence=True)
+    generator = VLLMGenerator("http://vllm/v1", "base", tokenizer, cfg, 8, {2})
+    generator.client = httpx.AsyncClient(transport=httpx.MockTransport(serve))
+    generation = asyncio.run(generator.generate([1, 2], order_key=0, seed=5))
+    assert generation.token_ids == opening + rest and generation.logprobs == [-0.25] * len(opening + rest)
+    first, second = requests
+    assert first["stop"] == ["```"] and first["include_stop_str_in_output"] and first["prompt"] == [1, 2]
+    assert second["prompt"] == [1, 2] + opening and second["max_tokens"] == 32 - len(opening)
+    assert second["seed"] != first["seed"] and generator.in_flight["base"] == 0
+
+    requests.clear()  # without the setting: one request, no stop strings
+    plain = VLLMGenerator("http://vllm/v1", "base", tokenizer, GenerationConfig(max_new_tokens=32), 8, {2})
+    plain.client = httpx.AsyncClient(transport=httpx.MockTransport(serve))
+    assert asyncio.run(plain.generate([1, 2], order_key=0, seed=5)).token_ids == opening
+    assert len(requests) == 1 and "stop" not in requests[0]

@@ -10,7 +10,9 @@ is on, like vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING); what an env's evalua
 `--exit-after-completions N` makes the process die on receiving its Nth completion request, unanswered
 (a crashed or preempted server). `--logprobs-mode` is vLLM's: `raw_logprobs` (its default) returns the model's
 log-probs whatever the temperature, `processed_logprobs` those of the tempered distribution it samples; `logprobs: N`
-returns the top N of them at each position beside the sampled token's (`top_logprobs`).
+returns the top N of them at each position beside the sampled token's (`top_logprobs`). `stop` strings end a reply
+at the token that completes one, named in `stop_reason`, as vLLM's do (the text keeps it, as with
+`include_stop_str_in_output`).
 
 `--latency-seconds S` makes every completion take S seconds more of wall time and no CPU (the server sleeps), a
 stand-in for a GPU server's generation time in benchmarks (bench/async_speed.py); with `--scripted` a completion
@@ -140,6 +142,8 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
 
         # in a thread, so that /v1/models and the other endpoints answer meanwhile, as vLLM's do
         tokens, logprobs, finish = await asyncio.to_thread(complete)
+        tokens, logprobs, finish, stop_reason = _cut_at_stop_string(tokenizer, tokens, logprobs, finish,
+                                                                   body.get("stop") or [])
         as_ids = bool(body.get("return_tokens_as_token_ids"))
 
         def shown(token: int) -> str:
@@ -154,6 +158,7 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
             "index": 0,
             "text": tokenizer.decode(tokens, skip_special_tokens=True),
             "finish_reason": finish,
+            "stop_reason": stop_reason,
             "logprobs": {"tokens": [shown(t) for t in tokens],
                          "token_logprobs": [float(logp[t]) for t, logp in zip(tokens, logprobs)],
                          "top_logprobs": [top(t, logp, top_n) for t, logp in zip(tokens, logprobs)],
@@ -229,6 +234,20 @@ def _sample(model, adapter, prompt, max_tokens, temperature, stop_ids, generator
                 finish = "stop"
                 break
     return tokens, logprobs, finish
+
+
+def _cut_at_stop_string(tokenizer, tokens, logprobs, finish, stop_strings):
+    """The reply as vLLM's `stop` strings end it: at the token whose text completes the first stop string (the
+    tokens after it were sampled here but never by vLLM; sampling is sequential, so those before are the same);
+    `stop_reason` names that string (None otherwise)."""
+    if isinstance(stop_strings, str):
+        stop_strings = [stop_strings]
+    for end in range(1, len(tokens) + 1) if stop_strings else ():
+        text = tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        hit = next((stop for stop in stop_strings if stop in text), None)
+        if hit is not None:
+            return tokens[:end], logprobs[:end], "stop", hit
+    return tokens, logprobs, finish, None
 
 
 def _scripted(tokenizer, prompt, max_tokens, seed):

@@ -8,7 +8,8 @@ one `WarmStartConfig` (config.py); `run.run_warm_start` runs them in this order:
    to `sft_data.jsonl` in the shape `logging.log_samples_every` writes. `--explore P` makes a P share of the
    turns random legal moves, which stay in the conversation untrained: the expert's later replies show how to
    recover from a slip. `--openings N` adds N episodes per game cut after the expert's first reply: more of the
-   decision that decides short games (a liars_dice opening bid) at the cost of one prompt each.
+   decision that decides short games (a liars_dice opening bid) at the cost of one prompt each. `--trace N`
+   adds N trace tasks whose reply the interpreter writes (trace_teacher.py): the program's real stdout.
 2. Relabel (relabel.py): `--relabel FILE` adds DAgger data, games a model played (evaluate.py's episodes.jsonl)
    replayed with the expert answering at every turn, so SFT also sees the expert's move at the states the
    student's own play reaches.
