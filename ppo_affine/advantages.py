@@ -32,7 +32,11 @@ from ppo_affine.rollout import Episode
 
 
 def final_reward(episode: Episode, cfg: PPOConfig) -> float:
-    return episode.score - 0.5 if cfg.reward.center_score else episode.score
+    score = episode.score
+    credit = episode.info.get("line_credit") if episode.env_kind == "trace" else None
+    if cfg.reward.trace_line_credit and credit is not None and score < 1.0:  # partial credit below exact match
+        score = cfg.reward.trace_line_credit * float(credit)
+    return score - 0.5 if cfg.reward.center_score else score
 
 
 def turn_rewards(episode: Episode, cfg: PPOConfig) -> list[float]:

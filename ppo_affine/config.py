@@ -96,6 +96,10 @@ class RewardConfig(Strict):
         0.1, ge=0.0, description="Subtracted at the end of a turn whose action could not be used."
     )
     use_env_step_rewards: bool = Field(True, description="Add the env's non-final step rewards.")
+    trace_line_credit: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Training only: a trace reply that misses the exact output earns this times "
+        "the share of its output lines right (the local trace env's `line_credit`) instead of 0, so an exact match "
+        "(1.0) always pays more. The score reported, the curriculum's and the validators' stay exact match. 0 = off.")
 
 
 class PPOConfig(Strict):

@@ -411,3 +411,21 @@ def test_kl_controllers_state_round_trip():
     other = FixedKLController(1.0)
     other.load_state_dict(fixed.state_dict())
     assert other.value == 0.05
+
+
+def test_trace_line_credit_pays_a_missed_trace_reply_a_share_below_an_exact_match():
+    from ppo_affine.advantages import final_reward
+    from ppo_affine.config import PPOConfig
+    from ppo_affine.envs.tasks import Task
+    from ppo_affine.rollout import Episode
+
+    def episode(kind, score, credit):
+        return Episode(Task(kind, 3_000_000, 0, None, "s", False), kind, score=score, info={"line_credit": credit})
+
+    shaped = PPOConfig(reward={"trace_line_credit": 0.5})
+    assert final_reward(episode("trace", 0.0, 0.6), shaped) == pytest.approx(0.3)  # 0.5 x 0.6
+    assert final_reward(episode("trace", 1.0, 1.0), shaped) == 1.0
+    assert final_reward(episode("openspiel", 0.0, 0.6), shaped) == 0.0  # games: the score alone
+    assert final_reward(episode("trace", 0.0, 0.6), PPOConfig()) == 0.0  # off by default
+    centered = PPOConfig(reward={"trace_line_credit": 0.5, "center_score": True})
+    assert final_reward(episode("trace", 0.0, 0.6), centered) == pytest.approx(-0.2)

@@ -455,3 +455,28 @@ def test_generated_programs_run_cleanly_and_print(level):
         result = run_python(program.source, program.inputs, limits=LIMITS)
         assert (result.returncode, result.killed_reason) == (0, None), (task_id, result.stderr)
         assert len(result.stdout.strip().splitlines()) >= 1
+
+
+def test_line_credit_is_the_share_of_lines_right_in_place_over_the_longer_side():
+    from ppo_affine.envs.trace_env import line_credit
+
+    truth = "__DBG_0__ 3\n7\nDone"
+    assert line_credit("```\n__DBG_0__ 3\n7\nDone\n```", truth) == 1.0
+    assert line_credit("```\n__dbg_0__  3\n8\nDone\n```", truth) == pytest.approx(2 / 3)  # case and spaces ignored
+    assert line_credit("__DBG_0__ 3\n7\nDone\nDone\nDone", truth) == pytest.approx(3 / 5)  # running on costs
+    assert line_credit("7\n__DBG_0__ 3", truth) == 0.0  # in place: a shifted line is wrong
+    assert line_credit("", "") == 1.0 and line_credit("x", "") == 0.0
+
+
+def test_a_trace_step_reports_line_credit_beside_the_exact_score():
+    async def play():
+        env = TraceEnv(sandbox_limits=LIMITS)
+        started = await env.reset(task_id=3_000_000)
+        truth = (await env.challenge(3_000_000)).ground_truth
+        wrong_last = "\n".join(truth.splitlines()[:-1] + ["nope"])
+        return truth, await env.step(wrong_last, started["episode_id"])
+
+    truth, result = asyncio.run(play())
+    lines = len(truth.splitlines())
+    assert result["reward"] == 0.0 and result["info"]["score"] == 0.0
+    assert result["info"]["line_credit"] == pytest.approx((lines - 1) / lines)

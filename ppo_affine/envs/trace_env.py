@@ -205,6 +205,19 @@ def score_prediction(prediction: str, ground_truth: str) -> float:
     return 1.0 if normalize_output(clean_prediction(prediction)) == normalize_output(ground_truth) else 0.0
 
 
+def line_credit(prediction: str, ground_truth: str) -> float:
+    """Training-only partial credit (not the env's score): the share of output lines right in place, each line
+    compared as the score compares the whole (whitespace and case ignored), over the longer of the two, so that
+    a reply that runs on past the output loses credit too. Only used where the score is 0 (the score ignores line
+    breaks, this does not)."""
+    expected = [normalize_output(line) for line in ground_truth.strip().splitlines() if line.strip()]
+    predicted = [normalize_output(line) for line in clean_prediction(prediction).splitlines() if line.strip()]
+    if not expected and not predicted:
+        return 1.0
+    right = sum(p == e for p, e in zip(predicted, expected))
+    return right / max(len(expected), len(predicted))
+
+
 def ground_truth_of(run: RunResult) -> tuple[str, str | None]:
     """(ground truth, why the task is degenerate or None) from one sandboxed run (docs/protocols.md, 'Ground truth')."""
     if run.killed_reason in ("timeout", "output_limit", "cpu_time"):  # all three stand for the real env's timeout
@@ -339,7 +352,8 @@ class TraceEnv:
             return episode.last
         episode.done, episode.step_count, episode.score = True, 1, score
         report = _report(score, prediction, episode.challenge.ground_truth)
-        episode.last = step_result(report, reward=score, done=True, episode_id=episode_id, info=self._info(episode))
+        info = self._info(episode) | {"line_credit": line_credit(action, episode.challenge.ground_truth)}
+        episode.last = step_result(report, reward=score, done=True, episode_id=episode_id, info=info)
         self._retire(episode_id)
         return episode.last
 
