@@ -43,6 +43,14 @@ def parse_game_counts(text: str, option: str) -> dict[str, int]:
     return counts
 
 
+def parse_integers(text: str, option: str, expected: str) -> list[int]:
+    """'0,1' -> [0, 1]; ConfigError naming `option` and what it `expected` otherwise."""
+    try:
+        return [int(item) for item in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{option}: expected {expected}, got {text!r}.") from None
+
+
 def parse_experts(text: str) -> dict[str, str]:
     """'leduc_poker=best_response,gin_rummy=mcts' -> {game: kind}; ConfigError naming --expert otherwise."""
     experts = {}
@@ -185,23 +193,14 @@ class WarmStartConfig(Strict):
     @field_validator("config_ids", mode="before")
     @classmethod
     def _config_ids_from_text(cls, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        try:
-            return [int(c) for c in value.split(",")]
-        except ValueError:
-            raise ValueError(f"--config-ids: expected comma-separated integers, got {value!r}.") from None
+        return _parsed(parse_integers, value, "--config-ids", "comma-separated integers") if isinstance(value, str) \
+            else value
 
     @field_validator("trace_levels", mode="before")
     @classmethod
     def _trace_levels_from_text(cls, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        try:
-            return [int(level) for level in value.split(",")]
-        except ValueError:
-            raise ValueError(f"--trace-levels: expected comma-separated levels from {TRACE_LEVELS}, got {value!r}.") \
-                from None
+        return (_parsed(parse_integers, value, "--trace-levels", f"comma-separated levels from {TRACE_LEVELS}")
+                if isinstance(value, str) else value)
 
     @field_validator("trace_levels")
     @classmethod

@@ -40,15 +40,13 @@ def trace_task_ids(levels: list[int], count: int, seed: int) -> list[int]:
 
 
 def trace_env_from(config) -> Any:
-    """A local TraceEnv with the config's trace env settings (its first trace env), else the defaults; degenerate
-    tasks skipped."""
-    from ppo_affine.envs.trace_env import TraceEnv
+    """A local TraceEnv with the config's trace env settings (its first local trace env), else the defaults;
+    degenerate tasks skipped."""
+    from ppo_affine.config import EnvSpec
+    from ppo_affine.envs.factory import make_env
 
-    spec = next((s for s in config.env.envs.values() if s.kind == "trace" and s.mode == "local"), None)
-    if spec is None:
-        return TraceEnv(source="embedded", skip_degenerate=True)
-    return TraceEnv(source=spec.source, skip_degenerate=True, timeout=spec.execution_timeout,
-                    unsafe_rlimit_only_sandbox=spec.unsafe_rlimit_only_sandbox)
+    spec = next((s for s in config.env.envs.values() if s.kind == "trace" and s.mode == "local"), EnvSpec(kind="trace"))
+    return make_env(spec.model_copy(update={"skip_degenerate": True}), seed=config.train.run.seed)
 
 
 async def _records(env, task_ids: list[int], seed: int) -> list[dict[str, Any]]:
