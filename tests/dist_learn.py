@@ -82,9 +82,16 @@ def learn_once(model_dir: Path, run_dir: Path, case: str, ranks: Ranks = ONE_PRO
     trainer = train_ppo.Trainer(config, run_dir, resume_from=None, ranks=ranks)
     episodes = hand_built_episodes(trainer.policy.tokenizer, scores, stripped=case.startswith("stripped"))
     metrics = trainer.learn_with_oom_retry(episodes, group_ids)
-    weights = {name: parameter.detach().clone() for name, parameter in trainer.policy.named_parameters()
-               if parameter.requires_grad}
-    return {"weights": weights, "metrics": metrics, "kl_coef": trainer.kl_ctl.value}
+    trained = {name: parameter for name, parameter in trainer.policy.named_parameters() if parameter.requires_grad}
+    weights = {name: parameter.detach().clone() for name, parameter in trained.items()}
+    # Adam's running mean of each weight's gradient, and how many steps it took: test_distributed.py tells the
+    # weights whose gradient is a sum that cancels to rounding noise from the rest with them
+    state = trainer.optimizer.state
+    moments = {name: state[parameter]["exp_avg"].detach().clone() if "exp_avg" in state[parameter]
+               else torch.zeros_like(parameter) for name, parameter in trained.items()}  # no state: never a gradient
+    steps = max(int(state[parameter].get("step", 0)) for parameter in trained.values())
+    return {"weights": weights, "moments": moments, "optimizer_steps": steps, "metrics": metrics,
+            "kl_coef": trainer.kl_ctl.value}
 
 
 if __name__ == "__main__":
