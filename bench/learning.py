@@ -40,7 +40,8 @@ also has a `ceiling` row for leduc_poker: the best response to the opponent (exp
 `best_response`), the most any player scores. Every row, the teachers' and the ceiling's too, meets the
 opponent the run's config sets (its budgets and search: `--set env.envs.openspiel.opponent_search=exact` reaches
 them all), and the best response keeps its opponent model in `model.cache_dir`. Evaluation is `evaluate.py`'s
-(greedy, full conversation, seeds derived from EVAL_SEED that training never draws); every played episode goes to
+(greedy, full conversation, held-out seeds that training never draws: the tuning block by default, the
+confirmation block with `--eval-block confirmation`, for a chosen recipe's one verdict); every played episode goes to
 `<output-dir>/eval-<opponent>.jsonl`, the PPO run's curves to `<output-dir>/plots/`; `--eval-episodes 48
 --eval-skip 16` plays seeds 17–48 of a game whose first 16 an earlier run played (episode i's seed does
 not depend on the count), so two runs' files together are the 48-seed evaluation: `--tables-from A B`
@@ -73,7 +74,7 @@ import train_ppo
 import visualize
 from ppo_affine import report
 from ppo_affine.checkpoint import find_resumable
-from ppo_affine.envs.tasks import GAME_ID_STRIDE, HELD_OUT_SEED_BASE, game_name_of
+from ppo_affine.envs.tasks import EVALUATION_BLOCKS, GAME_ID_STRIDE, game_name_of
 from ppo_affine.experts import DEFAULT_GOOFSPIEL_EXPERT, GOOFSPIEL_EXPERTS, expert_choices, expert_kind
 from ppo_affine.policy import adapter_folder
 from ppo_affine.config import ConfigError, load_config
@@ -105,7 +106,6 @@ GAME_OVERRIDES = {"gin_rummy": ["generation.max_turns=60", "generation.max_promp
 # its EOS; a cut one carries no ID. ID-only replies end at their EOS long before, so a run that mixes the
 # two costs nothing more for the ID-only games.
 REASON_REPLY_TOKENS = 40
-EVAL_SEED = HELD_OUT_SEED_BASE  # training draws its seeds from the curriculum's generator; these are derived apart
 # written into every --output-dir the bench makes: the one mark of a folder it may clear (never a user's own)
 OUTPUT_MARKER = ".bench-learning"
 
@@ -114,11 +114,14 @@ def count(per_game: dict[str, int], game: str) -> int:
     return per_game.get(game, per_game["*"])
 
 
-def eval_tasks(games: list[str], episodes: dict[str, int], opponent: str, skip: int = 0) -> list:
-    """evaluate.py's held-out tasks: `episodes` per game (both seats, seeds derived from EVAL_SEED), less each
-    game's first `skip` (an earlier run played those: the seeds of episode i do not depend on the count)."""
+def eval_tasks(games: list[str], episodes: dict[str, int], opponent: str, skip: int = 0,
+               block: str = "tuning") -> list:
+    """evaluate.py's held-out tasks: `episodes` per game (both seats, seeds derived from the block's base in
+    tasks.EVALUATION_BLOCKS; training never draws them), less each game's first `skip` (an earlier run played
+    those: the seeds of episode i do not depend on the count). Both blocks play the same variants."""
+    base = EVALUATION_BLOCKS[block]
     return [t for game in games
-            for t in evaluate.game_tasks(game, count(episodes, game), EVAL_SEED, opponent, "openspiel")[skip:]]
+            for t in evaluate.game_tasks(game, count(episodes, game), base, opponent, "openspiel")[skip:]]
 
 
 def eval_variants(games: list[str], episodes: dict[str, int]) -> dict[str, list[int]]:
@@ -153,16 +156,17 @@ def train(games: list[str], steps: int, out: Path, overrides: list[str], init_ad
 
 
 def play(config, games: list[str], episodes: dict[str, int], opponent: str, adapter: Path | None, label: str,
-         with_base: bool, episodes_path: Path | None = None, skip: int = 0) -> list[dict]:
-    """evaluate.py's episodes (greedy, full context, held-out seeds, both seats) for one model (+ the base),
-    less each game's first `skip`; each record is also appended to `episodes_path`."""
-    tasks = eval_tasks(games, episodes, opponent, skip)
+         with_base: bool, episodes_path: Path | None = None, skip: int = 0, block: str = "tuning") -> list[dict]:
+    """evaluate.py's episodes (greedy, full context, held-out seeds of `block`, both seats) for one model (+ the
+    base), less each game's first `skip`; each record is also appended to `episodes_path`."""
+    tasks = eval_tasks(games, episodes, opponent, skip, block)
     specs = evaluate.eval_env_specs(config, {"openspiel"})
     adapter_dir = adapter_folder(adapter) if adapter else None
     records = asyncio.run(evaluate.evaluate(config, tasks, specs, adapter_dir, with_base and adapter is not None,
                                             None))
     for record in records:
         record["model"] = record["model"] if record["model"] == "base" else label
+        record["block"] = block
     if episodes_path is not None:
         append_records(episodes_path, records)
     return records
@@ -182,8 +186,10 @@ def split_source(source: str) -> tuple[str, str, str]:
 
 def merged_records(sources: list[str]) -> list[dict]:
     """The episode records of earlier runs' eval-<opponent>.jsonl files, FILE or FILE:OLD=NEW (model OLD
-    relabelled NEW); a later file's record of the same model, game, task, seed and opponent replaces an earlier's."""
+    relabelled NEW); a later file's record of the same model, game, task, seed and opponent replaces an earlier's.
+    Files of both evaluation blocks are refused together: their seeds never pair, and one table is one block."""
     merged: dict[tuple, dict] = {}
+    blocks: dict[str, str] = {}
     for source in sources:
         path, old, new = split_source(source)
         opponent = Path(path).stem.removeprefix("eval-")  # records from before 'opponent' was in each of them
@@ -191,6 +197,11 @@ def merged_records(sources: list[str]) -> list[dict]:
             if line.strip():
                 record = json.loads(line)
                 record.setdefault("opponent", opponent)
+                record.setdefault("block", "tuning")  # records from before there were two blocks
+                blocks.setdefault(record["block"], path)
+                if len(blocks) > 1:
+                    sys.exit(f"--tables-from: {blocks['tuning']} holds tuning-block episodes and "
+                             f"{blocks['confirmation']} confirmation-block ones; give one block's files")
                 if old and record["model"] == old:
                     record["model"] = new
                 key = (record["model"], record["game"], record["task_id"], record["seed"], record["opponent"])
@@ -284,7 +295,7 @@ def print_teacher_moves(moves: dict) -> None:
 
 
 def expert_records(games: list[str], episodes: dict[str, int], opponent: str, config, workers: int,
-                   experts: dict[str, str], label: str = "expert", skip: int = 0) -> list[dict]:
+                   experts: dict[str, str], label: str = "expert", skip: int = 0, block: str = "tuning") -> list[dict]:
     """The experts themselves on the same tasks and seeds, as evaluation records labelled `label`, against the
     opponent the models' rows meet: `config`'s game env (its MCTS budgets, search and file of recorded moves)
     and model.cache_dir (where the best response keeps its opponent model)."""
@@ -292,9 +303,10 @@ def expert_records(games: list[str], episodes: dict[str, int], opponent: str, co
     expert_play.warn_teachers_aimed_elsewhere(games, experts, opponent)
     jobs = [expert_play.ExpertJob(game_name_of(t.task_id), t.task_id, t.seed, opponent,
                                   expert_play.Teacher.for_game(game_name_of(t.task_id), experts), setup)
-            for t in eval_tasks(games, episodes, opponent, skip)]
+            for t in eval_tasks(games, episodes, opponent, skip, block)]
     played = expert_play.generate(jobs, workers, None)
     return [{"model": label, "game": r["game"], "task_id": r["task_id"], "seed": r["seed"], "opponent": opponent,
+             "block": block,
              "llm_player_id": r["llm_player_id"], "score": r["score"],
              "outcome": "win" if r["score"] > 0.5 else "draw" if r["score"] == 0.5 else "loss",
              "turns": sum(m["role"] == "assistant" for m in r["messages"]), "illegal_moves": 0,
@@ -426,6 +438,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-skip", type=int, default=0, metavar="N",
                         help="leave out each game's first N of those episodes: extends an earlier run's evaluation "
                         "on new seeds (episode i's seed does not depend on the count)")
+    parser.add_argument("--eval-block", choices=sorted(EVALUATION_BLOCKS), default="tuning",
+                        help="which held-out seeds judge the models: the tuning block (compare recipes on it) or the "
+                        "confirmation block (judge a chosen recipe once, on seeds no choice has seen)")
     parser.add_argument("--opponents", help="comma-separated evaluation opponents: random, mcts")
     parser.add_argument("--train-opponent", choices=["random", "mcts"],
                         help="the opponent PPO trains against and the SFT data's expert games meet")
@@ -642,18 +657,19 @@ def main(argv: list[str] | None = None) -> None:
         started = time.perf_counter()
         if trained_label in models:
             records += play(config, played, args.eval_counts, opponent, trained, trained_label,
-                            with_base="base" in models, episodes_path=episodes_path, skip=args.eval_skip)
+                            with_base="base" in models, episodes_path=episodes_path, skip=args.eval_skip,
+                            block=args.eval_block)
         elif "base" in models:
             records += play(config, played, args.eval_counts, opponent, None, "base", with_base=False,
-                            episodes_path=episodes_path, skip=args.eval_skip)
+                            episodes_path=episodes_path, skip=args.eval_skip, block=args.eval_block)
         if sft_checkpoint is not None and "sft" in models:
             records += play(config, played, args.eval_counts, opponent, sft_checkpoint, "sft", with_base=False,
-                            episodes_path=episodes_path, skip=args.eval_skip)
+                            episodes_path=episodes_path, skip=args.eval_skip, block=args.eval_block)
         timings["eval_seconds"] += time.perf_counter() - started
         started = time.perf_counter()
         if args.warm_start and "expert" in models:
             experts_played = expert_records(played, args.eval_counts, opponent, config, args.workers,
-                                            args.expert_choices, skip=args.eval_skip)
+                                            args.expert_choices, skip=args.eval_skip, block=args.eval_block)
             append_records(episodes_path, experts_played)
             records += experts_played
         table_models = list(models)
@@ -685,6 +701,7 @@ def main(argv: list[str] | None = None) -> None:
                       "ppo_presets": ["cpu", WARM_START_PRESET] if args.warm_start else ["cpu"],
                       "ppo_overrides": overrides, "extra_overrides": args.set,
                       "eval_episodes_per_game": args.eval_counts, "eval_skip": args.eval_skip,
+                      "eval_block": args.eval_block,
                       "mcts_simulations": game_env(config).mcts_simulations,
                       "opponent_search": game_env(config).opponent_search,
                       "experts": {g: expert_kind(g, args.expert_choices) for g in games if has_expert(g)},
@@ -727,7 +744,7 @@ def ceiling_records(games: list[str], args: argparse.Namespace, records: list[di
             ceiling += [{**r, "model": "ceiling"} for r in records if r["model"] == "expert" and r["game"] == game]
         else:
             ceiling += expert_records([game], args.eval_counts, "mcts", config, args.workers, {game: kind},
-                                      label="ceiling", skip=args.eval_skip)
+                                      label="ceiling", skip=args.eval_skip, block=args.eval_block)
     return ceiling
 
 

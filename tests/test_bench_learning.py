@@ -356,6 +356,34 @@ def test_a_later_file_replaces_an_earlier_files_episode_and_old_files_get_their_
     assert [(r["opponent"], r["score"]) for r in merged] == [("random", 1.0)]
 
 
+def test_the_confirmation_block_plays_the_same_tasks_on_seeds_of_its_own():
+    """Recipes are compared on the tuning block; a chosen one is judged once on the confirmation block."""
+    counts = {"*": 64}
+    tuning, confirmation = (learning.eval_tasks(["leduc_poker", "goofspiel"], counts, "mcts", block=block)
+                            for block in ("tuning", "confirmation"))
+    assert tuning == learning.eval_tasks(["leduc_poker", "goofspiel"], counts, "mcts")  # the default, as before
+    assert [t.task_id for t in tuning] == [t.task_id for t in confirmation]  # the same games and variants
+    assert [t.seed % 2 for t in tuning] == [t.seed % 2 for t in confirmation] == [i % 2 for i in range(64)] * 2
+    assert not {t.seed for t in tuning} & {t.seed for t in confirmation}
+    # a later --eval-skip run extends the block it names
+    assert learning.eval_tasks(["leduc_poker"], counts, "mcts", 16, "confirmation") == confirmation[16:64]
+    assert learning.parse_args(["--eval-block", "confirmation"]).eval_block == "confirmation"
+    with pytest.raises(SystemExit):
+        learning.parse_args(["--eval-block", "final"])
+
+
+def test_tables_from_refuses_files_of_both_blocks_together(tmp_path, capsys):
+    tuning = write_records(tmp_path / "eval-mcts.jsonl", [record("sft", 0, 0.0)])  # from before blocks: tuning
+    (tmp_path / "c").mkdir()
+    confirmation = write_records(tmp_path / "c" / "eval-mcts.jsonl", [{**record("sft+ppo", 0, 1.0),
+                                                                       "block": "confirmation"}])
+    with pytest.raises(SystemExit, match=r"eval-mcts.jsonl holds tuning-block episodes and .*c/eval-mcts.jsonl "
+                                         r"confirmation-block ones"):
+        learning.main(["--tables-from", str(tuning), str(confirmation)])
+    learning.main(["--tables-from", str(confirmation)])  # one block's files make a table
+    assert "| leduc_poker | mcts | sft+ppo |" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("source", ["missing.jsonl", "eval-mcts.jsonl:sft", "eval-mcts.jsonl:=sft+ppo",
                                     "eval-mcts.jsonl:sft=", "eval-mcts.jsonl:"])
 def test_tables_from_rejects_a_missing_file_or_a_half_relabel(tmp_path, source):

@@ -361,14 +361,14 @@ def test_relabelling_refuses_a_game_that_replays_differently_or_a_file_without_g
                 OpponentSetup(cache_dir="~"), None)
 
 
-@pytest.mark.parametrize("held_out", ["validator", "bench"])
+@pytest.mark.parametrize("held_out", ["validator", "tuning", "confirmation"])
 def test_games_on_evaluation_seeds_are_refused_as_training_input(tmp_path, held_out):
-    from ppo_affine.envs.tasks import HELD_OUT_SEED_BASE, paired_seed, validator_seed
+    from ppo_affine.envs.tasks import EVALUATION_BLOCKS, paired_seed, validator_seed
     from ppo_affine.warm_start.sft import read_records
 
     played = _played_goofspiel(2, lambda turn, legal, expert_move: str(expert_move))
     seed = (validator_seed("game", played["task_id"]) if held_out == "validator"
-            else paired_seed(HELD_OUT_SEED_BASE, "goofspiel", 37))
+            else paired_seed(EVALUATION_BLOCKS[held_out], "goofspiel", 37))  # either block of bench/learning.py
     path = tmp_path / "eval-mcts.jsonl"
     path.write_text(json.dumps(played) + "\n" + json.dumps({**played, "seed": seed}) + "\n")
     with pytest.raises(ConfigError, match=rf"eval-mcts.jsonl line 2: goofspiel task {played['task_id']} seed {seed} "

@@ -81,9 +81,13 @@ def validator_seed(env_name: str, task_id: int) -> int:
 # Seeds derived from a base for evaluation (evaluate.py --seed, bench/learning.py's held-out games) stay below
 # this: the game env adds up to seed + 9 to a seed, and RandomState takes < 2**32.
 SEED_LIMIT = 2**32 - 16
-# bench/learning.py's held-out evaluation seeds derive from this base; training draws its seeds elsewhere
+# bench/learning.py's held-out evaluation seeds derive from these bases, one per block; training draws its seeds
+# elsewhere. Recipes are compared on the tuning block; the confirmation block judges a chosen recipe once, on seeds
+# that no choice has seen.
 HELD_OUT_SEED_BASE = 900_000
-HELD_OUT_SEEDS_CHECKED = 10_000  # how many of each game's held-out seeds a training input is checked against
+CONFIRMATION_SEED_BASE = 910_000
+EVALUATION_BLOCKS = {"tuning": HELD_OUT_SEED_BASE, "confirmation": CONFIRMATION_SEED_BASE}
+HELD_OUT_SEEDS_CHECKED = 10_000  # how many of each game's held-out seeds per block a training input is checked against
 
 
 def paired_seed(base_seed: int, key: str, index: int) -> int:
@@ -93,12 +97,13 @@ def paired_seed(base_seed: int, key: str, index: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _held_out_seeds(game: str) -> frozenset[int]:
-    return frozenset(paired_seed(HELD_OUT_SEED_BASE, game, i) for i in range(HELD_OUT_SEEDS_CHECKED))
+    return frozenset(paired_seed(base, game, i) for base in EVALUATION_BLOCKS.values()
+                     for i in range(HELD_OUT_SEEDS_CHECKED))
 
 
 def is_evaluation_seed(game: str, task_id: int, seed: int) -> bool:
     """Whether a game on (`task_id`, `seed`) is one the results are judged on: the validators' own seed of that
-    task, or one of bench/learning.py's held-out seeds. Training on it would train on the test."""
+    task, or one of bench/learning.py's held-out seeds (either block). Training on it would train on the test."""
     return seed == validator_seed("game", task_id) or seed in _held_out_seeds(game)
 
 
