@@ -143,3 +143,60 @@ def test_the_compiled_template_renders_as_apply_chat_template(tokenizer):
     assert builder._template  # the first render checked it
     later = long_game(5)
     assert builder.render(later) == tokenizer.apply_chat_template(later, add_generation_prompt=True, tokenize=False)
+
+
+# Qwen2's and Llama 3's pre-tokenizer pattern: spaces go with the newlines after them
+NEWLINE_KEEPING_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def tokenizer_cutting(how: str):
+    from tokenizers import Regex, pre_tokenizers
+
+    return make_tokenizer({
+        "gpt2": None,
+        "qwen": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(NEWLINE_KEEPING_PATTERN), behavior="isolated"),
+                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+        # a marker before the text's first word only: no piece of a text tokenises as it does inside the text
+        "first-word": pre_tokenizers.Metaspace(replacement="_", prepend_scheme="first"),
+    }[how])
+
+
+WHITESPACE_TEXTS = ["a \nb", "x  \n\n\ny", "P0 hand: 3 8 \nP1 hand: 2 3 \n\n\nYou are Player 1.\n", ".\nX", "\n\n",
+                    "end \n", "<|im_end|>\n<|im_start|>user\nLegal Actions:\n1 -> [P1]Bid: 2\n\nYour choice:",
+                    "tab\t\nnext", "  lead\n  indented\n\tcode"]
+
+
+@pytest.mark.parametrize("how,rule", [("gpt2", "before newline"), ("qwen", "after newline"), ("first-word", None)])
+def test_prompts_tokenise_piece_by_piece_only_where_that_keeps_the_tokenizers_ids(how, rule, monkeypatch):
+    from ppo_affine import prompts
+
+    monkeypatch.setattr(prompts, "VERIFY_FIRST", 12)
+    monkeypatch.setattr(prompts, "VERIFY_EVERY", 5)
+    tokenizer = tokenizer_cutting(how)
+    builder = PromptBuilder(tokenizer, 4096)
+    texts = WHITESPACE_TEXTS + [builder.render(long_game(turns)) for turns in range(1, 12)] * 3
+    for text in texts:  # the first 12 check both rules, the rest run on the memo (one in 5 checked)
+        assert builder.tokenize(text) == tokenizer(text, add_special_tokens=False)["input_ids"], repr(text)
+    assert list(builder._memos) == ([rule] if rule else [])
+    if rule:  # the texts seen again came from the memo
+        assert builder._memos[rule] and builder._tokenized == len(texts)
+
+
+def test_a_rule_that_stops_agreeing_is_dropped_and_the_text_gets_the_tokenizers_ids(monkeypatch):
+    from ppo_affine import prompts
+
+    monkeypatch.setattr(prompts, "VERIFY_FIRST", 1)
+    monkeypatch.setattr(prompts, "VERIFY_EVERY", 1)
+    tokenizer = tokenizer_cutting("gpt2")
+    builder = PromptBuilder(tokenizer, 4096)
+    assert builder.tokenize("one\ntwo") == tokenizer("one\ntwo", add_special_tokens=False)["input_ids"]
+    assert builder._memos  # "one\ntwo" tokenises alike either way
+    for memo in builder._memos.values():  # memos gone wrong: the next check finds them
+        memo.update({piece: [0] for piece in memo})
+    expected = tokenizer("one\ntwo", add_special_tokens=False)["input_ids"]
+    assert builder.tokenize("one\ntwo") == expected
+    assert list(builder._memos) == ["after newline"]  # past the first texts only the rule in use is checked
+    assert builder.tokenize("one\ntwo") == expected
+    assert builder._memos == {}  # for good: tokenised whole from now on
+    assert builder.tokenize("one\ntwo") == tokenizer("one\ntwo", add_special_tokens=False)["input_ids"]

@@ -13,15 +13,16 @@ CHAT_TEMPLATE = (
 SPECIAL = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
 
 
-def make_tokenizer():
+def make_tokenizer(pre_tokenizer=None):
     """Byte-level BPE with ChatML special tokens, trained in a second on the game env's own texts
-    (rules, prompt templates), so game prompts are a few hundred tokens rather than thousands."""
+    (rules, prompt templates), so game prompts are a few hundred tokens rather than thousands.
+    `pre_tokenizer`: another way to cut text before BPE (default: GPT-2's pattern, as SmolLM2's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     corpus = [(ENVS / name).read_text() for name in CORPUS_FILES]
     core = Tokenizer(models.BPE(unk_token=None))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
