@@ -44,6 +44,9 @@ class PromptBuilder:
         self._template = None  # the compiled chat template once it rendered as apply_chat_template does; False: not
         self._memos = {rule: {} for rule in LINE_CUTS}  # per cutting rule still agreeing: piece -> ids
         self._tokenized = 0
+        self._windows: bool | None = None  # whether a turn's glue comes from its window render (None: checking)
+        self._window_checks = 0
+        self._head_renders: dict[str, str] = {}  # a system message's render (with the generation prompt)
 
     def render(self, messages: list[dict[str, str]]) -> str:
         # Every turn renders the whole conversation: apply_chat_template spends two thirds of that converting the
@@ -69,6 +72,48 @@ class PromptBuilder:
         except Exception:  # another transformers version, a template given another way: keep the public path
             return None
         return template if same else None
+
+    def glue(self, messages: list[dict[str, str]], shown: list[dict[str, str]], before: str, reply: str) -> str | None:
+        """The text the render of `messages` adds after `before`, the last prompt's render + `reply` (the reply
+        and EOS text since); None when the render does not start with `before` (the template re-rendered the
+        history, or shows the reply otherwise).
+
+        Rendering the whole conversation every turn costs more each turn. When `messages` extends `shown` (the
+        last prompt's messages), a template that renders each message on its own gives the same text from the
+        system message and the new messages alone (the window): its render after the system message's render +
+        `reply`. Whether this template does is checked as the tokenizer's memo is (VERIFY_FIRST, VERIFY_EVERY)."""
+        window = None  # the window's answer, where it has one
+        extends = self._windows is not False and len(messages) > len(shown) and messages[:len(shown)] == shown
+        if extends:
+            first = 1 if messages[0]["role"] == "system" else 0
+            try:
+                start = self._head_render(messages[:first]) + reply
+                text = self.render(messages[:first] + messages[len(shown):])
+            except Exception:  # e.g. a template that needs a user message: whole renders only
+                self._windows, extends = False, False
+            else:
+                window = (text[len(start):],) if text.startswith(start) else (None,)
+        if extends:
+            self._window_checks += 1
+            if self._windows and self._window_checks % VERIFY_EVERY:
+                return window[0]
+        text = self.render(messages)
+        whole = text[len(before):] if text.startswith(before) else None
+        if extends:
+            if window[0] != whole:
+                log.info("this chat template renders messages in view of others: every turn renders them all")
+                self._windows = False
+            elif self._window_checks >= VERIFY_FIRST:
+                self._windows = True
+        return whole
+
+    def _head_render(self, head: list[dict[str, str]]) -> str:
+        key = head[0]["content"] if head else ""
+        if key not in self._head_renders:
+            if len(self._head_renders) >= 64:
+                self._head_renders.clear()
+            self._head_renders[key] = self.render(head)
+        return self._head_renders[key]
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of template text; special tokens written in it (e.g. <|im_start|>) become their ids.
@@ -183,12 +228,14 @@ class TokenHistory:
         self._dropped = 0  # turns the current sequence leaves out after the system message (the oldest ones)
         self._rendered = ""  # the text the current sequence stands for (prompt render + reply text)
         self._eos_text = ""  # the reply's final EOS as text, which the template writes after the reply
+        self._reply = ""  # the last reply's text
+        self._shown: list[dict[str, str]] = []  # the messages the last prompt rendered
 
     def prompt(self, messages: list[dict[str, str]], keep_from: int) -> tuple[list[int], int, int] | None:
         """(prompt ids, sequence index, position of the reply's first token) for the pending turn;
         None when the prompt cannot fit `max_prompt_tokens`."""
+        first = 1 if messages and messages[0]["role"] == "system" else 0
         if self.sequences and self.continue_sequences:
-            first = 1 if messages and messages[0]["role"] == "system" else 0
             continued = self._continue(messages[:first] + messages[first + self._dropped:])
             if continued is not None:
                 return continued
@@ -199,24 +246,27 @@ class TokenHistory:
         if fitted is None:
             return None
         ids, self._rendered, self._dropped = fitted
+        self._shown = messages[:first] + messages[first + self._dropped:]
         self.sequences.append(list(ids))
         return ids, len(self.sequences) - 1, len(ids)
 
     def _continue(self, messages: list[dict[str, str]]) -> tuple[list[int], int, int] | None:
-        text = self.builder.render(messages)
-        if not text.startswith(self._rendered + self._eos_text):
+        before = self._rendered + self._eos_text
+        text = self.builder.glue(messages, self._shown, before, self._reply + self._eos_text)
+        if text is None:
             return None  # the template re-rendered the history: this turn starts a new sequence
-        glue = self.builder.tokenize(text[len(self._rendered) + len(self._eos_text):])
+        glue = self.builder.tokenize(text)
         sequence = self.sequences[-1]
         if not glue or len(sequence) + len(glue) > self.builder.max_prompt_tokens:
             return None
         sequence.extend(glue)
-        self._rendered = text
+        self._rendered, self._shown = before + text, list(messages)
         return list(sequence), len(self.sequences) - 1, len(sequence)
 
     def add_reply(self, reply_ids: list[int], reply_text: str) -> None:
         """Append the sampled ids to the current sequence; `reply_text` is what the env and messages got."""
         self.sequences[-1].extend(reply_ids)
         self._rendered += reply_text
+        self._reply = reply_text
         ends_with_eos = bool(reply_ids) and reply_ids[-1] in self.eos_ids
         self._eos_text = self.builder.tokenizer.decode(reply_ids[-1:]) if ends_with_eos else ""

@@ -200,3 +200,62 @@ def test_a_rule_that_stops_agreeing_is_dropped_and_the_text_gets_the_tokenizers_
     assert builder.tokenize("one\ntwo") == expected
     assert builder._memos == {}  # for good: tokenised whole from now on
     assert builder.tokenize("one\ntwo") == tokenizer("one\ntwo", add_special_tokens=False)["input_ids"]
+
+
+# Append-only, but a user message's render depends on how many came before it: a window shows it otherwise
+LATE_TAG_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'user' and loop.index > 4 %}[late] "
+    "{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+
+
+def played(builder: PromptBuilder, replies: list[str], shown=lambda messages: messages) -> list[list[int]]:
+    """A game of len(replies) turns through one TokenHistory: each reply, then the next state. `shown`: which
+    messages a turn's prompt shows (the context strategy)."""
+    tok = builder.tokenizer
+    h = TokenHistory(builder, {tok.eos_token_id})
+    messages = [SYSTEM, {"role": "user", "content": "state 0: board row board row"}]
+    for turn, reply in enumerate(replies):
+        view = shown(messages)
+        assert h.prompt(view, len(view) - 1) is not None
+        h.add_reply(tok(reply, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], reply)
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"state {turn + 1}: row"}]
+    return h.sequences
+
+
+@pytest.mark.parametrize("template,windows", [(None, True), (STRIPPING_TEMPLATE, True), (LATE_TAG_TEMPLATE, False)])
+def test_a_turn_renders_only_its_new_messages_where_that_gives_the_whole_renders_text(template, windows, monkeypatch):
+    from ppo_affine import prompts
+
+    monkeypatch.setattr(prompts, "VERIFY_FIRST", 4)
+    monkeypatch.setattr(prompts, "VERIFY_EVERY", 3)
+    tokenizer = make_tokenizer()
+    if template:
+        tokenizer.chat_template = template
+    replies = [str(turn % 10) if turn % 5 else f"<think>turn {turn}</think>{turn % 10}" for turn in range(24)]
+    whole = PromptBuilder(tokenizer, 4096)
+    whole._windows = False  # every turn renders the whole conversation
+    builder = PromptBuilder(tokenizer, 4096)
+    rendered = []
+    original = builder.render
+    monkeypatch.setattr(builder, "render", lambda messages: rendered.append(len(messages)) or original(messages))
+    sequences = played(whole, replies)
+    assert played(builder, replies) == sequences
+    assert len(sequences) == (6 if template is STRIPPING_TEMPLATE else 1)  # each of 5 reasoned replies: a new one
+    assert builder._windows is windows
+    if windows:  # after the checks, most turns rendered a few messages: the system one and the two new ones
+        assert sorted(rendered).count(3) >= len(replies) // 2
+
+
+def test_a_window_is_not_used_when_earlier_messages_changed(tokenizer, monkeypatch):
+    """A view that keeps only the last turns (its oldest turn changes every turn) is not an extension of the last
+    prompt's messages: the whole render decides, and every turn starts a new sequence as before."""
+    def last_two_turns(messages):
+        return messages[:1] + messages[-5:] if len(messages) > 6 else list(messages)
+
+    whole = PromptBuilder(tokenizer, 4096)
+    whole._windows = False
+    replies = [str(turn) for turn in range(8)]
+    sequences = played(PromptBuilder(tokenizer, 4096), replies, last_two_turns)
+    assert sequences == played(whole, replies, last_two_turns) and len(sequences) > 1
