@@ -165,18 +165,18 @@ class PromptBuilder:
 
         One render and tokenisation (with offsets) say how many turns must go: each token's place in the text tells which
         message it belongs to. The shortened prompt is rendered and tokenised once to check (a turn more goes
-        in the rare case that the tokens at a cut differ from the estimate)."""
+        in the rare case that the tokens at a cut differ from the estimate). With the memo (LINE_CUTS) the count
+        comes from its pieces, each a whole line's tokens where it overlaps a cut: never fewer than the cut's own,
+        so the estimate never drops a turn too many, and the check adds any turn it left."""
         text = self.render(messages)
         ids = self.tokenize(text)
         if len(ids) <= self.max_prompt_tokens:
             return ids, text, 0
         # over the budget: where each token starts in the text tells which message it belongs to
-        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         first = 1 if messages and messages[0]["role"] == "system" else 0
         droppable = max(0, keep_from - first)
         target = max(1, self.max_prompt_tokens - room)
-        drop = self._turns_to_drop(text, messages, first, droppable, [start for start, _ in encoding["offset_mapping"]],
-                                   len(ids) - target)
+        drop = self._turns_to_drop(text, messages, first, droppable, self._token_counter(text), len(ids) - target)
         while True:
             if drop:
                 text = self.render(messages[:first] + messages[first + drop:])
@@ -191,8 +191,28 @@ class PromptBuilder:
         """Turns go a user/assistant pair at a time, the last one alone when one is left."""
         return drop + (2 if droppable - drop >= 2 else 1)
 
+    def _token_counter(self, text: str):
+        """tokens_between(lo, hi): how many of `text`'s tokens start in (lo, hi], or more (see fit)."""
+        memo = next(iter(self._memos.values()), None) if self._memos else None
+        if memo is not None:
+            rule = next(iter(self._memos))
+            pieces = LINE_CUTS[rule].split(text)
+            if all(piece in memo for piece in pieces):
+                starts, ends, counts = [], [], [0]
+                for piece in pieces:
+                    starts.append(ends[-1] if ends else 0)
+                    ends.append(starts[-1] + len(piece))
+                    counts.append(counts[-1] + len(memo[piece]))
+
+                def overlapping(lo: int, hi: int) -> int:  # the pieces that end after lo and start by hi
+                    return counts[bisect.bisect_right(starts, hi)] - counts[bisect.bisect_right(ends, lo)]
+                return overlapping
+        token_starts = [start for start, _ in
+                        self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+        return lambda lo, hi: bisect.bisect_right(token_starts, hi) - bisect.bisect_right(token_starts, lo)
+
     def _turns_to_drop(self, text: str, messages: list[dict[str, str]], first: int, droppable: int,
-                       token_starts: list[int], excess: int) -> int:
+                       tokens_between, excess: int) -> int:
         """The fewest turns (in pairs) whose tokens add up to `excess`, estimated from where each message's
         content ends in `text`; 0 when the contents cannot be found there (the template rewrites them)."""
         ends, position = [], 0
@@ -207,7 +227,7 @@ class PromptBuilder:
         while drop < droppable:
             drop = self._next_drop(drop, droppable)
             cut_to = ends[first + drop - 1]
-            removed = bisect.bisect_right(token_starts, cut_to) - bisect.bisect_right(token_starts, cut_from)
+            removed = tokens_between(cut_from, cut_to)
             if removed >= excess:
                 break
         return drop

@@ -105,9 +105,13 @@ def slow_fit(builder: PromptBuilder, messages, keep_from):
         drop += 2 if keep_from - first - drop >= 2 else 1
 
 
+@pytest.mark.parametrize("memo", [True, False], ids=["line-memo", "offsets"])  # how the cuts' tokens are counted
 @pytest.mark.parametrize("budget", [60, 150, 333, 600, 5000])
-def test_fit_drops_what_dropping_pair_by_pair_drops_with_one_tokenisation_to_estimate(tokenizer, budget, monkeypatch):
+def test_fit_drops_what_dropping_pair_by_pair_drops_with_one_tokenisation_to_estimate(tokenizer, budget, memo,
+                                                                                      monkeypatch):
     builder = PromptBuilder(tokenizer, budget)
+    if not memo:
+        builder._memos = {}
     messages = long_game(12)
     keep_from = len(messages) - 1
     expected = slow_fit(builder, messages, keep_from)
