@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # again on one text in VERIFY_EVERY; when none agrees, prompts are tokenised whole.
 LINE_CUTS = {"before newline": re.compile(r"(?=\n\S)"), "after newline": re.compile(r"(?<=\n)(?=\S)")}
 MEMO_PIECES = 1 << 16  # pieces kept per rule; a memo starts over when full
-VERIFY_FIRST, VERIFY_EVERY = 64, 64
+VERIFY_FIRST, VERIFY_EVERY = 16, 64
 
 
 class PromptBuilder:
