@@ -12,7 +12,10 @@ Per setting, side by side in one run, `wave` (the old barrier) and `continuous` 
 - `bound_ratio` = wall time / max(the stand-in's busy time, search_cpu_s / the env's workers): 1.0
   when the rollout takes only as long as its slowest resource, the sum of both under a barrier;
 - `host_ms_per_turn`: wall time per model turn with a null model (replies returned at once, env in-process):
-  rendering and tokenising prompts, fitting them to the budget, the env's reset and steps;
+  rendering and tokenising prompts, fitting them to the budget, the env's reset and steps; beside it
+  `host_ms_per_turn_whole_prompts`, the same turns with every prompt rendered and tokenised whole (prompts.py's
+  memo and windows off, as before they existed); `--whole-prompts` also runs every setting's stand-in that way
+  (the setting's `whole_prompts` entry), side by side;
 - `ops_per_decode_step`: torch operations dispatched by one decode step of 8 rows (a kernel launch each on a
   GPU), for `generate` with the adapter (the old path), the decode loop with the adapter path, and the decode
   loop with the adapter folded; `ops_per_join`: the same for a row joining a running batch.
@@ -163,12 +166,12 @@ async def timed_rollout(runner: RolloutRunner, tasks: list[Task]) -> dict:
 
 
 async def play_setting(policy, games: list[str], opponent: str, episodes: int, cost: float,
-                       env_spec_overrides: list[str]) -> dict:
+                       env_spec_overrides: list[str], incremental_prompts: bool = True) -> dict:
     """The setting's rollout with the null model, then with the stand-in under each local batching."""
     config = load_config(overrides=["env.envs.openspiel.workers=auto", *env_spec_overrides])
     envs = make_envs(config.env, seed=0, meets_search=opponent == "mcts")
     workers = max(1, len(getattr(envs["openspiel"][1], "_workers", [])))
-    builder = PromptBuilder(policy.tokenizer, GenerationConfig().max_prompt_tokens)
+    builder = PromptBuilder(policy.tokenizer, GenerationConfig().max_prompt_tokens, incremental=incremental_prompts)
     result: dict = {"games": games, "opponent": opponent, "episodes": episodes, "env_workers": workers}
     try:
         null_cfg = GenerationConfig(backend="local", max_concurrent_episodes=episodes)
@@ -226,13 +229,14 @@ async def play_real(policy, games: list[str], opponent: str, episodes: int, max_
     return result
 
 
-def host_ms_per_turn(tokenizer, game: str, episodes: int) -> float:
+def host_ms_per_turn(tokenizer, game: str, episodes: int, incremental_prompts: bool = True) -> float:
     """Wall milliseconds per turn with the null model, env in-process, at the default prompt budget."""
     config = load_config(overrides=["env.envs.openspiel.workers=0"])
     envs = make_envs(config.env, seed=0, meets_search=False)
     cfg = GenerationConfig(backend="local", max_concurrent_episodes=episodes, context_strategy="full")
     null = NullGenerator(tokenizer, {tokenizer.eos_token_id})
-    runner = RolloutRunner(envs, null, PromptBuilder(tokenizer, cfg.max_prompt_tokens), cfg)
+    builder = PromptBuilder(tokenizer, cfg.max_prompt_tokens, incremental=incremental_prompts)
+    runner = RolloutRunner(envs, null, builder, cfg)
 
     async def play() -> dict:
         try:
@@ -353,6 +357,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--preset", default="cpu", help="the real model whose operations are counted")
     parser.add_argument("--skip", default="", help="comma-separated settings to leave out")
     parser.add_argument("--json", type=Path, default=None, help="also write the result to this file")
+    parser.add_argument("--whole-prompts", action="store_true",
+                        help="also run every setting's stand-in with each prompt rendered and tokenised whole")
     parser.add_argument("--real-model", metavar="DEVICE",
                         help="no stand-in: the preset's model generates on DEVICE (e.g. cuda), decode loop before and "
                              "after, with nvidia-smi's busy readings")
@@ -379,7 +385,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if args.small:
         settings.pop("validator/mcts")
-    result: dict = {"stand_in_ms": cost * 1000, "episodes": episodes, "settings": {}, "host_ms_per_turn": {}}
+    result: dict = {"stand_in_ms": cost * 1000, "episodes": episodes, "settings": {}, "host_ms_per_turn": {},
+                    "host_ms_per_turn_whole_prompts": {}}
     # The stand-in's tensors are a few numbers per token: with one thread no OpenMP team spin-waits for cores
     # that other processes hold (on a GPU's host these tensors live on the device).
     threads = torch.get_num_threads()
@@ -387,9 +394,13 @@ def main(argv: list[str] | None = None) -> dict:
     for name, (games, opponent) in settings.items():
         if name not in skip:
             result["settings"][name] = asyncio.run(play_setting(stand_in, games, opponent, episodes, cost, []))
+            if args.whole_prompts:
+                result["settings"][name]["whole_prompts"] = asyncio.run(
+                    play_setting(stand_in, games, opponent, episodes, cost, [], incremental_prompts=False))
     torch.set_num_threads(threads)
     for game in ("leduc_poker", "goofspiel", "othello"):
-        result["host_ms_per_turn"][game] = host_ms_per_turn(counted.tokenizer, game, episodes)
+        for incremental, key in ((False, "host_ms_per_turn_whole_prompts"), (True, "host_ms_per_turn")):
+            result[key][game] = host_ms_per_turn(counted.tokenizer, game, episodes, incremental)
     result["ops_per_decode_step"] = {"model": counted_name, **ops_per_decode_step(counted)}
     text = json.dumps(result, indent=2)
     print(text)

@@ -37,7 +37,10 @@ VERIFY_FIRST, VERIFY_EVERY = 16, 64
 class PromptBuilder:
     """Chat messages -> prompt token ids with the model's chat template, within a token budget."""
 
-    def __init__(self, tokenizer, max_prompt_tokens: int, chat_template_kwargs: dict[str, Any] | None = None):
+    def __init__(self, tokenizer, max_prompt_tokens: int, chat_template_kwargs: dict[str, Any] | None = None,
+                 incremental: bool = True):
+        """`incremental=False`: every turn renders and tokenises its whole conversation (the memo and the windows
+        off), for comparison."""
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.chat_template_kwargs = chat_template_kwargs or {}
@@ -47,6 +50,8 @@ class PromptBuilder:
         self._windows: bool | None = None  # whether a turn's glue comes from its window render (None: checking)
         self._window_checks = 0
         self._head_renders: dict[str, str] = {}  # a system message's render (with the generation prompt)
+        if not incremental:
+            self._memos, self._windows = {}, False
 
     def render(self, messages: list[dict[str, str]]) -> str:
         # Every turn renders the whole conversation: apply_chat_template spends two thirds of that converting the

@@ -13,7 +13,8 @@ FOLDED_DECODE_OPS_CEILING = 280
 
 @pytest.fixture(scope="module")
 def small_run():
-    return host_speed.main(["--small", "--episodes", "8", "--cost-ms", "20", "--skip", "othello/random"])
+    return host_speed.main(["--small", "--episodes", "8", "--cost-ms", "20", "--skip", "othello/random",
+                            "--whole-prompts"])
 
 
 def test_both_batchings_play_the_same_games_and_report_the_stand_ins_share(small_run):
@@ -25,6 +26,16 @@ def test_both_batchings_play_the_same_games_and_report_the_stand_ins_share(small
             assert 0 < played["busy_fraction"] <= 1.0 and played["bound_ratio"] >= 1.0
             assert played["busy_s"] == pytest.approx(played["forward_calls"] * 0.02)
     assert all(ms > 0 for ms in small_run["host_ms_per_turn"].values())
+
+
+def test_prompts_rendered_and_tokenised_whole_give_the_same_games(small_run):
+    """The comparison's other side: prompts.py without its memo and windows plays the same turns and tokens."""
+    assert set(small_run["host_ms_per_turn_whole_prompts"]) == set(small_run["host_ms_per_turn"])
+    for name, setting in small_run["settings"].items():
+        whole = setting["whole_prompts"]
+        for run in ("null_model", "wave", "continuous"):
+            assert (whole[run]["turns"], whole[run]["generated_tokens"], whole[run]["errors"]) == \
+                (setting[run]["turns"], setting[run]["generated_tokens"], 0), (name, run)
 
 
 def test_the_folded_adapter_cuts_the_operations_of_a_decode_step(small_run):
