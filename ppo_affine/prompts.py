@@ -49,7 +49,6 @@ class PromptBuilder:
         self._tokenized = 0
         self._windows: bool | None = None  # whether a turn's glue comes from its window render (None: checking)
         self._window_checks = 0
-        self._head_renders: dict[str, str] = {}  # a system message's render (with the generation prompt)
         if not incremental:
             self._memos, self._windows = {}, False
 
@@ -84,16 +83,19 @@ class PromptBuilder:
         history, or shows the reply otherwise).
 
         Rendering the whole conversation every turn costs more each turn. When `messages` extends `shown` (the
-        last prompt's messages), a template that renders each message on its own gives the same text from the
-        system message and the new messages alone (the window): its render after the system message's render +
-        `reply`. Whether this template does is checked as the tokenizer's memo is (VERIFY_FIRST, VERIFY_EVERY)."""
+        last prompt's messages), a template that renders each message on its own gives the same text from a few
+        messages (the window: the system message, the last prompt's last message, the new ones): its render after
+        the render of the first two + `reply`. (The last prompt's message is there because a template may add a
+        default system message to any conversation but an empty one.) Whether this template does is checked as
+        the tokenizer's memo is (VERIFY_FIRST, VERIFY_EVERY)."""
         window = None  # the window's answer, where it has one
         extends = self._windows is not False and len(messages) > len(shown) and messages[:len(shown)] == shown
         if extends:
             first = 1 if messages[0]["role"] == "system" else 0
+            head = messages[:first] + shown[first:][-1:]
             try:
-                start = self._head_render(messages[:first]) + reply
-                text = self.render(messages[:first] + messages[len(shown):])
+                start = self.render(head) + reply
+                text = self.render(head + messages[len(shown):])
             except Exception:  # e.g. a template that needs a user message: whole renders only
                 self._windows, extends = False, False
             else:
@@ -111,14 +113,6 @@ class PromptBuilder:
             elif self._window_checks >= VERIFY_FIRST:
                 self._windows = True
         return whole
-
-    def _head_render(self, head: list[dict[str, str]]) -> str:
-        key = head[0]["content"] if head else ""
-        if key not in self._head_renders:
-            if len(self._head_renders) >= 64:
-                self._head_renders.clear()
-            self._head_renders[key] = self.render(head)
-        return self._head_renders[key]
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of template text; special tokens written in it (e.g. <|im_start|>) become their ids.

@@ -214,12 +214,13 @@ LATE_TAG_TEMPLATE = (
 )
 
 
-def played(builder: PromptBuilder, replies: list[str], shown=lambda messages: messages) -> list[list[int]]:
+def played(builder: PromptBuilder, replies: list[str], shown=lambda messages: messages,
+           system: bool = True) -> list[list[int]]:
     """A game of len(replies) turns through one TokenHistory: each reply, then the next state. `shown`: which
     messages a turn's prompt shows (the context strategy)."""
     tok = builder.tokenizer
     h = TokenHistory(builder, {tok.eos_token_id})
-    messages = [SYSTEM, {"role": "user", "content": "state 0: board row board row"}]
+    messages = [SYSTEM] * system + [{"role": "user", "content": "state 0: board row board row"}]
     for turn, reply in enumerate(replies):
         view = shown(messages)
         assert h.prompt(view, len(view) - 1) is not None
@@ -228,8 +229,19 @@ def played(builder: PromptBuilder, replies: list[str], shown=lambda messages: me
     return h.sequences
 
 
-@pytest.mark.parametrize("template,windows", [(None, True), (STRIPPING_TEMPLATE, True), (LATE_TAG_TEMPLATE, False)])
-def test_a_turn_renders_only_its_new_messages_where_that_gives_the_whole_renders_text(template, windows, monkeypatch):
+# Like SmolLM2's: a conversation without a system message gets a default one (an empty one gets none)
+DEFAULT_SYSTEM_TEMPLATE = (
+    "{% if messages and messages[0]['role'] != 'system' %}<|im_start|>system\ndefault<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("system", [True, False], ids=["system", "no-system"])
+@pytest.mark.parametrize("template,windows", [(None, True), (STRIPPING_TEMPLATE, True), (LATE_TAG_TEMPLATE, False),
+                                              (DEFAULT_SYSTEM_TEMPLATE, True)])
+def test_a_turn_renders_only_its_new_messages_where_that_gives_the_whole_renders_text(template, windows, system,
+                                                                                     monkeypatch):
     from ppo_affine import prompts
 
     monkeypatch.setattr(prompts, "VERIFY_FIRST", 4)
@@ -244,12 +256,12 @@ def test_a_turn_renders_only_its_new_messages_where_that_gives_the_whole_renders
     rendered = []
     original = builder.render
     monkeypatch.setattr(builder, "render", lambda messages: rendered.append(len(messages)) or original(messages))
-    sequences = played(whole, replies)
-    assert played(builder, replies) == sequences
+    sequences = played(whole, replies, system=system)
+    assert played(builder, replies, system=system) == sequences
     assert len(sequences) == (6 if template is STRIPPING_TEMPLATE else 1)  # each of 5 reasoned replies: a new one
     assert builder._windows is windows
-    if windows:  # after the checks, most turns rendered a few messages: the system one and the two new ones
-        assert sorted(rendered).count(3) >= len(replies) // 2
+    if windows:  # after the checks, most turns rendered a few messages: the head (system, last state), the new ones
+        assert sum(n <= 4 for n in rendered) >= len(replies)
 
 
 def test_a_window_is_not_used_when_earlier_messages_changed(tokenizer, monkeypatch):
