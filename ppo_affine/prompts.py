@@ -12,6 +12,11 @@ the EOS text when the reply ended with EOS). Templates that re-render history (Q
 thinking, the `truncated` strategy, budget trimming, the `last` strategy) and a reply the `full`
 conversation shows stripped (reasoning, surrounding whitespace: what the validators' client stores)
 fail the check, and that turn starts a new sequence from a fresh render.
+
+What a turn costs the host does not grow with the conversation where the template and tokenizer allow:
+the check and the glue come from a window of a few messages (PromptBuilder.glue) and the text is
+tokenised line by line from a memo (LINE_CUTS), each checked against the whole way on the first
+turns and now and then after.
 """
 from __future__ import annotations
 
@@ -53,7 +58,7 @@ class PromptBuilder:
             self._memos, self._windows = {}, False
 
     def render(self, messages: list[dict[str, str]]) -> str:
-        # Every turn renders the whole conversation: apply_chat_template spends two thirds of that converting the
+        # A prompt renders many messages: apply_chat_template spends two thirds of that converting the
         # messages, which are plain dicts here, so the compiled template renders them directly once the first
         # render showed both ways agree.
         if self._template:
