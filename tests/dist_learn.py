@@ -16,6 +16,7 @@ from ppo_affine.envs.tasks import Task
 from ppo_affine.distributed import ONE_PROCESS, Ranks
 from ppo_affine.rollout import Episode, Turn
 
+LEARNING_RATE = 1e-2  # the adapter's and the value head's
 STAGES = json.dumps([{"name": "s", "opponent": "random", "tasks": [{"env": "openspiel", "games": ["leduc_poker"]}]}])
 # name -> (config overrides, scores of the step's usable episodes, group ids)
 CASES = {
@@ -75,8 +76,9 @@ def learn_once(model_dir: Path, run_dir: Path, case: str, ranks: Ranks = ONE_PRO
     sets, scores, group_ids = CASES[case]
     overrides = [f"model.name_or_path={model_dir}", "model.use_4bit=false", "model.dtype=float32",
                  "model.gradient_checkpointing=false", "run.device=cpu", "generation.backend=local",
-                 "ppo.batch_size=4", "ppo.ppo_epochs=2", "ppo.learning_rate=1e-2", "ppo.micro_batch_tokens=64",
-                 "value_head.learning_rate=1e-2", "ppo.kl_stop=null", f"curriculum.stages={STAGES}", *sets]
+                 "ppo.batch_size=4", "ppo.ppo_epochs=2", f"ppo.learning_rate={LEARNING_RATE}",
+                 "ppo.micro_batch_tokens=64", f"value_head.learning_rate={LEARNING_RATE}", "ppo.kl_stop=null",
+                 f"curriculum.stages={STAGES}", *sets]
     config = load_config(overrides=overrides)
     torch.manual_seed(0)
     trainer = train_ppo.Trainer(config, run_dir, resume_from=None, ranks=ranks)

@@ -113,7 +113,7 @@ def one_thread():
 
 @pytest.mark.slow
 def test_two_ranks_of_two_episodes_update_like_one_process_of_four(tiny_model_dir, tmp_path, one_thread):
-    from dist_learn import CASES, learn_once
+    from dist_learn import CASES, LEARNING_RATE, learn_once
 
     result = torchrun(str(ROOT / "tests" / "dist_learn.py"), str(tiny_model_dir), str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -124,7 +124,7 @@ def test_two_ranks_of_two_episodes_update_like_one_process_of_four(tiny_model_di
         # mean |m| near 1e-9 against a typical 3e-5, below ε = 1e-8), its step follows the noise, and the two ways of
         # adding the same terms can send it either way: up to lr per step (seen: 3 of 16 417 weights, 1e-4 apart).
         # Every other weight agrees to 1e-4, and only a handful may be noise-led
-        noise_bound, noise_led = alone["optimizer_steps"] * 1e-2, 0
+        noise_bound, noise_led = alone["optimizer_steps"] * LEARNING_RATE, 0
         for name, weight in alone["weights"].items():
             assert torch.equal(rank0["weights"][name], rank1["weights"][name]), f"{case}: ranks differ on {name}"
             gap = (rank0["weights"][name] - weight).abs()
