@@ -55,6 +55,20 @@ def cache_reuse_supported(model) -> bool:
     return not (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
 
 
+def decode_bias_dtype(model) -> torch.dtype | None:
+    """The dtype of the additive mask a decode step can hand the model ready-made, or None where it cannot.
+
+    Given a 2D padding mask, transformers builds a boolean 4D mask at every forward call (~15 operations) and
+    SDPA turns it into an additive one in every layer (3 operations a layer: 90 of SmolLM2's 2 360 per decode
+    step, each a kernel launch on a GPU). A 4D mask is used as it comes, so a decode step passes the additive
+    mask itself, kept from step to step by appending a column. Only where one mask serves every layer (no
+    sliding window) and the attention takes a tensor mask (SDPA, eager): not flash-attention's kernels."""
+    config = model.config.get_text_config()
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager") or not cache_reuse_supported(model):
+        return None
+    return model.get_input_embeddings().weight.dtype  # the hidden states', so the queries' dtype
+
+
 @dataclass
 class EpisodeCache:
     """The keys/values an episode's last turn left behind: `ids[i]` sits at position i."""
@@ -88,6 +102,9 @@ class Running:
     mask: torch.Tensor  # [rows, width] 1 where a column holds the row's token
     positions: torch.Tensor  # [rows] position of the token each row feeds next
     next_tokens: torch.Tensor  # [rows] the token each row feeds next (its last sampled one)
+    # [rows, 1, 1, width]: the mask as the attention adds it (0 on the row's columns, -inf on padding); kept from
+    # one decode step to the next, None after the batch's rows or columns changed (see decode_bias_dtype)
+    bias: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -158,6 +175,7 @@ class LocalGenerator:
         self.reuse_cache = gen_cfg.reuse_kv_cache and cache_reuse_supported(policy.model)
         self.continuous = gen_cfg.local_batching == "continuous"
         self._cache_name = kv_cache_keyword()
+        self._bias_dtype = decode_bias_dtype(policy.model)
         self.live_episodes = 0
         self._pending: list[Request] = []
         self._caches: dict[int, EpisodeCache] = {}
@@ -335,7 +353,15 @@ class LocalGenerator:
         running = self._running
         ones = torch.ones((len(running.requests), 1), dtype=torch.long, device=running.mask.device)
         mask = torch.cat([running.mask, ones], dim=1)
-        logits, running.cache = self._forward(running.next_tokens[:, None], mask, running.positions[:, None],
+        attention = mask
+        if self._bias_dtype is not None:
+            if running.bias is None:  # -inf, as SDPA's own conversion of a boolean mask, so the scores are the same
+                running.bias = torch.zeros(running.mask.shape, dtype=self._bias_dtype, device=mask.device)
+                running.bias.masked_fill_(running.mask == 0, float("-inf"))
+                running.bias = running.bias[:, None, None, :]
+            running.bias = attention = torch.cat([running.bias, running.bias.new_zeros(ones.shape)[:, None, None]],
+                                                 dim=-1)
+        logits, running.cache = self._forward(running.next_tokens[:, None], attention, running.positions[:, None],
                                               running.cache, running.width)
         running.mask, running.positions = mask, running.positions + 1
         running.next_tokens = self._choose(logits, running.requests)
@@ -374,7 +400,7 @@ class LocalGenerator:
         for old, new in zip(running.cache.layers, joining.cache.layers):
             old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)])
             old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
-        running.requests = running.requests + joining.requests
+        running.requests, running.bias = running.requests + joining.requests, None
         running.mask = torch.cat([_left_pad(running.mask, width, dim=1), _left_pad(joining.mask, width, dim=1)])
         running.positions = torch.cat([running.positions, joining.positions])
         running.next_tokens = torch.cat([running.next_tokens, joining.next_tokens])
@@ -425,7 +451,7 @@ class LocalGenerator:
             return
         index = torch.tensor(keep, device=running.mask.device)
         running.cache.batch_select_indices(index)
-        running.requests = [running.requests[row] for row in keep]
+        running.requests, running.bias = [running.requests[row] for row in keep], None
         running.mask, running.positions = running.mask[index], running.positions[index]
         running.next_tokens = running.next_tokens[index]
         used = running.mask.any(dim=0)

@@ -338,3 +338,57 @@ def test_a_vllm_reply_stopped_at_its_opening_fence_goes_on_until_the_fence_close
     plain.client = httpx.AsyncClient(transport=httpx.MockTransport(serve))
     assert asyncio.run(plain.generate([1, 2], order_key=0, seed=5)).token_ids == opening
     assert len(requests) == 1 and "stop" not in requests[0]
+
+
+# ---------------------------------------------------------------------- the decode step's ready-made mask
+class LogitsKept(LocalGenerator):
+    """The real decode loop, keeping every decode step's logits; `bias` False hands the model the 2D mask."""
+
+    def __init__(self, *args, bias: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logits: list[torch.Tensor] = []
+        if not bias:
+            self._bias_dtype = None
+
+    def _choose(self, logits, requests):
+        self.logits.append(logits.detach().clone())
+        return super()._choose(logits, requests)
+
+
+@pytest.mark.parametrize("batching", ["wave", "continuous"])
+def test_the_decode_steps_additive_mask_gives_the_2d_masks_logits_and_tokens(tiny_policy, batching):
+    """Rows of different widths, kept caches, rows leaving mid-batch (and joining under continuous batching): the
+    mask kept from step to step as the attention adds it scores every row as transformers' own mask does."""
+    from ppo_affine.local_generation import decode_bias_dtype
+
+    assert decode_bias_dtype(tiny_policy.model) == torch.float32
+    cfg = GenerationConfig(backend="local", max_new_tokens=5, max_concurrent_episodes=3, reuse_kv_cache=True,
+                           temperature=1.0, local_batching=batching)
+    played = {}
+    for bias in (True, False):
+        generator = LogitsKept(tiny_policy, cfg, seed=0, bias=bias)
+        runner = RolloutRunner({"game": ("openspiel", CountingEnv())}, generator,
+                               PromptBuilder(tiny_policy.tokenizer, 4096), cfg)
+        episodes = asyncio.run(runner.run(_tasks(5), step=0))
+        played[bias] = ([[t.response_ids for t in e.turns] for e in episodes], generator.logits)
+    assert played[True][0] == played[False][0]
+    if batching == "wave":  # the same steps in the same batches: the same scores, to float noise (measured up to
+        # 7e-6 on logits of size ~3: a row without padding gets no mask at all from transformers, so another kernel)
+        assert len(played[True][1]) == len(played[False][1]) > 5
+        for with_bias, with_2d in zip(played[True][1], played[False][1]):
+            assert torch.allclose(with_bias, with_2d, atol=1e-5, rtol=0)
+
+
+def test_the_ready_made_mask_is_only_handed_to_attention_that_takes_one_mask_for_every_layer(tiny_policy):
+    from ppo_affine.local_generation import decode_bias_dtype
+
+    config = tiny_policy.model.config
+    saved = config._attn_implementation, getattr(config, "layer_types", None)
+    try:
+        config.layer_types = ["full_attention", "sliding_attention"]
+        assert decode_bias_dtype(tiny_policy.model) is None  # a sliding layer needs a mask of its own
+        config.layer_types = saved[1]
+        config._attn_implementation = "flash_attention_2"  # takes the 2D mask, not a 4D one
+        assert decode_bias_dtype(tiny_policy.model) is None
+    finally:
+        config._attn_implementation, config.layer_types = saved
