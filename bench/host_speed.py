@@ -12,7 +12,9 @@ Per setting, side by side in one run, `wave` (the old barrier) and `continuous` 
 - `bound_ratio` = wall time / max(the stand-in's busy time, search_cpu_s / the env's workers): 1.0
   when the rollout takes only as long as its slowest resource, the sum of both under a barrier;
 - `host_ms_per_turn`: wall time per model turn with a null model (replies returned at once, env in-process):
-  rendering and tokenising prompts, fitting them to the budget, the env's reset and steps; beside it
+  rendering and tokenising prompts, fitting them to the budget, the env's reset and steps; the median of
+  HOST_REPEATS rollouts, each after a garbage collection (a leduc_poker rollout of 32 episodes lasts ~0.1 s, where
+  one collection of the heap a loaded model leaves would add ~2 ms a turn that a real rollout spreads thin); beside it
   `host_ms_per_turn_whole_prompts`, the same turns with every prompt rendered and tokenised whole (prompts.py's
   memo and windows off, as before they existed); `--whole-prompts` also runs every setting's stand-in that way
   (the setting's `whole_prompts` entry), side by side;
@@ -229,8 +231,15 @@ async def play_real(policy, games: list[str], opponent: str, episodes: int, max_
     return result
 
 
+HOST_REPEATS = 3
+
+
 def host_ms_per_turn(tokenizer, game: str, episodes: int, incremental_prompts: bool = True) -> float:
-    """Wall milliseconds per turn with the null model, env in-process, at the default prompt budget."""
+    """Wall milliseconds per turn with the null model, env in-process, at the default prompt budget: the median
+    of HOST_REPEATS rollouts of the same tasks."""
+    import gc
+    import statistics
+
     config = load_config(overrides=["env.envs.openspiel.workers=0"])
     envs = make_envs(config.env, seed=0, meets_search=False)
     cfg = GenerationConfig(backend="local", max_concurrent_episodes=episodes, context_strategy="full")
@@ -241,12 +250,16 @@ def host_ms_per_turn(tokenizer, game: str, episodes: int, incremental_prompts: b
     async def play() -> dict:
         try:
             await runner.run(tasks_for([game], "random", 4), step=0)  # warm-up: imports and first-use costs
-            null.seconds = 0.0
-            return await timed_rollout(runner, tasks_for([game], "random", episodes))
+            per_turn = []
+            for _ in range(HOST_REPEATS):
+                gc.collect()
+                null.seconds = 0.0
+                timed = await timed_rollout(runner, tasks_for([game], "random", episodes))
+                per_turn.append(1000 * (timed["wall_s"] - null.seconds) / max(1, timed["turns"]))
+            return statistics.median(per_turn)
         finally:
             await envs["openspiel"][1].close()
-    timed = asyncio.run(play())
-    return 1000 * (timed["wall_s"] - null.seconds) / max(1, timed["turns"])
+    return asyncio.run(play())
 
 
 # ---------------------------------------------------------------------- operations per decode step

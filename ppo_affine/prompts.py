@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # again on one text in VERIFY_EVERY; when none agrees, prompts are tokenised whole.
 LINE_CUTS = {"before newline": re.compile(r"(?=\n\S)"), "after newline": re.compile(r"(?<=\n)(?=\S)")}
 MEMO_PIECES = 1 << 16  # pieces kept per rule; a memo starts over when full
+MEMO_SYSTEM_RENDERS = 256  # system messages whose render alone is kept (one per game and prompt variant)
 VERIFY_FIRST, VERIFY_EVERY = 16, 64
 
 
@@ -54,6 +55,7 @@ class PromptBuilder:
         self._tokenized = 0
         self._windows: bool | None = None  # whether a turn's glue comes from its window render (None: checking)
         self._window_checks = 0
+        self._system_renders: dict[str, str] = {}  # a system message's content -> its render alone (see glue)
         if not incremental:
             self._memos, self._windows = {}, False
 
@@ -89,17 +91,16 @@ class PromptBuilder:
 
         Rendering the whole conversation every turn costs more each turn. When `messages` extends `shown` (the
         last prompt's messages), a template that renders each message on its own gives the same text from a few
-        messages (the window: the system message, the last prompt's last message, the new ones): its render after
-        the render of the first two + `reply`. (The last prompt's message is there because a template may add a
-        default system message to any conversation but an empty one.) Whether this template does is checked as
-        the tokenizer's memo is (VERIFY_FIRST, VERIFY_EVERY)."""
+        messages (the window: the head, then the new ones): its render after the head's render + `reply`. The head is
+        the system message, whose render is kept from turn to turn, or without one the last prompt's last message (a
+        template may add a default system message to any conversation but an empty one). Whether this template
+        renders messages on their own is checked as the tokenizer's memo is (VERIFY_FIRST, VERIFY_EVERY)."""
         window = None  # the window's answer, where it has one
         extends = self._windows is not False and len(messages) > len(shown) and messages[:len(shown)] == shown
         if extends:
-            first = 1 if messages[0]["role"] == "system" else 0
-            head = messages[:first] + shown[first:][-1:]
+            head = messages[:1] if messages[0]["role"] == "system" else shown[-1:]
             try:
-                start = self.render(head) + reply
+                start = self._head_render(head) + reply
                 text = self.render(head + messages[len(shown):])
             except Exception:  # e.g. a template that needs a user message: whole renders only
                 self._windows, extends = False, False
@@ -118,6 +119,17 @@ class PromptBuilder:
             elif self._window_checks >= VERIFY_FIRST:
                 self._windows = True
         return whole
+
+    def _head_render(self, head: list[dict[str, str]]) -> str:
+        """render(head), kept for a system message alone (every turn of every episode with it renders it)."""
+        if head[0]["role"] != "system":
+            return self.render(head)
+        key = head[0]["content"]
+        if key not in self._system_renders:
+            if len(self._system_renders) >= MEMO_SYSTEM_RENDERS:
+                self._system_renders.clear()
+            self._system_renders[key] = self.render(head)
+        return self._system_renders[key]
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of template text; special tokens written in it (e.g. <|im_start|>) become their ids.

@@ -818,3 +818,23 @@ def test_exact_rollouts_stop_at_a_state_without_legal_actions():
 
     values = AffineRolloutEvaluator(3, np.random.RandomState(0)).evaluate(Stuck())
     assert values.tolist() == [0.25, -0.25]
+
+
+def test_the_episodes_random_streams_are_numpys_random_state_of_the_seed_draw_for_draw():
+    """`_rng` builds its generator without RandomState's hashed first seeding; every draw is still the one
+    RandomState(seed) gives (chance, random bots, the exact search), on the seeds' edges and a spread between."""
+    import random
+
+    import numpy as np
+
+    from ppo_affine.envs.openspiel_episode import SEED_SPACE, _rng
+
+    seeds = [0, 1, -1, 2**31 - 1, 2**31, SEED_SPACE - 1, SEED_SPACE, 3 * SEED_SPACE + 7]
+    seeds += [random.Random(5).randrange(2**40) for _ in range(50)]
+    for seed in seeds:
+        ours, numpys = _rng(seed), np.random.RandomState(seed % SEED_SPACE)
+        assert ours.randint(0, 10**6, 20).tolist() == numpys.randint(0, 10**6, 20).tolist()
+        assert ours.standard_normal(3).tolist() == numpys.standard_normal(3).tolist()  # the gauss cache too
+        assert ours.choice(7, 5, p=[0.1, 0.2, 0.3, 0.1, 0.1, 0.1, 0.1]).tolist() == \
+            numpys.choice(7, 5, p=[0.1, 0.2, 0.3, 0.1, 0.1, 0.1, 0.1]).tolist()
+        assert ours.get_state()[1].tolist() == numpys.get_state()[1].tolist()

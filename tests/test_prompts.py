@@ -260,7 +260,7 @@ def test_a_turn_renders_only_its_new_messages_where_that_gives_the_whole_renders
     assert played(builder, replies, system=system) == sequences
     assert len(sequences) == (6 if template is STRIPPING_TEMPLATE else 1)  # each of 5 reasoned replies: a new one
     assert builder._windows is windows
-    if windows:  # after the checks, most turns rendered a few messages: the head (system, last state), the new ones
+    if windows:  # after the checks, most turns rendered a few messages: the head (system or last state), the new ones
         assert sum(n <= 4 for n in rendered) >= len(replies)
 
 

@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 import numpy as np
+from numpy.random.bit_generator import ISeedSequence
 import pyspiel
 from open_spiel.python.algorithms import mcts
 from open_spiel.python.bots.uniform_random import UniformRandomBot
@@ -108,8 +109,20 @@ class AffineRolloutEvaluator(mcts.Evaluator):
         return [(action, 1.0 / len(actions)) for action in actions]
 
 
+class _Unhashed(ISeedSequence):
+    """MT19937's first state without hashing any entropy: `_rng` reseeds it at once."""
+
+    def generate_state(self, n_words: int, dtype=np.uint32) -> np.ndarray:
+        return np.zeros(n_words, dtype=dtype)
+
+
 def _rng(seed: int) -> np.random.RandomState:
-    return np.random.RandomState(seed % SEED_SPACE)
+    """`np.random.RandomState(seed)`, draw for draw. RandomState(seed) first seeds its generator from hashed OS
+    entropy and then overwrites that state with the legacy seeding; skipping the first (~0.1 ms, 1-3 generators an
+    episode) is a fifth of leduc_poker's host time per model turn."""
+    generator = np.random.RandomState(np.random.MT19937(_Unhashed()))
+    generator.seed(seed % SEED_SPACE)
+    return generator
 
 
 def mcts_bot(game: pyspiel.Game, budget: tuple[int, int], rollout_seed: int, search_seed: int,
