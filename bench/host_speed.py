@@ -10,7 +10,9 @@ Per setting, side by side in one run, `wave` (the old barrier) and `continuous` 
 - `busy_fraction` = the stand-in's sleeping time / the rollout's wall time;
 - `search_cpu_s`: the CPU time the env's worker processes spent (the MCTS opponent's searches);
 - `bound_ratio` = wall time / max(the stand-in's busy time, search_cpu_s / the env's workers): 1.0
-  when the rollout takes only as long as its slowest resource, the sum of both under a barrier;
+  when the rollout takes only as long as its slowest resource, the sum of both under a barrier (each setting
+  first plays one untimed rollout on other seeds, as a training run's earlier steps did, from which the env
+  costs its episodes by game and seat to place new ones on its workers);
 - `host_ms_per_turn`: wall time per model turn with a null model (replies returned at once, env in-process):
   rendering and tokenising prompts, fitting them to the budget, the env's reset and steps; the median of
   HOST_REPEATS rollouts, each after a garbage collection (a leduc_poker rollout of 32 episodes lasts ~0.1 s, where
@@ -141,8 +143,8 @@ class StandInPolicy:
 
 
 # ---------------------------------------------------------------------- rollouts
-def tasks_for(games: list[str], opponent: str, episodes: int) -> list[Task]:
-    return [Task("openspiel", game_task_id(games[i % len(games)], 0), 5000 + i, opponent, "bench", False)
+def tasks_for(games: list[str], opponent: str, episodes: int, first_seed: int = 5000) -> list[Task]:
+    return [Task("openspiel", game_task_id(games[i % len(games)], 0), first_seed + i, opponent, "bench", False)
             for i in range(episodes)]
 
 
@@ -179,6 +181,9 @@ async def play_setting(policy, games: list[str], opponent: str, episodes: int, c
         null_cfg = GenerationConfig(backend="local", max_concurrent_episodes=episodes)
         null = RolloutRunner(envs, NullGenerator(policy.tokenizer, {policy.tokenizer.eos_token_id}), builder, null_cfg)
         await null.run(tasks_for(games, "random", workers), step=0)  # starts the env's worker processes
+        # a training step's rollout follows others: the env has costed each game and seat's episodes (which
+        # worker takes a new one), so one untimed rollout on seeds of its own comes first
+        await null.run(tasks_for(games, opponent, episodes, first_seed=6000), step=0)
         result["null_model"] = await timed_rollout(null, tasks_for(games, opponent, episodes))
         for batching in ("wave", "continuous"):
             cfg = GenerationConfig(backend="local", max_concurrent_episodes=episodes, max_new_tokens=8,

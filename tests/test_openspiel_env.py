@@ -838,3 +838,55 @@ def test_the_episodes_random_streams_are_numpys_random_state_of_the_seed_draw_fo
         assert ours.choice(7, 5, p=[0.1, 0.2, 0.3, 0.1, 0.1, 0.1, 0.1]).tolist() == \
             numpys.choice(7, 5, p=[0.1, 0.2, 0.3, 0.1, 0.1, 0.1, 0.1]).tolist()
         assert ours.get_state()[1].tolist() == numpys.get_state()[1].tolist()
+
+
+def test_episode_costs_are_running_means_per_game_and_seat_and_the_mean_of_all_for_an_unseen_kind():
+    from ppo_affine.envs.openspiel_env import EpisodeCosts
+
+    costs = EpisodeCosts()
+    assert costs.expected(("liars_dice", 1)) == 1.0  # nothing finished yet: every kind alike (a count)
+    costs.finished(("liars_dice", 1), 3.0)
+    costs.finished(("liars_dice", 1), 1.0)
+    costs.finished(("leduc_poker", 0), 0.5)
+    assert costs.expected(("liars_dice", 1)) == 2.0
+    assert costs.expected(("leduc_poker", 0)) == 0.5
+    assert costs.expected(("goofspiel", 0)) == pytest.approx(4.5 / 3)  # unseen: the mean over finished episodes
+    for _ in range(300):  # past 256 episodes the old ones weigh half: the mean follows a change
+        costs.finished(("leduc_poker", 0), 2.0)
+    assert 1.9 < costs.expected(("leduc_poker", 0)) < 2.0
+
+
+def test_a_new_episode_goes_to_the_worker_with_the_fewest_expected_seconds_left():
+    """Two workers; the expensive kind's episodes split between them instead of following the count."""
+    import asyncio as aio
+
+    from ppo_affine.envs.openspiel_env import OpenSpielEnv, _Live
+
+    env = OpenSpielEnv(workers=0)
+    env._workers = [object(), object()]  # only their number is used here
+    env.costs.finished(("liars_dice", 1), 2.0)
+    env.costs.finished(("leduc_poker", 0), 0.01)
+    placed = []
+    for index, kind in enumerate([("liars_dice", 1), ("leduc_poker", 0)] * 4):
+        live = env._live[f"e{index}"] = _Live(aio.Lock(), kind=kind, expected=env.costs.expected(kind))
+        live.worker = env._least_loaded_worker()
+        placed.append((kind[0], live.worker))
+    expensive = [worker for game, worker in placed if game == "liars_dice"]
+    assert sorted(expensive) == [0, 0, 1, 1]  # by count, alternating placement put all four on worker 0
+    env._live["e0"].spent = 1.9  # an episode near its estimate's end leaves its worker nearly free
+    env._live["e2"].spent = 1.9 if env._live["e2"].worker == env._live["e0"].worker else 0.0
+    busy = {w: sum(l.left for l in env._live.values() if l.worker == w) for w in (0, 1)}
+    assert env._least_loaded_worker() == min(busy, key=busy.get)
+    assert env._live["e0"].left == pytest.approx(0.2)  # at least a tenth of the estimate is left
+
+
+def test_worker_episodes_are_costed_from_the_seconds_their_worker_spent():
+    async def play():
+        env = OpenSpielEnv("evaluate", workers=1)
+        try:
+            await play_episode(env, game_task_id("leduc_poker"), seed=3, opponent="random")
+            return env.costs
+        finally:
+            await env.close()
+    costs = run(play())
+    assert 0 < costs.expected(("leduc_poker", 1)) < 1.0  # measured: milliseconds, not the 1.0 placeholder

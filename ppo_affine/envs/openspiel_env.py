@@ -11,7 +11,9 @@ exact or the fast MCTS). This module keeps the episode registry and decides wher
 - `workers=N`: episodes live in N spawned worker processes, each episode on one worker for its
   whole life, so the searches of concurrent episodes use N cores. An episode's moves depend only on
   its own seeds, so results are identical to in-process ones. The trainer's config sizes N to the
-  machine (factory.game_workers), which the exact search needs to use more than one core.
+  machine (factory.game_workers), which the exact search needs to use more than one core. A new
+  episode goes to the worker with the least work left, costed from the finished episodes of its game
+  and seat (EpisodeCosts): by count, one worker could get every episode that searches.
 `opponent_moves` names a file of recorded opponent moves that episodes on repeated seeds replay
 instead of searching again (opponent_moves.py): evaluations of several models on the same seeds.
 """
@@ -21,6 +23,7 @@ import asyncio
 import multiprocessing
 import operator
 import random
+import time
 import uuid
 from collections import Counter, OrderedDict
 from concurrent.futures import ProcessPoolExecutor
@@ -44,8 +47,14 @@ FINISHED_KEPT = 256  # finished episodes whose final result step/state can still
 _WORKER_EPISODES: dict[str, Episode] = {}  # the episodes a worker process holds
 
 
-def _in_worker(method: str, episode_id: str, argument: Any) -> StepResult | None:
-    """One call on an episode held by this worker process; None when it does not hold it."""
+def _in_worker(method: str, episode_id: str, argument: Any) -> tuple[StepResult | None, float]:
+    """One call on an episode held by this worker process (None when it does not hold it), and the seconds the
+    worker spent on it."""
+    started = time.perf_counter()
+    return _call_in_worker(method, episode_id, argument), time.perf_counter() - started
+
+
+def _call_in_worker(method: str, episode_id: str, argument: Any) -> StepResult | None:
     if method == "reset":
         _WORKER_EPISODES[episode_id] = Episode(episode_id, **argument)
         result = _WORKER_EPISODES[episode_id].start()
@@ -80,6 +89,38 @@ class _Live:
     lock: asyncio.Lock  # one move at a time per episode
     episode: Episode | None = None  # in-process mode
     worker: int | None = None  # workers mode: index of the process holding the episode
+    kind: tuple[str, int] | None = None  # workers mode: (game, the model's seat parity), what EpisodeCosts keys
+    expected: float = 1.0  # workers mode: the seconds its worker is expected to spend on it, and has spent
+    spent: float = 0.0
+
+    @property
+    def left(self) -> float:
+        # an episode that outran its estimate still has work: a tenth of the estimate
+        return max(self.expected - self.spent, 0.1 * self.expected)
+
+
+class EpisodeCosts:
+    """Worker seconds per episode, by game and the model's seat parity (the seat is (seed % 2) % players, and
+    whether the opponent moves first decides a search more or less): a running mean over finished episodes.
+    Searches cost seconds where a random opponent costs microseconds, so a count of episodes balances nothing;
+    before any episode of a kind finished, it costs the mean of the kinds that did (1.0 before any did)."""
+
+    def __init__(self):
+        self._sum: Counter = Counter()
+        self._count: Counter = Counter()
+
+    def expected(self, kind: tuple[str, int]) -> float:
+        if self._count[kind]:
+            return self._sum[kind] / self._count[kind]
+        total = sum(self._count.values())
+        return sum(self._sum.values()) / total if total else 1.0
+
+    def finished(self, kind: tuple[str, int], seconds: float) -> None:
+        if self._count[kind] >= 256:  # a running mean that follows a change (e.g. the model's play) slowly
+            self._sum[kind] *= 0.5
+            self._count[kind] //= 2
+        self._sum[kind] += seconds
+        self._count[kind] += 1
 
 
 class OpenSpielEnv:
@@ -109,6 +150,7 @@ class OpenSpielEnv:
         self.mcts_simulations = mcts_simulations
         self._rng = random.Random(seed)  # draws the task ids and seeds that callers leave out
         self._workers = [self._new_worker() for _ in range(workers)]
+        self.costs = EpisodeCosts()
         self._live: dict[str, _Live] = {}
         self._finished: OrderedDict[str, StepResult] = OrderedDict()
 
@@ -140,7 +182,11 @@ class OpenSpielEnv:
             "max_parse_attempts": self.max_parse_attempts, "mcts_simulations": self.mcts_simulations,
             "opponent_search": self.opponent_search, "opponent_moves": self.opponent_moves,
         }
-        live = self._live[episode_id] = _Live(asyncio.Lock(), worker=self._least_loaded_worker())
+        live = self._live[episode_id] = _Live(asyncio.Lock())
+        if self._workers:
+            live.kind = (decode_task_id(task_id)["game_name"], seed % 2)
+            live.expected = self.costs.expected(live.kind)
+            live.worker = self._least_loaded_worker()
         async with live.lock:
             if live.worker is not None:
                 return self._settle(episode_id, await self._call_worker(live, "reset", episode_id, settings))
@@ -194,17 +240,20 @@ class OpenSpielEnv:
         # spawn, not fork: the trainer process holds threads (torch, asyncio) that fork would copy.
         return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
 
-    def _least_loaded_worker(self) -> int | None:
-        if not self._workers:
-            return None
-        load = Counter(live.worker for live in self._live.values())
+    def _least_loaded_worker(self) -> int:
+        """The worker with the fewest expected seconds left on its live episodes."""
+        load = Counter()
+        for live in self._live.values():
+            if live.worker is not None:
+                load[live.worker] += live.left
         return min(range(len(self._workers)), key=lambda index: load[index])
 
     async def _call_worker(self, live: _Live, method: str, episode_id: str, argument: Any) -> StepResult | None:
         worker = self._workers[live.worker]
         try:
-            result = await asyncio.get_running_loop().run_in_executor(
+            result, seconds = await asyncio.get_running_loop().run_in_executor(
                 worker, _in_worker, method, episode_id, argument)
+            live.spent += seconds
         except BrokenProcessPool:
             self._replace_dead_worker(live.worker, worker)
             if method == "stop":
@@ -227,7 +276,10 @@ class OpenSpielEnv:
 
     def _settle(self, episode_id: str, result: StepResult) -> StepResult:
         """Free a finished episode, keeping its final result for late step/state calls."""
-        if result["done"] and self._live.pop(episode_id, None) is not None:
+        live = self._live.pop(episode_id, None) if result["done"] else None
+        if live is not None and live.kind is not None and not result["info"].get("error"):
+            self.costs.finished(live.kind, live.spent)
+        if live is not None:
             self._finished[episode_id] = result
             while len(self._finished) > FINISHED_KEPT:
                 self._finished.popitem(last=False)
