@@ -241,7 +241,7 @@ HOST_REPEATS = 3
 
 def host_ms_per_turn(tokenizer, game: str, episodes: int, incremental_prompts: bool = True) -> float:
     """Wall milliseconds per turn with the null model, env in-process, at the default prompt budget: the median
-    of HOST_REPEATS rollouts of the same tasks."""
+    of HOST_REPEATS rollouts, each on seeds of its own."""
     import gc
     import statistics
 
@@ -252,14 +252,14 @@ def host_ms_per_turn(tokenizer, game: str, episodes: int, incremental_prompts: b
     builder = PromptBuilder(tokenizer, cfg.max_prompt_tokens, incremental=incremental_prompts)
     runner = RolloutRunner(envs, null, builder, cfg)
 
-    async def play() -> dict:
+    async def play() -> float:
         try:
-            await runner.run(tasks_for([game], "random", 4), step=0)  # warm-up: imports and first-use costs
+            await runner.run(tasks_for([game], "random", 4, first_seed=4000), step=0)  # imports, first-use costs
             per_turn = []
-            for _ in range(HOST_REPEATS):
+            for repeat in range(HOST_REPEATS):  # seeds of its own each: a step's episodes are new ones
                 gc.collect()
                 null.seconds = 0.0
-                timed = await timed_rollout(runner, tasks_for([game], "random", episodes))
+                timed = await timed_rollout(runner, tasks_for([game], "random", episodes, 5000 + repeat * episodes))
                 per_turn.append(1000 * (timed["wall_s"] - null.seconds) / max(1, timed["turns"]))
             return statistics.median(per_turn)
         finally:

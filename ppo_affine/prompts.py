@@ -56,6 +56,7 @@ class PromptBuilder:
         self._windows: bool | None = None  # whether a turn's glue comes from its window render (None: checking)
         self._window_checks = 0
         self._system_renders: dict[str, str] = {}  # a system message's content -> its render alone (see glue)
+        self._system_head = True  # whether a window's head is the system message alone (see glue)
         if not incremental:
             self._memos, self._windows = {}, False
 
@@ -92,17 +93,25 @@ class PromptBuilder:
         Rendering the whole conversation every turn costs more each turn. When `messages` extends `shown` (the
         last prompt's messages), a template that renders each message on its own gives the same text from a few
         messages (the window: the head, then the new ones): its render after the head's render + `reply`. The head is
-        the system message, whose render is kept from turn to turn, or without one the last prompt's last message (a
-        template may add a default system message to any conversation but an empty one). Whether this template
-        renders messages on their own is checked as the tokenizer's memo is (VERIFY_FIRST, VERIFY_EVERY)."""
+        the system message, whose render is kept from turn to turn; without one, or where the template refuses a
+        conversation that a system message alone starts or renders it otherwise (one that needs a user message or
+        strict alternation), the system message and the last prompt's last message (a template may add a default
+        system message to any conversation but an empty one). Whether this template renders messages on their own
+        is checked as the tokenizer's memo is (VERIFY_FIRST, VERIFY_EVERY)."""
         window = None  # the window's answer, where it has one
         extends = self._windows is not False and len(messages) > len(shown) and messages[:len(shown)] == shown
+        system_head = self._system_head and bool(messages) and messages[0]["role"] == "system"
         if extends:
-            head = messages[:1] if messages[0]["role"] == "system" else shown[-1:]
+            first = 1 if messages[0]["role"] == "system" else 0
+            head = messages[:1] if system_head else messages[:first] + shown[first:][-1:]
             try:
                 start = self._head_render(head) + reply
                 text = self.render(head + messages[len(shown):])
-            except Exception:  # e.g. a template that needs a user message: whole renders only
+            except Exception as exc:  # e.g. a template that needs a user message
+                if system_head:
+                    self._head_failed(f"refused the system message alone ({exc})")
+                    return self.glue(messages, shown, before, reply)
+                log.info("this chat template refuses a window of messages (%s): every turn renders them all", exc)
                 self._windows, extends = False, False
             else:
                 window = (text[len(start):],) if text.startswith(start) else (None,)
@@ -113,16 +122,23 @@ class PromptBuilder:
         text = self.render(messages)
         whole = text[len(before):] if text.startswith(before) else None
         if extends:
-            if window[0] != whole:
+            if window[0] != whole and system_head:
+                self._head_failed("renders a window headed by the system message alone otherwise")
+            elif window[0] != whole:
                 log.info("this chat template renders messages in view of others: every turn renders them all")
                 self._windows = False
             elif self._window_checks >= VERIFY_FIRST:
                 self._windows = True
         return whole
 
+    def _head_failed(self, why: str) -> None:
+        """Windows go on headed by the system message and the last prompt's message, checked afresh."""
+        log.info("this chat template %s: windows keep the last prompt's message", why)
+        self._system_head, self._windows, self._window_checks = False, None, 0
+
     def _head_render(self, head: list[dict[str, str]]) -> str:
         """render(head), kept for a system message alone (every turn of every episode with it renders it)."""
-        if head[0]["role"] != "system":
+        if len(head) != 1 or head[0]["role"] != "system":
             return self.render(head)
         key = head[0]["content"]
         if key not in self._system_renders:

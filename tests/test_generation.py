@@ -347,12 +347,19 @@ class LogitsKept(LocalGenerator):
     def __init__(self, *args, bias: bool, **kwargs):
         super().__init__(*args, **kwargs)
         self.logits: list[torch.Tensor] = []
+        self.padded_steps = 0
         if not bias:
             self._bias_dtype = None
 
     def _choose(self, logits, requests):
         self.logits.append(logits.detach().clone())
         return super()._choose(logits, requests)
+
+    def _decode_step(self):
+        super()._decode_step()
+        bias = self._running.bias
+        if bias is not None and bool(torch.isinf(bias).any()):
+            self.padded_steps += 1  # a step whose mask hid some row's padding
 
 
 @pytest.mark.parametrize("batching", ["wave", "continuous"])
@@ -392,3 +399,41 @@ def test_the_ready_made_mask_is_only_handed_to_attention_that_takes_one_mask_for
         assert decode_bias_dtype(tiny_policy.model) is None
     finally:
         config._attn_implementation, config.layer_types = saved
+
+
+class LeavingOneByOne(LogitsKept):
+    """Greedy rows that end (EOS) after a set number of tokens each, so rows leave the batch one by one."""
+
+    def __init__(self, *args, stops: dict[int, int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stops, self.widths = stops, []
+
+    def _choose(self, logits, requests):
+        self.logits.append(logits.detach().clone())
+        self.widths.append(self._running.width if self._running is not None else None)
+        eos = self.tokenizer.eos_token_id
+        return torch.tensor([eos if len(r.reply) + 1 >= self.stops[r.key] else int(row.argmax())
+                             for r, row in zip(requests, logits)], device=logits.device)
+
+
+def test_the_additive_mask_follows_rows_that_leave_and_columns_that_are_cut(tiny_policy):
+    """Prompts of 3 to ~80 tokens decoded together; the longest row leaves first, so the columns only it used
+    are cut: at every step the scores equal those of the 2D mask's path."""
+    cfg = GenerationConfig(backend="local", max_new_tokens=12, temperature=0.0, reuse_kv_cache=False,
+                           local_batching="wave")
+    builder = PromptBuilder(tiny_policy.tokenizer, 4096)
+    prompts = [builder.encode([{"role": "user", "content": "go " * n}]) for n in (1, 4, 70)]
+    stops = {0: 9, 1: 6, 2: 2}  # the 70-word prompt's row leaves after its 2nd token
+    runs = {}
+    for bias in (True, False):
+        generator = LeavingOneByOne(tiny_policy, cfg, seed=0, bias=bias, stops=stops)
+        runs[bias] = (replies(generator, prompts), generator)
+    assert runs[True][0] == runs[False][0]
+    assert [len(reply) for reply in runs[True][0]] == [9, 6, 2]
+    with_bias, with_2d = runs[True][1], runs[False][1]
+    assert with_bias.padded_steps > 0 and with_2d.padded_steps == 0
+    widths = [w for w in with_bias.widths if w is not None]
+    assert any(later < earlier for earlier, later in zip(widths, widths[1:]))  # columns were cut
+    assert len(with_bias.logits) == len(with_2d.logits)
+    for kept, plain in zip(with_bias.logits, with_2d.logits):
+        assert torch.allclose(kept, plain, atol=1e-5, rtol=0)

@@ -844,16 +844,16 @@ def test_episode_costs_are_running_means_per_game_and_seat_and_the_mean_of_all_f
     from ppo_affine.envs.openspiel_env import EpisodeCosts
 
     costs = EpisodeCosts()
-    assert costs.expected(("liars_dice", 1)) == 1.0  # nothing finished yet: every kind alike (a count)
-    costs.finished(("liars_dice", 1), 3.0)
-    costs.finished(("liars_dice", 1), 1.0)
-    costs.finished(("leduc_poker", 0), 0.5)
-    assert costs.expected(("liars_dice", 1)) == 2.0
-    assert costs.expected(("leduc_poker", 0)) == 0.5
-    assert costs.expected(("goofspiel", 0)) == pytest.approx(4.5 / 3)  # unseen: the mean over finished episodes
+    assert costs.expected(("liars_dice", "mcts", 1)) == 1.0  # nothing finished yet: every kind alike (a count)
+    costs.finished(("liars_dice", "mcts", 1), 3.0)
+    costs.finished(("liars_dice", "mcts", 1), 1.0)
+    costs.finished(("leduc_poker", "mcts", 0), 0.5)
+    assert costs.expected(("liars_dice", "mcts", 1)) == 2.0
+    assert costs.expected(("leduc_poker", "mcts", 0)) == 0.5
+    assert costs.expected(("goofspiel", "mcts", 0)) == pytest.approx(4.5 / 3)  # unseen: the mean over finished episodes
     for _ in range(300):  # past 256 episodes the old ones weigh half: the mean follows a change
-        costs.finished(("leduc_poker", 0), 2.0)
-    assert 1.9 < costs.expected(("leduc_poker", 0)) < 2.0
+        costs.finished(("leduc_poker", "mcts", 0), 2.0)
+    assert 1.9 < costs.expected(("leduc_poker", "mcts", 0)) < 2.0
 
 
 def test_a_new_episode_goes_to_the_worker_with_the_fewest_expected_seconds_left():
@@ -864,20 +864,25 @@ def test_a_new_episode_goes_to_the_worker_with_the_fewest_expected_seconds_left(
 
     env = OpenSpielEnv(workers=0)
     env._workers = [object(), object()]  # only their number is used here
-    env.costs.finished(("liars_dice", 1), 2.0)
-    env.costs.finished(("leduc_poker", 0), 0.01)
+    env.costs.finished(("liars_dice", "mcts", 1), 2.0)
+    env.costs.finished(("leduc_poker", "mcts", 0), 0.01)
     placed = []
-    for index, kind in enumerate([("liars_dice", 1), ("leduc_poker", 0)] * 4):
+    for index, kind in enumerate([("liars_dice", "mcts", 1), ("leduc_poker", "mcts", 0)] * 4):
         live = env._live[f"e{index}"] = _Live(aio.Lock(), kind=kind, expected=env.costs.expected(kind))
         live.worker = env._least_loaded_worker()
         placed.append((kind[0], live.worker))
     expensive = [worker for game, worker in placed if game == "liars_dice"]
     assert sorted(expensive) == [0, 0, 1, 1]  # by count, alternating placement put all four on worker 0
-    env._live["e0"].spent = 1.9  # an episode near its estimate's end leaves its worker nearly free
-    env._live["e2"].spent = 1.9 if env._live["e2"].worker == env._live["e0"].worker else 0.0
-    busy = {w: sum(l.left for l in env._live.values() if l.worker == w) for w in (0, 1)}
-    assert env._least_loaded_worker() == min(busy, key=busy.get)
-    assert env._live["e0"].left == pytest.approx(0.2)  # at least a tenth of the estimate is left
+    on_worker_0 = [live for live in env._live.values() if live.worker == 0 and live.kind[0] == "liars_dice"]
+    for live in on_worker_0:  # worker 0's searches are nearly done: the next episodes go there
+        live.spent = 1.9
+    assert on_worker_0[0].left == pytest.approx(0.2)  # at least a tenth of the estimate is left
+    assert env._least_loaded_worker() == 0
+    for live in on_worker_0:
+        live.spent = 0.0
+    for live in env._live.values():  # and the other way round
+        live.spent = 1.9 if live.worker == 1 and live.kind[0] == "liars_dice" else 0.0
+    assert env._least_loaded_worker() == 1
 
 
 def test_worker_episodes_are_costed_from_the_seconds_their_worker_spent():
@@ -889,4 +894,4 @@ def test_worker_episodes_are_costed_from_the_seconds_their_worker_spent():
         finally:
             await env.close()
     costs = run(play())
-    assert 0 < costs.expected(("leduc_poker", 1)) < 1.0  # measured: milliseconds, not the 1.0 placeholder
+    assert 0 < costs.expected(("leduc_poker", "random", 1)) < 1.0  # measured: milliseconds, not the 1.0 placeholder

@@ -237,9 +237,27 @@ DEFAULT_SYSTEM_TEMPLATE = (
 )
 
 
+# Like Qwen's newer templates: a conversation without a user message is refused
+NEEDS_USER_TEMPLATE = (
+    "{% if not (messages | selectattr('role', 'equalto', 'user') | list) %}{{ raise_exception('No user query') }}"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Like Gemma's, Mistral's: after the system message, roles must alternate from a user message on
+ALTERNATING_TEMPLATE = (
+    "{% set offset = 1 if messages and messages[0]['role'] == 'system' else 0 %}"
+    "{% for m in messages[offset:] %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 @pytest.mark.parametrize("system", [True, False], ids=["system", "no-system"])
 @pytest.mark.parametrize("template,windows", [(None, True), (STRIPPING_TEMPLATE, True), (LATE_TAG_TEMPLATE, False),
-                                              (DEFAULT_SYSTEM_TEMPLATE, True)])
+                                              (DEFAULT_SYSTEM_TEMPLATE, True), (NEEDS_USER_TEMPLATE, True),
+                                              (ALTERNATING_TEMPLATE, True)],
+                         ids=["default", "stripping", "late-tag", "default-system", "needs-user", "alternating"])
 def test_a_turn_renders_only_its_new_messages_where_that_gives_the_whole_renders_text(template, windows, system,
                                                                                      monkeypatch):
     from ppo_affine import prompts
@@ -262,6 +280,8 @@ def test_a_turn_renders_only_its_new_messages_where_that_gives_the_whole_renders
     assert builder._windows is windows
     if windows:  # after the checks, most turns rendered a few messages: the head (system or last state), the new ones
         assert sum(n <= 4 for n in rendered) >= len(replies)
+    if windows:  # a template that refuses the system message alone keeps windows headed by it and the last state
+        assert builder._system_head is not (system and template in (NEEDS_USER_TEMPLATE, ALTERNATING_TEMPLATE))
 
 
 def test_a_window_is_not_used_when_earlier_messages_changed(tokenizer, monkeypatch):

@@ -12,8 +12,8 @@ exact or the fast MCTS). This module keeps the episode registry and decides wher
   whole life, so the searches of concurrent episodes use N cores. An episode's moves depend only on
   its own seeds, so results are identical to in-process ones. The trainer's config sizes N to the
   machine (factory.game_workers), which the exact search needs to use more than one core. A new
-  episode goes to the worker with the least work left, costed from the finished episodes of its game
-  and seat (EpisodeCosts): by count, one worker could get every episode that searches.
+  episode goes to the worker with the least work left, costed from the finished episodes of its game,
+  opponent and seat (EpisodeCosts): by count, one worker could get every episode that searches.
 `opponent_moves` names a file of recorded opponent moves that episodes on repeated seeds replay
 instead of searching again (opponent_moves.py): evaluations of several models on the same seeds.
 """
@@ -33,7 +33,7 @@ from typing import Any
 
 from ppo_affine.envs.base import StepResult, step_result
 from ppo_affine.envs.games import decode_task_id, is_playable
-from ppo_affine.envs.openspiel_episode import SEARCHES, Episode
+from ppo_affine.envs.openspiel_episode import SEARCHES, Episode, episode_seat
 from ppo_affine.envs.openspiel_text import FORMATS
 from ppo_affine.envs.opponent_moves import OpponentMoves
 
@@ -89,7 +89,7 @@ class _Live:
     lock: asyncio.Lock  # one move at a time per episode
     episode: Episode | None = None  # in-process mode
     worker: int | None = None  # workers mode: index of the process holding the episode
-    kind: tuple[str, int] | None = None  # workers mode: (game, the model's seat parity), what EpisodeCosts keys
+    kind: tuple[str, str, int] | None = None  # workers mode: (game, opponent, the model's seat), EpisodeCosts' key
     expected: float = 1.0  # workers mode: the seconds its worker is expected to spend on it, and has spent
     spent: float = 0.0
 
@@ -100,8 +100,8 @@ class _Live:
 
 
 class EpisodeCosts:
-    """Worker seconds per episode, by game and the model's seat parity (the seat is (seed % 2) % players, and
-    whether the opponent moves first decides a search more or less): a running mean over finished episodes.
+    """Worker seconds per episode, by game, opponent and the model's seat (whether the opponent moves first
+    decides a search more or less): a running mean over finished episodes.
     Searches cost seconds where a random opponent costs microseconds, so a count of episodes balances nothing;
     before any episode of a kind finished, it costs the mean of the kinds that did (1.0 before any did)."""
 
@@ -109,13 +109,13 @@ class EpisodeCosts:
         self._sum: Counter = Counter()
         self._count: Counter = Counter()
 
-    def expected(self, kind: tuple[str, int]) -> float:
+    def expected(self, kind: tuple[str, str, int]) -> float:
         if self._count[kind]:
             return self._sum[kind] / self._count[kind]
         total = sum(self._count.values())
         return sum(self._sum.values()) / total if total else 1.0
 
-    def finished(self, kind: tuple[str, int], seconds: float) -> None:
+    def finished(self, kind: tuple[str, str, int], seconds: float) -> None:
         if self._count[kind] >= 256:  # a running mean that follows a change (e.g. the model's play) slowly
             self._sum[kind] *= 0.5
             self._count[kind] //= 2
@@ -184,7 +184,8 @@ class OpenSpielEnv:
         }
         live = self._live[episode_id] = _Live(asyncio.Lock())
         if self._workers:
-            live.kind = (decode_task_id(task_id)["game_name"], seed % 2)
+            live.kind = (decode_task_id(task_id)["game_name"], opponent, episode_seat(task_id, seed,
+                                                                                     self.observation_format))
             live.expected = self.costs.expected(live.kind)
             live.worker = self._least_loaded_worker()
         async with live.lock:

@@ -60,6 +60,18 @@ def load_game(game_name: str, params: tuple[tuple[str, Any], ...]) -> pyspiel.Ga
     return pyspiel.load_game(game_name, {renamed.get(k, k): v for k, v in params})
 
 
+def model_seat(num_players: int, seed: int, observation_format: str) -> int:
+    """The model's seat: (seed % 2) % players in the evaluate format, seed % players in openenv."""
+    return (seed % 2) % num_players if observation_format == "evaluate" else seed % num_players
+
+
+def episode_seat(task_id: int, seed: int, observation_format: str) -> int:
+    """The model's seat in the episode of `task_id` and `seed` (the game is loaded once per variant)."""
+    decoded = decode_task_id(task_id)
+    game = load_game(decoded["game_name"], tuple(sorted(decoded["game_params"].items())))
+    return model_seat(game.num_players(), seed, observation_format)
+
+
 def compute_score(returns: list[float], player: int, zero_sum: bool, min_utility: float,
                   max_utility: float) -> float:
     """Affine's score in [0, 1] (docs/protocols.md, 'Scores'): min/max normalisation for zero-sum and 1-player
@@ -217,9 +229,8 @@ class Episode:
         self.max_parse_attempts = max_parse_attempts
         self.spec = GAMES[self.game_name]
         self.game = load_game(self.game_name, tuple(sorted(decoded["game_params"].items())))
-        num_players = self.game.num_players()
         evaluate = observation_format == "evaluate"
-        self.player = (seed % 2) % num_players if evaluate else seed % num_players
+        self.player = model_seat(self.game.num_players(), seed, observation_format)
         if isinstance(mcts_simulations, dict):  # per-game budgets; games not named keep the validators'
             mcts_simulations = mcts_simulations.get(self.game_name)
         self.bots = build_bots(self.game, self.spec, observation_format, self.player, seed, opponent, mcts_simulations,
