@@ -768,14 +768,14 @@ def test_a_dead_worker_fails_its_episodes_and_is_replaced():
     import signal
 
     async def main():
-        env = OpenSpielEnv("openenv", workers=1)
-        first = await env.reset(game_task_id("hex"), seed=0, opponent="random")
+        env = OpenSpielEnv("openenv", workers=1, mcts_simulations=5)  # a search opponent: the episode goes to a worker
+        first = await env.reset(game_task_id("hex"), seed=0, opponent="mcts")
         for child in multiprocessing.active_children():
             os.kill(child.pid, signal.SIGKILL)
         lost = await env.step("3", first["episode_id"])
         assert lost["done"] and lost["truncated"] and lost["info"]["error"]["type"] == "worker_lost"
         assert (await env.step("4", first["episode_id"]))["info"]["error"]["type"] == "episode_not_found"
-        fresh = await env.reset(game_task_id("hex"), seed=0, opponent="random")
+        fresh = await env.reset(game_task_id("hex"), seed=0, opponent="mcts")
         assert fresh["observation"] == first["observation"]
         assert (await env.stop(fresh["episode_id"]))["stopped"]
         assert (await env.state(fresh["episode_id"]))["info"]["error"]["type"] == "episode_not_found"
@@ -887,11 +887,49 @@ def test_a_new_episode_goes_to_the_worker_with_the_fewest_expected_seconds_left(
 
 def test_worker_episodes_are_costed_from_the_seconds_their_worker_spent():
     async def play():
-        env = OpenSpielEnv("evaluate", workers=1)
+        env = OpenSpielEnv("evaluate", mcts_simulations=5, workers=1)
         try:
-            await play_episode(env, game_task_id("leduc_poker"), seed=3, opponent="random")
+            await play_episode(env, game_task_id("leduc_poker"), seed=3, opponent="mcts")
+            assert env._workers[0] is not None
             return env.costs
         finally:
             await env.close()
     costs = run(play())
-    assert 0 < costs.expected(("leduc_poker", "random", 1)) < 1.0  # measured: milliseconds, not the 1.0 placeholder
+    assert 0 < costs.expected(("leduc_poker", "mcts", 1)) < 1.0  # measured: milliseconds, not the 1.0 placeholder
+
+
+def test_with_workers_cheap_kinds_play_in_this_process_and_the_same_games():
+    """Against a random opponent, or once a kind measured under INLINE_SECONDS an episode, the episode plays here
+    (no worker queue holds its moves); a kind that costs more, or an unmeasured one against the MCTS, goes to a
+    worker. Where an episode plays changes none of its moves."""
+    from ppo_affine.envs.openspiel_env import INLINE_SECONDS
+
+    env = OpenSpielEnv("evaluate", workers=0)
+    assert env._plays_here(("goofspiel", "random", 0), "random")
+    assert not env._plays_here(("liars_dice", "mcts", 1), "mcts")
+    env.costs.finished(("liars_dice", "mcts", 1), 10 * INLINE_SECONDS)
+    env.costs.finished(("leduc_poker", "mcts", 0), INLINE_SECONDS / 5)
+    assert not env._plays_here(("liars_dice", "mcts", 1), "mcts")
+    assert env._plays_here(("leduc_poker", "mcts", 0), "mcts")
+
+    placed = []
+
+    async def play_all(env):
+        original = env._least_loaded_worker
+        env._least_loaded_worker = lambda: placed.append(1) or original()
+        try:
+            return [await play_episode(env, game_task_id(game), seed=seed, opponent=opponent, policy_seed=seed)
+                    for game, opponent in (("leduc_poker", "random"), ("hex", "mcts"), ("hex", "mcts"))
+                    for seed in (0, 1)]
+        finally:
+            await env.close()
+
+    with_workers = OpenSpielEnv("evaluate", mcts_simulations=5, workers=1)
+    with_workers.costs.finished(("hex", "mcts", 1), INLINE_SECONDS / 5)  # hex from seat 1: measured cheap
+    played = run(play_all(with_workers))
+    # only the first hex game from seat 0 (not measured yet) went to the worker: it measured cheap (5 simulations),
+    # so the second played here, as did the measured seat 1 and every game against the random opponent
+    assert len(placed) == 1
+    assert with_workers.costs.measured(("hex", "mcts", 0)) < INLINE_SECONDS
+    assert [_trace(r) for r in played] == [_trace(r) for r in run(play_all(OpenSpielEnv("evaluate",
+                                                                                      mcts_simulations=5)))]

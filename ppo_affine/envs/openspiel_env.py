@@ -13,7 +13,9 @@ exact or the fast MCTS). This module keeps the episode registry and decides wher
   its own seeds, so results are identical to in-process ones. The trainer's config sizes N to the
   machine (factory.game_workers), which the exact search needs to use more than one core. A new
   episode goes to the worker with the least work left, costed from the finished episodes of its game,
-  opponent and seat (EpisodeCosts): by count, one worker could get every episode that searches.
+  opponent and seat (EpisodeCosts): by count, one worker could get every episode that searches. Kinds
+  that cost less than INLINE_SECONDS an episode (and, before any finished, those against a random
+  opponent) play in this process instead, where no search queued before them holds their moves.
 `opponent_moves` names a file of recorded opponent moves that episodes on repeated seeds replay
 instead of searching again (opponent_moves.py): evaluations of several models on the same seeds.
 """
@@ -43,6 +45,10 @@ OPPONENTS = ("mcts", "random")
 TASK_ID_SPACE = 10**11  # a missing task id is drawn from [0, 10^11), like the Affine env
 SEED_SPACE = 2**32
 FINISHED_KEPT = 256  # finished episodes whose final result step/state can still report
+# With workers, a kind of episode that costs less than this (seconds, all its moves) plays in this process: see
+# OpenSpielEnv._plays_here. A leduc_poker episode against the validators' MCTS costs ~0.02 s, liars_dice's where
+# the opponent moves first ~0.5 s.
+INLINE_SECONDS = 0.05
 
 _WORKER_EPISODES: dict[str, Episode] = {}  # the episodes a worker process holds
 
@@ -108,6 +114,10 @@ class EpisodeCosts:
     def __init__(self):
         self._sum: Counter = Counter()
         self._count: Counter = Counter()
+
+    def measured(self, kind: tuple[str, str, int]) -> float | None:
+        """The kind's mean, None before one of its episodes finished."""
+        return self._sum[kind] / self._count[kind] if self._count[kind] else None
 
     def expected(self, kind: tuple[str, str, int]) -> float:
         if self._count[kind]:
@@ -187,13 +197,17 @@ class OpenSpielEnv:
             live.kind = (decode_task_id(task_id)["game_name"], opponent, episode_seat(task_id, seed,
                                                                                      self.observation_format))
             live.expected = self.costs.expected(live.kind)
-            live.worker = self._least_loaded_worker()
+            if not self._plays_here(live.kind, opponent):
+                live.worker = self._least_loaded_worker()
         async with live.lock:
             if live.worker is not None:
                 return self._settle(episode_id, await self._call_worker(live, "reset", episode_id, settings))
+            started = time.perf_counter()
             live.episode = Episode(episode_id, **settings)
             # Always in a thread: completing a bridge deal runs a double-dummy solver (0.5-3 s).
-            return self._settle(episode_id, await asyncio.to_thread(live.episode.start))
+            result = await asyncio.to_thread(live.episode.start)
+            live.spent += time.perf_counter() - started
+            return self._settle(episode_id, result)
 
     async def step(self, action: str, episode_id: str) -> StepResult:
         live = self._live.get(episode_id) if episode_id else None
@@ -204,10 +218,13 @@ class OpenSpielEnv:
                 return self._missing(episode_id, stepping=True)
             if live.worker is not None:
                 result = await self._call_worker(live, "step", episode_id, action)
-            elif live.episode.has_search_bot:
-                result = await asyncio.to_thread(live.episode.step, action)
             else:
-                result = live.episode.step(action)
+                started = time.perf_counter()
+                if live.episode.has_search_bot:
+                    result = await asyncio.to_thread(live.episode.step, action)
+                else:
+                    result = live.episode.step(action)
+                live.spent += time.perf_counter() - started
             return self._settle(episode_id, result)
 
     async def state(self, episode_id: str) -> StepResult:
@@ -240,6 +257,16 @@ class OpenSpielEnv:
     def _new_worker() -> ProcessPoolExecutor:
         # spawn, not fork: the trainer process holds threads (torch, asyncio) that fork would copy.
         return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+
+    def _plays_here(self, kind: tuple[str, str, int], opponent: str) -> bool:
+        """Whether an episode plays in this process although there are workers: a worker runs one call at a time,
+        so a move of microseconds there waits behind the searches queued before it (in the validator rollout a
+        third of the episodes were held ~0.4 s so, the model idle meanwhile). Here go the kinds that cost less
+        than INLINE_SECONDS an episode where measured, and before that those without a search opponent (a
+        random one); the fast search releases the GIL, so a short one costs this process what it would cost a
+        worker's."""
+        measured = self.costs.measured(kind)
+        return measured < INLINE_SECONDS if measured is not None else opponent != "mcts"
 
     def _least_loaded_worker(self) -> int:
         """The worker with the fewest expected seconds left on its live episodes."""
