@@ -8,7 +8,8 @@ seed, then EOS), so every setting plays real games of the env, with its real pro
 Per setting, side by side in one run, `wave` (the old barrier) and `continuous` local batching:
 
 - `busy_fraction` = the stand-in's sleeping time / the rollout's wall time;
-- `search_cpu_s`: the CPU time the env's worker processes spent (the MCTS opponent's searches);
+- `search_cpu_s`: the CPU time the env's worker processes spent (the MCTS opponent's searches), `worker_cpu_s`
+  each one's (a worker's share of the searches, sorted);
 - `bound_ratio` = wall time / max(the stand-in's busy time, search_cpu_s / the env's workers): 1.0
   when the rollout takes only as long as its slowest resource, the sum of both under a barrier (each setting
   first plays one untimed rollout on other seeds, as a training run's earlier steps did, from which the env
@@ -148,15 +149,19 @@ def tasks_for(games: list[str], opponent: str, episodes: int, first_seed: int = 
             for i in range(episodes)]
 
 
-def children_cpu_seconds() -> float:
-    total = 0.0
+def children_cpu_seconds() -> dict[int, float]:
+    """CPU seconds of each process this one started (the env's workers; not multiprocessing's resource tracker),
+    by pid."""
+    seconds = {}
     for child in psutil.Process().children(recursive=True):
         try:
+            if "resource_tracker" in " ".join(child.cmdline()):
+                continue
             times = child.cpu_times()
-            total += times.user + times.system
+            seconds[child.pid] = times.user + times.system
         except psutil.Error:
             pass
-    return total
+    return seconds
 
 
 async def timed_rollout(runner: RolloutRunner, tasks: list[Task]) -> dict:
@@ -164,7 +169,8 @@ async def timed_rollout(runner: RolloutRunner, tasks: list[Task]) -> dict:
     started = time.perf_counter()
     episodes = await runner.run(tasks, step=0)
     wall = time.perf_counter() - started
-    return {"wall_s": wall, "search_cpu_s": children_cpu_seconds() - cpu,
+    spent = sorted(round(seconds - cpu.get(pid, 0.0), 2) for pid, seconds in children_cpu_seconds().items())
+    return {"wall_s": wall, "search_cpu_s": sum(spent), "worker_cpu_s": spent,
             "turns": sum(len(e.turns) for e in episodes), "errors": sum(bool(e.error) for e in episodes),
             "generated_tokens": sum(e.generated_tokens for e in episodes)}
 

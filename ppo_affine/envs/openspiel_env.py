@@ -54,10 +54,16 @@ _WORKER_EPISODES: dict[str, Episode] = {}  # the episodes a worker process holds
 
 
 def _in_worker(method: str, episode_id: str, argument: Any) -> tuple[StepResult | None, float]:
-    """One call on an episode held by this worker process (None when it does not hold it), and the seconds the
-    worker spent on it."""
-    started = time.perf_counter()
-    return _call_in_worker(method, episode_id, argument), time.perf_counter() - started
+    """One call on an episode held by this worker process (None when it does not hold it), and the CPU seconds
+    the worker spent on it."""
+    return _timed(_call_in_worker, method, episode_id, argument)
+
+
+def _timed(function, *args) -> tuple[Any, float]:
+    """function(*args) and the CPU seconds of the thread that ran it: what an episode costs, not the time it
+    waited for a core or the GIL."""
+    started = time.thread_time()
+    return function(*args), time.thread_time() - started
 
 
 def _call_in_worker(method: str, episode_id: str, argument: Any) -> StepResult | None:
@@ -202,11 +208,10 @@ class OpenSpielEnv:
         async with live.lock:
             if live.worker is not None:
                 return self._settle(episode_id, await self._call_worker(live, "reset", episode_id, settings))
-            started = time.perf_counter()
-            live.episode = Episode(episode_id, **settings)
+            live.episode, built = _timed(lambda: Episode(episode_id, **settings))
             # Always in a thread: completing a bridge deal runs a double-dummy solver (0.5-3 s).
-            result = await asyncio.to_thread(live.episode.start)
-            live.spent += time.perf_counter() - started
+            result, started = await asyncio.to_thread(_timed, live.episode.start)
+            live.spent += built + started
             return self._settle(episode_id, result)
 
     async def step(self, action: str, episode_id: str) -> StepResult:
@@ -219,12 +224,11 @@ class OpenSpielEnv:
             if live.worker is not None:
                 result = await self._call_worker(live, "step", episode_id, action)
             else:
-                started = time.perf_counter()
                 if live.episode.has_search_bot:
-                    result = await asyncio.to_thread(live.episode.step, action)
+                    result, seconds = await asyncio.to_thread(_timed, live.episode.step, action)
                 else:
-                    result = live.episode.step(action)
-                live.spent += time.perf_counter() - started
+                    result, seconds = _timed(live.episode.step, action)
+                live.spent += seconds
             return self._settle(episode_id, result)
 
     async def state(self, episode_id: str) -> StepResult:
