@@ -8,8 +8,8 @@ seed, then EOS), so every setting plays real games of the env, with its real pro
 Per setting, side by side in one run, `wave` (the old barrier) and `continuous` local batching:
 
 - `busy_fraction` = the stand-in's sleeping time / the rollout's wall time;
-- `search_cpu_s`: the CPU time the env's worker processes spent (the MCTS opponent's searches), `worker_cpu_s`
-  each one's (a worker's share of the searches, sorted);
+- `search_cpu_s`: the CPU time the env spent on moves (the MCTS opponent's searches): its worker processes'
+  (`worker_cpu_s`, each one's, sorted) and, with workers, the cheap kinds it plays in this process (`env_cpu_here_s`);
 - `bound_ratio` = wall time / max(the stand-in's busy time, search_cpu_s / the env's workers): 1.0
   when the rollout takes only as long as its slowest resource, the sum of both under a barrier (each setting
   first plays one untimed rollout on other seeds, as a training run's earlier steps did, from which the env
@@ -164,13 +164,19 @@ def children_cpu_seconds() -> dict[int, float]:
     return seconds
 
 
+def env_cpu_seconds_here(runner: RolloutRunner) -> float:
+    """The CPU seconds the game env spent on moves in this process (with workers, the cheap kinds play here)."""
+    return sum(getattr(env, "cpu_seconds_here", 0.0) for _, env in runner.envs.values())
+
+
 async def timed_rollout(runner: RolloutRunner, tasks: list[Task]) -> dict:
-    cpu = children_cpu_seconds()
+    cpu, here = children_cpu_seconds(), env_cpu_seconds_here(runner)
     started = time.perf_counter()
     episodes = await runner.run(tasks, step=0)
     wall = time.perf_counter() - started
     spent = sorted(round(seconds - cpu.get(pid, 0.0), 2) for pid, seconds in children_cpu_seconds().items())
-    return {"wall_s": wall, "search_cpu_s": sum(spent), "worker_cpu_s": spent,
+    here = env_cpu_seconds_here(runner) - here
+    return {"wall_s": wall, "search_cpu_s": sum(spent) + here, "worker_cpu_s": spent, "env_cpu_here_s": here,
             "turns": sum(len(e.turns) for e in episodes), "errors": sum(bool(e.error) for e in episodes),
             "generated_tokens": sum(e.generated_tokens for e in episodes)}
 

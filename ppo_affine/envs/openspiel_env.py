@@ -167,6 +167,7 @@ class OpenSpielEnv:
         self._rng = random.Random(seed)  # draws the task ids and seeds that callers leave out
         self._workers = [self._new_worker() for _ in range(workers)]
         self.costs = EpisodeCosts()
+        self.cpu_seconds_here = 0.0  # with workers: the CPU seconds of the moves played in this process
         self._live: dict[str, _Live] = {}
         self._finished: OrderedDict[str, StepResult] = OrderedDict()
 
@@ -212,6 +213,7 @@ class OpenSpielEnv:
             # Always in a thread: completing a bridge deal runs a double-dummy solver (0.5-3 s).
             result, started = await asyncio.to_thread(_timed, live.episode.start)
             live.spent += built + started
+            self.cpu_seconds_here += built + started
             return self._settle(episode_id, result)
 
     async def step(self, action: str, episode_id: str) -> StepResult:
@@ -229,6 +231,7 @@ class OpenSpielEnv:
                 else:
                     result, seconds = _timed(live.episode.step, action)
                 live.spent += seconds
+                self.cpu_seconds_here += seconds
             return self._settle(episode_id, result)
 
     async def state(self, episode_id: str) -> StepResult:
