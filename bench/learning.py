@@ -506,6 +506,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--tables-from: expected FILE or FILE:OLD=NEW with an existing FILE, got {source!r}")
     games = (args.games or PROFILES[args.profile]["games"]).split(",")
     tokens_given = args.max_new_tokens is not None
+    steps_given = args.steps is not None
     for name, value in PROFILES[args.profile].items():
         if getattr(args, name, None) is None:
             if name in ("experts", "game_weights") or (name == "sft_reason" and value != "*"):
@@ -530,6 +531,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [g for g in [*args.expert_choices, *args.weights] if g not in games]
     if unknown:
         parser.error(f"--experts/--game-weights name games not in this run: {unknown}")
+    named_rows = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    if args.warm_start and named_rows is not None and "sft+ppo" not in named_rows:
+        # no row plays the PPO adapter: its steps would cost their minutes for nothing
+        if steps_given and args.steps > 0:
+            parser.error(f"--steps {args.steps} trains a PPO adapter that no row of --models {args.models} plays; "
+                         "add sft+ppo to --models or leave --steps out")
+        args.steps = 0
     if args.steps is None:
         args.steps = 4 if args.warm_start else 10
     if args.steps < (0 if args.warm_start else 1):
@@ -537,7 +545,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     allowed = MODELS if args.warm_start else ("base", "ppo")
     if args.steps == 0:
         allowed = tuple(m for m in allowed if m != "sft+ppo")
-    args.model_rows = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else list(allowed)
+    args.model_rows = named_rows if named_rows is not None else list(allowed)
     unknown = [m for m in args.model_rows if m not in allowed]
     if unknown:
         parser.error(f"--models: {unknown} are not rows of this run; expected some of {','.join(allowed)}")

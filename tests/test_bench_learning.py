@@ -78,6 +78,11 @@ def test_rows_not_in_this_run_are_refused():
     with pytest.raises(SystemExit):  # PPO without a warm start needs steps
         learning.parse_args(["--no-warm-start", "--steps", "0"])
     assert learning.parse_args(["--steps", "0"]).model_rows == ["base", "sft", "expert"]
+    # rows that leave the PPO adapter out train none (the profile's 20 steps would be minutes for nothing) ...
+    assert learning.parse_args(["--profile", "validator", "--models", "sft,expert"]).steps == 0
+    with pytest.raises(SystemExit):  # ... and steps asked for with no row to play them are refused
+        learning.parse_args(["--steps", "3", "--models", "sft,expert"])
+    assert learning.parse_args(["--profile", "validator", "--models", "sft,sft+ppo"]).steps == 20
     with pytest.raises(SystemExit):
         learning.parse_args(["--sft-explore", "1"])
     with pytest.raises(SystemExit):  # DAgger rounds make a student: they need the warm start
