@@ -56,6 +56,7 @@ class PromptBuilder:
         self._windows: bool | None = None  # whether a turn's glue comes from its window render (None: checking)
         self._window_checks = 0
         self._system_renders: dict[str, str] = {}  # a system message's content -> its render alone (see glue)
+        self._token_texts: dict[int, str] = {}  # token id -> its text (see token_text)
         self._system_head = True  # whether a window's head is the system message alone (see glue)
         if not incremental:
             self._memos, self._windows = {}, False
@@ -147,6 +148,12 @@ class PromptBuilder:
             self._system_renders[key] = self.render(head)
         return self._system_renders[key]
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text (e.g. the EOS the template writes after a reply), decoded once per id."""
+        if token_id not in self._token_texts:
+            self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return self._token_texts[token_id]
+
     def tokenize(self, text: str) -> list[int]:
         """Token ids of template text; special tokens written in it (e.g. <|im_start|>) become their ids.
         Piece by piece from a memo where that gives the tokenizer's own ids (see LINE_CUTS)."""
@@ -190,10 +197,22 @@ class PromptBuilder:
     def encode(self, messages: list[dict[str, str]]) -> list[int]:
         return self.tokenize(self.render(messages))
 
-    def fit(self, messages: list[dict[str, str]], keep_from: int, room: int = 0) -> tuple[list[int], str, int] | None:
+    def fit(self, messages: list[dict[str, str]], keep_from: int, room: int = 0,
+            dropped: int = 0) -> tuple[list[int], str, int] | None:
         """(ids, rendered text, messages dropped): the oldest turns after the system message dropped, never the
         pending decision (`messages[keep_from:]`), until the prompt fits the budget, and then until it also leaves
         `room` tokens free (so that later turns can extend it); None when even the shortest is too long.
+        `dropped` turns (after the system message) go from the start: an episode's earlier prompt dropped them, so
+        its longer history cannot keep them, and a fit then costs what the kept turns cost, not the whole history."""
+        first = 1 if messages and messages[0]["role"] == "system" else 0
+        dropped = min(dropped, max(0, keep_from - first))
+        if dropped:
+            fitted = self._fit(messages[:first] + messages[first + dropped:], keep_from - dropped, room)
+            return None if fitted is None else (fitted[0], fitted[1], fitted[2] + dropped)
+        return self._fit(messages, keep_from, room)
+
+    def _fit(self, messages: list[dict[str, str]], keep_from: int, room: int) -> tuple[list[int], str, int] | None:
+        """fit, with no turns dropped beforehand.
 
         One render and tokenisation (with offsets) say how many turns must go: each token's place in the text tells which
         message it belongs to. The shortened prompt is rendered and tokenised once to check (a turn more goes
@@ -294,13 +313,22 @@ class TokenHistory:
         # A sequence that outgrew the budget restarts at half of it, so that the turns after it extend it again
         # (keeping their KV cache) instead of each re-fitting and re-tokenising the whole prompt.
         room = self.builder.max_prompt_tokens // 2 if self.continue_sequences else 0
-        fitted = self.builder.fit(messages, keep_from, room)
+        fitted = self.builder.fit(messages, keep_from, room, self._still_dropped(messages, first))
         if fitted is None:
             return None
         ids, self._rendered, self._dropped = fitted
         self._shown = messages[:first] + messages[first + self._dropped:]
         self.sequences.append(list(ids))
         return ids, len(self.sequences) - 1, len(ids)
+
+    def _still_dropped(self, messages: list[dict[str, str]], first: int) -> int:
+        """The turns the last prompt dropped, when `messages` extend what it showed (the same episode's history,
+        longer): a fit then starts from them. 0 otherwise (e.g. `last` shows each decision alone)."""
+        kept = self._shown[first:]
+        start = first + self._dropped
+        if not self._dropped or messages[:first] != self._shown[:first] or messages[start:start + len(kept)] != kept:
+            return 0
+        return self._dropped
 
     def _continue(self, messages: list[dict[str, str]]) -> tuple[list[int], int, int] | None:
         before = self._rendered + self._eos_text
@@ -321,4 +349,4 @@ class TokenHistory:
         self._rendered += reply_text
         self._reply = reply_text
         ends_with_eos = bool(reply_ids) and reply_ids[-1] in self.eos_ids
-        self._eos_text = self.builder.tokenizer.decode(reply_ids[-1:]) if ends_with_eos else ""
+        self._eos_text = self.builder.token_text(reply_ids[-1]) if ends_with_eos else ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 from dataclasses import dataclass, field
@@ -105,8 +106,14 @@ def build_messages(
             else m
             for i, m in enumerate(messages)
         ]
-    return [{"role": "assistant", "content": strip_think(m["content"])} if m["role"] == "assistant" else m
+    return [{"role": "assistant", "content": _stripped(m["content"])} if m["role"] == "assistant" else m
             for m in messages]
+
+
+@functools.lru_cache(maxsize=4096)
+def _stripped(reply: str) -> str:
+    # every turn shows the whole history again: each reply is stripped once, not once per later turn
+    return strip_think(reply)
 
 
 # ---------------------------------------------------------------------- episodes

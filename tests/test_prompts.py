@@ -140,6 +140,48 @@ def test_after_a_drop_later_turns_extend_the_shortened_sequence(tokenizer):
     assert tokenizer.decode(ids2) == h.builder.render(messages[:1] + messages[1 + dropped:])
 
 
+def test_a_refit_starts_from_the_turns_already_dropped_and_drops_what_a_fresh_fit_drops(tokenizer, monkeypatch):
+    """An episode past its budget refits every few turns: the turns its last prompt dropped are not rendered again
+    (the cost stays that of the kept turns as the history grows), and the prompt is the one a fresh fit gives."""
+    budget = 300
+    h = history(tokenizer, budget=budget)
+    fresh = PromptBuilder(tokenizer, budget)
+    messages = long_game(10)
+    h.prompt(messages, keep_from=len(messages) - 1)
+    refits = 0
+    for turn in range(10, 30):
+        reply = tokenizer(str(turn), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        h.add_reply(reply, str(turn))
+        messages += [{"role": "assistant", "content": str(turn)},
+                     {"role": "user", "content": f"state {turn}: " + "board row " * 8}]
+        earlier = h._dropped
+        rendered = []
+        original = h.builder.render
+        monkeypatch.setattr(h.builder, "render", lambda shown: rendered.append(shown) or original(shown))
+        sequences = len(h.sequences)
+        ids, _, _ = h.prompt(messages, keep_from=len(messages) - 1)
+        monkeypatch.setattr(h.builder, "render", original)
+        if len(h.sequences) == sequences:
+            continue  # the turn extended the sequence: no fit
+        refits += 1
+        assert h._dropped >= earlier > 0
+        assert all(m not in shown for m in messages[1:1 + earlier] for shown in rendered)  # none rendered again
+        expected_ids, _, expected_drop = fresh.fit(messages, len(messages) - 1, budget // 2)
+        assert (ids, h._dropped) == (expected_ids, expected_drop)
+    assert refits >= 2
+
+
+def test_a_fit_keeps_no_earlier_drop_when_the_messages_do_not_extend_the_last_prompt(tokenizer):
+    h = history(tokenizer, budget=300)
+    messages = long_game(10)
+    h.prompt(messages, keep_from=len(messages) - 1)
+    assert h._dropped > 0
+    other = long_game(3)  # not this history's continuation (e.g. `last` shows each decision alone)
+    assert h._still_dropped(other, 1) == 0
+    ids, _, _ = h.prompt(other, keep_from=len(other) - 1)
+    assert ids == h.builder.encode(other)
+
+
 def test_the_compiled_template_renders_as_apply_chat_template(tokenizer):
     builder = PromptBuilder(tokenizer, 4096)
     messages = long_game(3)
