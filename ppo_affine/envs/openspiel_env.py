@@ -126,8 +126,9 @@ class EpisodeCosts:
         return self._sum[kind] / self._count[kind] if self._count[kind] else None
 
     def expected(self, kind: tuple[str, str, int]) -> float:
-        if self._count[kind]:
-            return self._sum[kind] / self._count[kind]
+        measured = self.measured(kind)
+        if measured is not None:
+            return measured
         total = sum(self._count.values())
         return sum(self._sum.values()) / total if total else 1.0
 
@@ -212,8 +213,7 @@ class OpenSpielEnv:
             live.episode, built = _timed(lambda: Episode(episode_id, **settings))
             # Always in a thread: completing a bridge deal runs a double-dummy solver (0.5-3 s).
             result, started = await asyncio.to_thread(_timed, live.episode.start)
-            live.spent += built + started
-            self.cpu_seconds_here += built + started
+            self._charge_here(live, built + started)
             return self._settle(episode_id, result)
 
     async def step(self, action: str, episode_id: str) -> StepResult:
@@ -230,8 +230,7 @@ class OpenSpielEnv:
                     result, seconds = await asyncio.to_thread(_timed, live.episode.step, action)
                 else:
                     result, seconds = _timed(live.episode.step, action)
-                live.spent += seconds
-                self.cpu_seconds_here += seconds
+                self._charge_here(live, seconds)
             return self._settle(episode_id, result)
 
     async def state(self, episode_id: str) -> StepResult:
@@ -274,6 +273,11 @@ class OpenSpielEnv:
         worker's."""
         measured = self.costs.measured(kind)
         return measured < INLINE_SECONDS if measured is not None else opponent != "mcts"
+
+    def _charge_here(self, live: _Live, seconds: float) -> None:
+        """A move played in this process: its episode's cost, and this process's share of the env's CPU."""
+        live.spent += seconds
+        self.cpu_seconds_here += seconds
 
     def _least_loaded_worker(self) -> int:
         """The worker with the fewest expected seconds left on its live episodes."""
