@@ -117,7 +117,7 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
     if not share:  # every row through the model whole: the same step as before prefixes were shared
         prefixes.MIN_SHARED_PREFIX = 10**9
     stages = json.dumps([{"name": "s", "opponent": opponent, "min_episodes": 10**6,
-                          "tasks": [{"env": "openspiel", "games": games, "config_ids": [0]}]}])
+                          "tasks": [{"env": "openspiel", "games": games, "config_ids": args.config_ids}]}])
     overrides = [f"curriculum.stages={stages}", f"generation.context_strategy={strategy}", *extra,
                  f"ppo.batch_size={args.episodes}", f"generation.max_concurrent_episodes={args.episodes}",
                  f"generation.max_new_tokens={args.max_new_tokens}", "generation.max_prompt_tokens=4096",
@@ -165,7 +165,7 @@ def run_setting(name: str, args: argparse.Namespace) -> dict:
                    for rows in plan_micro_batches([s.input_ids for s in scored], budget)), default=0)
     per_turn = sum(turn.start + len(turn.response_ids) for e in usable for turn in e.turns if turn.response_ids)
     return {
-        "setting": name, "device": str(policy.device), "episodes": len(episodes),
+        "setting": name, "device": str(policy.device), "episodes": len(episodes), "config_ids": args.config_ids,
         "turns": sum(len(e.turns) for e in episodes), "sequences": len(sequences),
         "tokens_processed": int(metrics["perf/tokens_processed"]), "unique_tokens": int(metrics["perf/unique_tokens"]),
         "per_turn_tokens": per_turn,
@@ -196,17 +196,25 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, from {list(SETTINGS)}")
     parser.add_argument("--episodes", type=int, default=8, help="episodes per step (= generation batch)")
     parser.add_argument("--max-new-tokens", type=int, default=6)
+    parser.add_argument("--config-ids", default="0",
+                        help="the games' config ids the episodes draw from (goofspiel's 0-4: 8 to 16 cards, as the "
+                             "validators draw them; 0 alone: 8 cards)")
     parser.add_argument("--set", action="append", default=[], help="extra config overrides")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one setting in this process
     args = parser.parse_args()
+    try:
+        args.config_ids = [int(c) for c in args.config_ids.split(",")]
+    except ValueError:
+        parser.error(f"--config-ids: expected comma-separated integers, got {args.config_ids!r}")
     if args.one:
         print(json.dumps(run_setting(args.one, args)))
         return
     results = []
     for name in args.settings.split(","):
         command = [sys.executable, "-m", "bench.step_speed", "--one", name, "--preset", args.preset,
-                   "--episodes", str(args.episodes), "--max-new-tokens", str(args.max_new_tokens), *[a for s in args.set for a in ("--set", s)]]
+                   "--episodes", str(args.episodes), "--max-new-tokens", str(args.max_new_tokens),
+                   "--config-ids", ",".join(map(str, args.config_ids)), *[a for s in args.set for a in ("--set", s)]]
         done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
         if done.returncode != 0:
             sys.exit(f"setting {name} failed:\n{done.stderr[-3000:]}")
