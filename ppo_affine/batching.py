@@ -76,11 +76,14 @@ def build_sequences(episodes: list[Episode]) -> list[TrainSequence]:
 
 def as_trees(sequences: list[TrainSequence], token_budget: int) -> list[TrainSequence]:
     """Each episode's sequences merged into prefix trees, in their order (a tree takes the place of its first
-    sequence). A tree grows while it holds at most max(`token_budget`, the longest of `sequences`) tokens, then
-    the next starts afresh (running the shared history again): a micro-batch never holds more tokens than the
-    largest one of the sequences scored one by one (a sequence longer than the budget gets one of its own). A
-    tree of one sequence is that sequence, unchanged. Call before anything is scored: per-token fields are not
-    carried over."""
+    sequence). A tree holds at most max(`token_budget`, the longest of `sequences`) tokens: a micro-batch never
+    holds more tokens than the largest one of the sequences scored one by one (a sequence longer than the budget
+    gets one of its own). Where an episode needs more than one tree, each tree runs its own copy of the history
+    its sequences share. Trees are therefore filled from the episode's last sequence backwards: the last one holds
+    the whole history, so its tree takes as many of the latest turns as fit, and what is left for the next tree
+    are the earliest turns, whose histories are the shortest (filled forwards, the last turns were left alone
+    with a history of nearly full length to run again). A tree of one sequence is that sequence, unchanged. Call
+    before anything is scored: per-token fields are not carried over."""
     by_episode: dict[int, list[TrainSequence]] = {}
     for sequence in sequences:
         if sequence.old_logprobs is not None or sequence.parents is not None:
@@ -91,14 +94,14 @@ def as_trees(sequences: list[TrainSequence], token_budget: int) -> list[TrainSeq
     for members in by_episode.values():
         groups: list[list[TrainSequence]] = []
         builder = None
-        for member in members:
+        for member in reversed(members):
             if builder is None or len(builder.tokens) + builder.added_tokens(member.input_ids, member.spans) \
                     > token_budget:
                 builder = TreeBuilder()
                 groups.append([])
             builder.add(member.input_ids, member.spans)
             groups[-1].append(member)
-        merged.extend(_tree_sequence(group) for group in groups)
+        merged.extend(_tree_sequence(group[::-1]) for group in reversed(groups))
     return merged  # episodes in the order they first appear, each episode's trees in its sequences' order
 
 

@@ -81,6 +81,22 @@ def test_as_trees_merges_by_episode_and_cuts_at_the_budget():
     assert as_trees([a0, a1, a2], token_budget=10)[0].sampler_logprobs == [-0.3, -0.1, -0.2]
 
 
+def test_an_episode_cut_into_trees_leaves_its_earliest_turns_to_the_second_one():
+    """Each tree runs its own copy of the shared history: the last sequence's tree takes the latest turns, so
+    the tree that runs the history again holds the earliest turns, whose history is the shortest."""
+    r0, r1, r2, r3, x0, x1, x2 = 90, 91, 92, 93, 80, 81, 82  # replies as sampled; x: as the next turn shows them
+    s0 = _sequence(0, [1, 2, r0], [(2, 3)], [0])
+    s1 = _sequence(0, [1, 2, x0, 3, 4, r1], [(5, 6)], [1])
+    s2 = _sequence(0, [1, 2, x0, 3, 4, x1, 5, 6, r2], [(8, 9)], [2])
+    s3 = _sequence(0, [1, 2, x0, 3, 4, x1, 5, 6, x2, 7, 8, r3], [(11, 12)], [3])
+    trees = as_trees([s0, s1, s2, s3], token_budget=14)
+    # the whole history (12 tokens) and the replies of turns 1 and 2 as branches make 14; turn 0 goes alone (3
+    # tokens). Filled from the first turn on, turns 0-2 would make a tree of 11 and turn 3 one of 12: 23 in all.
+    assert [t.turns for t in trees] == [[0], [3, 1, 2]] and trees[0] is s0
+    assert sum(len(t.input_ids) for t in trees) == 3 + 14
+    assert trees[1].input_ids == s3.input_ids + [r1, r2]
+
+
 # A Qwen3-style template: every earlier assistant message is shown without its reasoning.
 STRIPPING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
