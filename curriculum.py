@@ -4,6 +4,8 @@ Decisions the trainer relies on:
 - Promotion looks only at fresh (non-replay) episodes sampled from the current stage. Replays
   are chosen because they failed, so counting them would bias the stage's success rate down;
   episodes sampled before a promotion but reported after it don't count for the new stage.
+- A stage's `review` share of fresh draws comes from an earlier stage and carries that stage's
+  name, so it counts in that stage's totals and never towards the current stage's promotion.
 - Every failure (fresh or replay, any stage) enters the failure buffer keyed by
   (env, task_id, seed, opponent); only successful *replays* count towards retiring it.
 - All randomness comes from one numpy Generator seeded from `seed`; `state_dict()` holds its
@@ -97,6 +99,9 @@ class Curriculum:
 
     def _draw_fresh(self) -> Task:
         stage = self.stage
+        # no random draw without review, so runs without it sample exactly the tasks they always did
+        if stage.review > 0 and self._rng.random() < stage.review:
+            stage = self.config.stages[int(self._rng.integers(self._stage_index))]
         weights = np.array([source.weight for source in stage.tasks], dtype=np.float64)
         source_index = int(self._rng.choice(len(stage.tasks), p=weights / weights.sum()))
         source = stage.tasks[source_index]

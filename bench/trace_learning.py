@@ -9,7 +9,8 @@
    scores, so the stop changes no score);
 2. SFT: `sft_warmstart.py --games '' --trace N --trace-levels LEVELS` (the program's real stdout as the reply);
 3. PPO from the SFT adapter (`train_ppo.py`, cpu + trace + warm_start presets): a curriculum of one stage per
-   level, promoting on `--threshold` over `--min-episodes`; exact match is the reward unless `--set
+   level, promoting on `--threshold` over `--min-episodes` (`--review R`: a later stage draws R of its tasks
+   from the levels before it); exact match is the reward unless `--set
    ppo.reward.trace_line_credit=C` adds partial credit;
 4. the SFT and SFT+PPO adapters reply to the same held-out tasks.
 
@@ -53,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="PPO steps")
     parser.add_argument("--threshold", type=float, default=0.5, help="success rate that promotes a stage")
     parser.add_argument("--min-episodes", type=int, default=32, help="episodes a stage plays before promotion")
+    parser.add_argument("--review", type=float, default=0.0,
+                        help="share of each later stage's tasks drawn from the levels before it (curriculum 'review')")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--output-dir", type=Path, default=Path("runs/trace-learning"))
     parser.add_argument("--set", action="append", default=[], help="more --set overrides, for every phase")
@@ -115,7 +118,8 @@ def ppo(args: argparse.Namespace, sft: Path) -> Path:
     """The PPO run from the SFT adapter through the levels; resumed where an earlier run stopped."""
     folder = args.output_dir / "ppo"
     stages = [{"name": f"level-{level}", "success_threshold": args.threshold, "min_episodes": args.min_episodes,
-               "tasks": [{"env": "trace", "trace_difficulty": [level]}]} for level in args.levels]
+               "review": args.review if index else 0.0, "tasks": [{"env": "trace", "trace_difficulty": [level]}]}
+              for index, level in enumerate(args.levels)]
     sets = [*TRAIN_OVERRIDES, *common_sets(args), f"curriculum.stages={json.dumps(stages)}", "run.name=ppo",
             "checkpointing.save_every=1"]
     command = ["--preset", "cpu", "--preset", "trace", "--preset", "warm_start", "--output-dir", str(folder),
@@ -201,7 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
     records += timed("eval sft+ppo", lambda: evaluated(args, "sft+ppo", trained))
     stages = stages_reached(args.output_dir / "ppo" / "ppo" / "metrics.jsonl")
     result = {"levels": args.levels, "eval_tasks_per_level": args.eval_tasks, "sft_tasks": args.sft_tasks,
-              "steps": args.steps, "overrides": args.set, "table": results_table(records, args.levels),
+              "steps": args.steps, "threshold": args.threshold, "review": args.review, "overrides": args.set,
+              "table": results_table(records, args.levels),
               "stages": stages, "stage_reached": stages[-1]["stage"] if stages else None,
               "promotions": sum(a["stage"] != b["stage"] for a, b in zip(stages, stages[1:])),
               "minutes": minutes}

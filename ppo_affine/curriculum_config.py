@@ -109,6 +109,15 @@ class Stage(BaseModel):
         0.6, gt=0, le=1, description="Promote when the rolling success metric reaches this value."
     )
     min_episodes: int = Field(100, ge=1, description="Episodes of this stage needed before promotion.")
+    review: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="Share of this stage's fresh tasks drawn from the stages before it (one of them uniformly, then "
+        "its sources by weight), so a promotion does not stop the training on what they taught. Those episodes "
+        "count for their own stage's totals, never for this stage's promotion. 0 on the first stage.",
+    )
 
 
 class FailureBufferConfig(BaseModel):
@@ -153,6 +162,9 @@ class CurriculumConfig(BaseModel):
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"stage names must be unique; repeated: {duplicates}")
+        if stages[0].review > 0:
+            raise ValueError(f"stage {stages[0].name!r} is the first: 'review' draws from the stages before it, "
+                             "and there are none (set it to 0)")
         return stages
 
     @property

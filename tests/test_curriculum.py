@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from curriculum import Curriculum
 from ppo_affine.curriculum_config import CurriculumConfig, default_curriculum
-from ppo_affine.envs.tasks import Task
+from ppo_affine.envs.tasks import Task, trace_level_of, trace_training_range
 
 GAMES_SOURCE = {"env": "openspiel", "games": ["goofspiel"], "config_ids": [0]}
 
@@ -292,6 +292,64 @@ def test_replays_and_earlier_stage_episodes_do_not_count_for_promotion():
     stats = curriculum.stats()
     assert stats["curriculum/stage_episodes"] == 0 and stats["curriculum/replayed"] == 10
     assert stats["curriculum/episodes/second"] == 1
+
+
+def trace_levels_config(review: float) -> CurriculumConfig:
+    return make_config(
+        [
+            {"name": "level-0", "tasks": [{"env": "trace", "trace_difficulty": [0]}], "min_episodes": 2,
+             "success_threshold": 0.5},
+            {"name": "level-1", "tasks": [{"env": "trace", "trace_difficulty": [1]}], "review": review},
+        ],
+        window=2,
+        failure_buffer={"replay_prob": 0.0},
+    )
+
+
+def promoted_curriculum(review: float) -> Curriculum:
+    curriculum = Curriculum(trace_levels_config(review), seed=3)
+    for task in curriculum.sample(2):
+        curriculum.report(task, 1.0, True)
+    assert curriculum.stage.name == "level-1"
+    return curriculum
+
+
+def test_review_draws_its_share_from_the_earlier_stage_under_that_stages_name():
+    curriculum = promoted_curriculum(0.25)
+    tasks = curriculum.sample(4000)
+    reviewed = [t for t in tasks if t.stage == "level-0"]
+    assert 0.22 < len(reviewed) / len(tasks) < 0.28
+    # a reviewed task is the earlier stage's own kind of task: a level-0 id, never a held-out one
+    assert all(trace_level_of(t.task_id) == 0 and t.task_id >= trace_training_range(0)[0] for t in reviewed)
+    assert all(trace_level_of(t.task_id) == 1 for t in tasks if t.stage == "level-1")
+
+
+def test_reviewed_episodes_count_for_their_stage_and_never_for_promotion():
+    curriculum = promoted_curriculum(0.5)
+    reviewed = next(t for t in curriculum.sample(50) if t.stage == "level-0")
+    for _ in range(5):
+        assert curriculum.report(reviewed, 1.0, True) is False
+    stats = curriculum.stats()
+    assert stats["curriculum/stage_episodes"] == 0 and stats["curriculum/window_episodes"] == 0
+    assert stats["curriculum/episodes/level-0"] == 2 + 5 and stats["curriculum/success_rate/level-0"] == 1.0
+
+
+def test_no_review_samples_exactly_as_before():
+    # review 0 makes no extra random draw: the same tasks as a stage without the field
+    without = Curriculum(trace_levels_config(0.0), seed=5)
+    plain = Curriculum(make_config([
+        {"name": "level-0", "tasks": [{"env": "trace", "trace_difficulty": [0]}], "min_episodes": 2,
+         "success_threshold": 0.5},
+        {"name": "level-1", "tasks": [{"env": "trace", "trace_difficulty": [1]}]}],
+        window=2, failure_buffer={"replay_prob": 0.0}), seed=5)
+    assert without.sample(20) == plain.sample(20)
+
+
+def test_review_on_the_first_stage_is_a_config_error():
+    message = validation_error({"stages": [{"name": "first", "tasks": [GAMES_SOURCE], "review": 0.3}]})
+    assert "'first' is the first" in message and "review" in message
+    assert "less than 1" in validation_error({"stages": [
+        {"name": "a", "tasks": [GAMES_SOURCE]}, {"name": "b", "tasks": [GAMES_SOURCE], "review": 1.0}]})
 
 
 def test_report_rejects_nan_score():
