@@ -13,6 +13,12 @@ def test_a_preset_by_name_is_read_from_the_presets_folder():
     assert config.train.model.use_4bit is False
 
 
+def test_the_trace_preset_keeps_reviewing_the_levels_a_run_was_promoted_from():
+    # without review, a promotion to a level the model cannot do cost it the level it had (docs/trace.md)
+    stages = load_config(presets=["trace"]).curriculum.stages
+    assert [stage.review for stage in stages] == [0.0, 0.5, 0.5, 0.5]
+
+
 def test_a_preset_by_path_is_merged_on_top_of_the_earlier_ones(tmp_path):
     preset = tmp_path / "mine.json"
     preset.write_text(json.dumps({"train": {"ppo": {"batch_size": 6}}}))
