@@ -294,12 +294,14 @@ def test_replays_and_earlier_stage_episodes_do_not_count_for_promotion():
     assert stats["curriculum/episodes/second"] == 1
 
 
-def trace_levels_config(review: float) -> CurriculumConfig:
+def trace_levels_config(review: float | None) -> CurriculumConfig:
+    """Level 0 promoting after 2 successes, then level 1 with `review` (None: the field left out)."""
+    second = {"name": "level-1", "tasks": [{"env": "trace", "trace_difficulty": [1]}]}
     return make_config(
         [
             {"name": "level-0", "tasks": [{"env": "trace", "trace_difficulty": [0]}], "min_episodes": 2,
              "success_threshold": 0.5},
-            {"name": "level-1", "tasks": [{"env": "trace", "trace_difficulty": [1]}], "review": review},
+            second if review is None else {**second, "review": review},
         ],
         window=2,
         failure_buffer={"replay_prob": 0.0},
@@ -337,11 +339,7 @@ def test_reviewed_episodes_count_for_their_stage_and_never_for_promotion():
 def test_no_review_samples_exactly_as_before():
     # review 0 makes no extra random draw: the same tasks as a stage without the field
     without = Curriculum(trace_levels_config(0.0), seed=5)
-    plain = Curriculum(make_config([
-        {"name": "level-0", "tasks": [{"env": "trace", "trace_difficulty": [0]}], "min_episodes": 2,
-         "success_threshold": 0.5},
-        {"name": "level-1", "tasks": [{"env": "trace", "trace_difficulty": [1]}]}],
-        window=2, failure_buffer={"replay_prob": 0.0}), seed=5)
+    plain = Curriculum(trace_levels_config(None), seed=5)
     assert without.sample(20) == plain.sample(20)
 
 

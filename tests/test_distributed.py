@@ -136,11 +136,13 @@ def test_two_ranks_of_two_episodes_update_like_one_process_of_four(tiny_model_di
         moved = max(float(w.abs().max()) for n, w in alone["weights"].items() if "lora_B" in n or "value_head" in n)
         assert moved > 1e-2, f"{case}: the step barely moved the weights, so the comparison proves little"
         # the same losses and pre-clip gradient norm: a mean over ranks instead of a sum would halve the norm. The
-        # policy loss sums terms of both signs (advantages ±) to a few 1e-3, so float32 rounding of the larger terms
-        # shows at 1e-7 absolute, and how much depends on the CPU's vector width (an AVX-512 machine: 1.1e-7, 'group')
+        # policy loss alone sums terms of both signs (advantages ±) to a few 1e-3, so float32 rounding of the larger
+        # terms shows at 1e-7 absolute, and how much depends on the CPU's vector width (AVX-512: 1.1e-7, 'group')
         for key in ("policy/loss", "value/loss", "update/grad_norm", "reward/kl_per_token", "policy/entropy"):
             if key in alone["metrics"]:
-                assert rank0["metrics"][key] == pytest.approx(alone["metrics"][key], rel=1e-5, abs=1e-6), (case, key)
+                tolerance = 1e-6 if key == "policy/loss" else 1e-7
+                assert rank0["metrics"][key] == pytest.approx(alone["metrics"][key], rel=1e-5, abs=tolerance), (
+                    case, key)
         assert rank0["kl_coef"] == pytest.approx(alone["kl_coef"], rel=1e-9)
         if case == "stripped":  # two ranks scoring trees end where one process scoring each sequence whole does
             per_turn = learn_once(tiny_model_dir, tmp_path / "alone-stripped_per_turn", "stripped_per_turn")
