@@ -453,7 +453,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="SFT on expert play first, PPO from its adapter; SFT and expert rows in the table")
     parser.add_argument("--models",
                         help="rows to evaluate (default all): " + ",".join(MODELS) + " after a warm start, base,ppo "
-                        "without; e.g. sft,sft+ppo for an ablation")
+                        "without; e.g. sft,sft+ppo for an ablation. Only what a row plays is trained: no "
+                        "SFT without sft or sft+ppo, no PPO without sft+ppo")
     parser.add_argument("--sft-episodes", help="expert episodes per game for SFT: N, or N then GAME=M items")
     parser.add_argument("--sft-epochs", type=int)
     parser.add_argument("--sft-batch-size", type=int, default=4, help="conversations per SFT optimizer step")
@@ -549,12 +550,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.model_rows if m not in allowed]
     if unknown:
         parser.error(f"--models: {unknown} are not rows of this run; expected some of {','.join(allowed)}")
+    # a student is trained only for a row that plays it (sft, or sft+ppo started from it): the teacher's row
+    # alone (`--models expert`) would otherwise wait half an hour for an SFT nothing uses
+    args.train_sft = args.warm_start and bool({"sft", "sft+ppo"} & set(args.model_rows))
     too_few = [g for g in games if count(args.eval_counts, g) <= args.eval_skip]
     if args.eval_skip < 0 or too_few:
         parser.error(f"--eval-skip must be at least 0 and below each game's --eval-episodes, got {args.eval_skip} "
                      f"(games with no episodes left: {too_few})")
     if args.sft_dagger_rounds < 0 or (args.sft_dagger_rounds and not args.warm_start):
         parser.error(f"--sft-dagger-rounds must be at least 0, and needs --warm-start; got {args.sft_dagger_rounds}")
+    if args.sft_dagger_rounds and not args.train_sft:
+        parser.error(f"--sft-dagger-rounds {args.sft_dagger_rounds} trains a student that no row of --models "
+                     f"{args.models} plays; add sft or sft+ppo to --models or leave the rounds out")
     if args.sft_dagger_data is not None and not (args.sft_dagger_rounds and args.sft_checkpoint):
         parser.error("--sft-dagger-data needs --sft-dagger-rounds and --sft-checkpoint (an SFT run here keeps its "
                      f"own expert games in every round); got {args.sft_dagger_data}")
@@ -614,7 +621,7 @@ def main(argv: list[str] | None = None) -> None:
     variants = eval_variants(games, args.eval_counts)
 
     sft_checkpoint = args.sft_checkpoint
-    if args.warm_start and (sft_checkpoint is None or args.sft_dagger_rounds):
+    if args.train_sft and (sft_checkpoint is None or args.sft_dagger_rounds):
         started = time.perf_counter()
         every_variant = sorted({c for ids in variants.values() for c in ids})
         # from a given checkpoint only the DAgger rounds run
@@ -726,7 +733,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def sft_settings(args: argparse.Namespace, sft_checkpoint: Path | None) -> dict | None:
     """The JSON's account of the student: a given checkpoint or the SFT recipe, then any DAgger rounds."""
-    if not args.warm_start:
+    if not args.train_sft:
         return None
     settings = ({"checkpoint": str(args.sft_checkpoint)} if args.sft_checkpoint else
                 {"episodes_per_game": args.sft_counts, "epochs": args.sft_epochs, "opponent": args.train_opponent,

@@ -157,7 +157,7 @@ def test_every_row_meets_the_opponent_and_cache_folder_the_run_is_configured_wit
     monkeypatch.setattr(learning, "play", play)
     monkeypatch.setattr(learning.expert_play, "generate", generate)
     out, cache = tmp_path / "bench", tmp_path / "cache"
-    learning.main(["--profile", "ci", "--games", "leduc_poker,liars_dice", "--steps", "0", "--models", "base,expert",
+    learning.main(["--profile", "ci", "--games", "leduc_poker,liars_dice", "--steps", "0", "--models", "base,sft,expert",
                    "--output-dir", str(out), "--set", "env.envs.openspiel.opponent_search=exact",
                    "--set", "env.envs.openspiel.mcts_simulations=7", "--set", f"model.cache_dir={cache}"])
     capsys.readouterr()
@@ -168,6 +168,25 @@ def test_every_row_meets_the_opponent_and_cache_folder_the_run_is_configured_wit
         ("leduc_poker", "best_response")] * 2 + [("leduc_poker", "cfr")] * 2 + [("liars_dice", "true_bids")] * 2
     assert {(j.setup.search, j.setup.budget(j.game), j.setup.cache_dir, j.setup.moves) for j in seen["jobs"]} == {
         ("exact", 7, str(cache), str(out / "opponent-moves.sqlite"))}
+
+
+def test_rows_without_a_student_train_none(tmp_path, monkeypatch, capsys):
+    """The teacher's row alone (or with base) plays no adapter, so no SFT runs for it; a row that plays the
+    student still trains one."""
+    assert learning.parse_args(["--models", "base,expert"]).train_sft is False
+    assert learning.parse_args(["--models", "sft"]).train_sft is True
+    assert learning.parse_args(["--steps", "1", "--models", "sft+ppo"]).train_sft is True
+    assert learning.parse_args(["--no-warm-start"]).train_sft is False
+    with pytest.raises(SystemExit):  # DAgger rounds for a student no row plays are refused, not skipped
+        learning.parse_args(["--models", "base,expert", "--sft-dagger-rounds", "1"])
+    monkeypatch.setattr(learning.sft_warmstart, "main", lambda argv: pytest.fail("the warm start ran"))
+    played = []
+    monkeypatch.setattr(learning, "expert_records", lambda games, *args, **kwargs: played.extend(games) or [])
+    out = tmp_path / "bench"
+    learning.main(["--profile", "ci", "--games", "liars_dice", "--models", "expert", "--output-dir", str(out)])
+    printed = capsys.readouterr().out
+    assert played == ["liars_dice"]
+    assert json.loads(printed[:printed.index("\n}\n") + 2])["sft"] is None
 
 
 def test_eval_skip_plays_the_later_episodes_of_a_longer_evaluation_on_the_same_seeds():
