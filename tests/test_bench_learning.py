@@ -170,6 +170,11 @@ def test_every_row_meets_the_opponent_and_cache_folder_the_run_is_configured_wit
         ("exact", 7, str(cache), str(out / "opponent-moves.sqlite"))}
 
 
+def bench_report(printed: str) -> dict:
+    """The JSON a bench run prints between the run's own lines and its table."""
+    return json.loads(printed[printed.index('{\n "model"'):printed.index("\n| game |")])
+
+
 def test_rows_without_a_student_train_none(tmp_path, monkeypatch, capsys):
     """The teacher's row alone (or with base) plays no adapter, so no SFT runs for it; a row that plays the
     student still trains one."""
@@ -186,7 +191,7 @@ def test_rows_without_a_student_train_none(tmp_path, monkeypatch, capsys):
     learning.main(["--profile", "ci", "--games", "liars_dice", "--models", "expert", "--output-dir", str(out)])
     printed = capsys.readouterr().out
     assert played == ["liars_dice"]
-    assert json.loads(printed[:printed.index("\n}\n") + 2])["sft"] is None
+    assert bench_report(printed)["sft"] is None
 
 
 def test_eval_skip_plays_the_later_episodes_of_a_longer_evaluation_on_the_same_seeds():
@@ -264,7 +269,7 @@ def test_the_ci_profile_runs_every_phase_and_row_on_the_four_validator_games(tin
     learning.main(["--profile", "ci", "--output-dir", str(tmp_path / "bench"), "--workers", "1", "--teacher-moves",
                    *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]])
     printed = capsys.readouterr().out
-    report = json.loads(printed[printed.index('{\n "model"'):printed.index("\n| game |")])
+    report = bench_report(printed)
     games = ["leduc_poker", "liars_dice", "goofspiel", "gin_rummy"]
     for game in games:  # every model that played, replayed against its teacher
         moves = report["teacher_moves"]["mcts"][game]
@@ -304,7 +309,7 @@ def test_zero_steps_measure_the_sft_rows_alone(tiny_model_dir, tmp_path, capsys)
                    "--workers", "1",
                    *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]])
     printed = capsys.readouterr().out
-    report = json.loads(printed[printed.index('{\n "model"'):printed.index("\n| game |")])  # after the run's lines
+    report = bench_report(printed)
     assert set(report["results"]["mcts"]["liars_dice"]) == {"sft"}
     assert report["checkpoint"] is None and report["signal"] is None and set(report["minutes"]) == {"sft", "eval",
                                                                                                     "teacher"}
@@ -329,7 +334,7 @@ def test_dagger_rounds_make_the_sft_row_from_a_given_checkpoint(tiny_model_dir, 
                    "--sft-dagger-data", str(tmp_path / "student" / "sft_data.jsonl"), "--sft-dagger-aggregate", "all",
                    "--output-dir", str(tmp_path / "bench"), "--workers", "1", *sets])
     printed = capsys.readouterr().out
-    report = json.loads(printed[printed.index('{\n "model"'):printed.index("\n| game |")])
+    report = bench_report(printed)
     [dagger] = (tmp_path / "bench" / "sft" / "dagger-1" / "checkpoints").glob("checkpoint-*")
     assert report["sft"] == {"checkpoint": str(student), "dagger_rounds": 1, "dagger_episodes": "2",
                              "dagger_aggregate": "all", "dagger_checkpoint": str(dagger),
