@@ -63,6 +63,7 @@ from ppo_affine.distributed import (ONE_PROCESS, OutOfMemoryOnRanks, RankFailed,
                                     check_world_size, rng_state_of)
 from ppo_affine.envs.factory import make_envs, playable_filter
 from ppo_affine.advantages import assign_advantages, final_reward, turn_rewards
+from ppo_affine.architectures import tree_scoring_mode
 from ppo_affine.batching import build_sequences, scoring_sequences
 from ppo_affine.experience import correct_for_the_sampler, sampler_gap, score_sequences
 from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
@@ -404,7 +405,8 @@ class Trainer:
         mine = self.ranks.share(len(episodes), cfg.ppo.group_size if group_ids is not None else 1)
         sequences = [sequence for sequence in build_sequences(episodes) if sequence.episode in mine]
         # an episode's stripped-history turns as one tree, which runs their shared history once
-        sequences = scoring_sequences(sequences, self.micro_batch_tokens, cfg.ppo.tree_scoring)
+        sequences = scoring_sequences(sequences, self.micro_batch_tokens,
+                                      tree_scoring_mode(self.policy.model.config, cfg.ppo.tree_scoring))
         settings = UpdateSettings(cfg.ppo, self.kl_ctl.value, self.temperature, self.micro_batch_tokens,
                                   shuffle_seed=derive_seed(cfg.run.seed, "minibatches", self.step),
                                   value_only=self.step < cfg.value_head.warmup_steps)

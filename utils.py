@@ -57,7 +57,7 @@ def config_from_arguments(args: argparse.Namespace, defaults: Sequence[str] = ()
 # What an adapter was trained on and the shape it has: the checkpoint's values stand, and another value given
 # explicitly is an error (the adapter would not fit, or would be judged on another model).
 BOUND_TO_CHECKPOINT = ("model.name_or_path", "model.gguf_file", "model.gguf_package", "model.use_4bit",
-                       "lora.r", "lora.alpha", "lora.target_modules")
+                       "lora.r", "lora.alpha", "lora.target_modules", "lora.adapt_experts")
 # How that model was loaded and prompted: read from the checkpoint unless given explicitly.
 CARRIED_FROM_CHECKPOINT = ("model.dtype", "model.trust_remote_code", "model.chat_template_kwargs", "model.cache_dir")
 

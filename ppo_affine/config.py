@@ -79,10 +79,23 @@ class LoraConfig(Strict):
     alpha: int = Field(32, ge=1, description="LoRA scale numerator: the update is scaled by alpha / r.")
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="LoRA dropout (SFT; PPO turns it off, see "
                            "ppo.disable_dropout).")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        description="Module name suffixes to adapt; resolved against the model's real module names.",
+    target_modules: list[str] | None = Field(
+        None, description="Module name suffixes to adapt, resolved against the model's real linear layers; null = "
+        "the architecture's default (ppo_affine/architectures.py): attention q/k/v/o, linear-attention "
+        "in_proj_qkv/z/b/a and out_proj, and the dense or shared-expert MLP gate/up/down.",
     )
+    adapt_experts: bool = Field(
+        False, description="Also adapt the routed experts of an MoE model whose experts are fused 3-D parameters "
+        "(mlp.experts.gate_up_proj / down_proj, peft's target_parameters): one rank-r pair per expert weight, so "
+        "num_experts times the trainable parameters of one MLP (see docs/architectures.md). Needs dropout 0.",
+    )
+
+    @model_validator(mode="after")
+    def _experts_without_dropout(self):
+        if self.adapt_experts and self.dropout:
+            raise ValueError(f"lora.adapt_experts needs lora.dropout 0 (peft adapts fused expert weights without "
+                             f"dropout); got {self.dropout}")
+        return self
 
 
 class ValueHeadConfig(Strict):

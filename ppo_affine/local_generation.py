@@ -32,6 +32,8 @@ from typing import Any
 import torch
 
 from ppo_affine import prefixes
+from ppo_affine.architectures import (append_cache_rows, keep_cache_columns, kv_reuse_across_turns,
+                                      one_mask_serves_every_layer, select_cache_rows, switched_off)
 from ppo_affine.config import GenerationConfig
 from ppo_affine.seeds import derive_seed
 from ppo_affine.generation import Generation, closes_fence, eos_token_ids
@@ -46,15 +48,6 @@ log = logging.getLogger(__name__)
 JOIN_WAIT_STEPS = 4.0
 
 
-def cache_reuse_supported(model) -> bool:
-    """KV reuse across turns assumes every layer attends to the whole sequence (no sliding window)."""
-    config = model.config.get_text_config()
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in layer_types):
-        return False
-    return not (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
-
-
 def decode_bias_dtype(model) -> torch.dtype | None:
     """The dtype of the additive mask a decode step can hand the model ready-made, or None where it cannot.
 
@@ -64,7 +57,8 @@ def decode_bias_dtype(model) -> torch.dtype | None:
     mask itself, kept from step to step by appending a column. Only where one mask serves every layer (no
     sliding window) and the attention takes a tensor mask (SDPA, eager): not flash-attention's kernels."""
     config = model.config.get_text_config()
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager") or not cache_reuse_supported(model):
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager") or not one_mask_serves_every_layer(
+            model.config):
         return None
     return model.get_input_embeddings().weight.dtype  # the hidden states', so the queries' dtype
 
@@ -172,7 +166,8 @@ class LocalGenerator:
         # the tokens that can complete a fence: only a reply that just sampled one is decoded to count its fences
         self.fence_ids = ({i for token, i in self.tokenizer.get_vocab().items() if "`" in token}
                           if gen_cfg.stop_at_closing_fence else set())
-        self.reuse_cache = gen_cfg.reuse_kv_cache and cache_reuse_supported(policy.model)
+        self.reuse_cache = gen_cfg.reuse_kv_cache and not switched_off(
+            policy.model.config, "generation.reuse_kv_cache", kv_reuse_across_turns(policy.model.config))
         self.continuous = gen_cfg.local_batching == "continuous"
         self._cache_name = kv_cache_keyword()
         self._bias_dtype = decode_bias_dtype(policy.model)
@@ -397,9 +392,7 @@ class LocalGenerator:
             self._running = joining
             return
         width = max(running.width, joining.width)
-        for old, new in zip(running.cache.layers, joining.cache.layers):
-            old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)])
-            old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
+        append_cache_rows(running.cache, joining.cache, width, _left_pad)
         running.requests, running.bias = running.requests + joining.requests, None
         running.mask = torch.cat([_left_pad(running.mask, width, dim=1), _left_pad(joining.mask, width, dim=1)])
         running.positions = torch.cat([running.positions, joining.positions])
@@ -450,7 +443,7 @@ class LocalGenerator:
             self._running = None
             return
         index = torch.tensor(keep, device=running.mask.device)
-        running.cache.batch_select_indices(index)
+        select_cache_rows(running.cache, index)
         running.requests, running.bias = [running.requests[row] for row in keep], None
         running.mask, running.positions = running.mask[index], running.positions[index]
         running.next_tokens = running.next_tokens[index]
@@ -458,8 +451,7 @@ class LocalGenerator:
         if int(used.sum()) < used.numel() // 2:  # mostly padding: keep only the columns some row uses
             columns = used.nonzero().squeeze(-1)
             running.mask = running.mask.index_select(1, columns)
-            for layer in running.cache.layers:
-                layer.keys, layer.values = layer.keys.index_select(2, columns), layer.values.index_select(2, columns)
+            keep_cache_columns(running.cache, columns)
 
     def _keep_cache(self, running: Running, row: int) -> None:
         """The row's keys/values of prompt + reply (all but the last reply token, which was never fed)."""

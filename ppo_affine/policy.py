@@ -19,6 +19,8 @@ from torch import nn
 
 from ppo_affine.ppo import logprobs_and_entropy_from_logits, logprobs_from_logits
 from ppo_affine import prefixes
+from ppo_affine.architectures import (default_lora_targets, expert_lora_parameters, prefix_cache_with_gradients,
+                                      repeat_cache_rows, switched_off, tree_masks)
 from ppo_affine.token_trees import TreeRows
 from ppo_affine.model_files import load_base_model, load_tokenizer
 from ppo_affine.config import ConfigError, LoraConfig, ModelConfig
@@ -36,8 +38,10 @@ def _adapter_does_not_fit(adapter_dir: Path, exc: Exception) -> ConfigError:
                        f"model.name_or_path): {str(exc).splitlines()[0][:200]}")
 
 
-def resolve_lora_targets(model: nn.Module, wanted: list[str]) -> list[str]:
-    """Keep the configured suffixes that name real linear layers; fail if none do."""
+def resolve_lora_targets(model: nn.Module, wanted: list[str], explicit: bool = True) -> list[str]:
+    """Keep the suffixes that name real linear layers; fail if none do. Missing ones are warned about when the user
+    named them (`explicit`); an architecture's default lists some that only some of its models have (the dense MLP
+    of an MoE model's dense layers)."""
     linear_suffixes = {
         name.rsplit(".", 1)[-1]
         for name, module in model.named_modules()
@@ -51,7 +55,7 @@ def resolve_lora_targets(model: nn.Module, wanted: list[str]) -> list[str]:
             f"Its linear layers are named: {sorted(linear_suffixes)}."
         )
     missing = sorted(set(wanted) - set(matched))
-    if missing:
+    if missing and explicit:
         log.warning("LoRA targets %s do not exist in %s and are ignored", missing, type(model).__name__)
     return matched
 
@@ -189,6 +193,8 @@ class Policy(nn.Module):
         Tree rows (`token_trees.py`) begin with one plain chain (the sequence holding the whole history); up to
         where every row's chain ends they run causally as plain rows do, and the rest (the other sequences' own
         branches) attends along its branches by a 4D mask, at its positions in its own sequences."""
+        if tree is not None and not tree_masks(self.model.config)[0]:  # scoring_sequences keeps trees off for it
+            raise ValueError(f"{tree_masks(self.model.config)[1]} ({self.model.config.model_type})")
         decoder = self.model.get_base_model().get_decoder()
         batch, width = input_ids.shape
         can_cache = self.shares_prefixes_with_gradients() or not torch.is_grad_enabled()
@@ -209,7 +215,7 @@ class Policy(nn.Module):
             parts.append(prefix.last_hidden_state.expand(batch, -1, -1))  # gradients of the rows add up in it
             if shared < width:  # the rows go on from the prefix's keys and values
                 cache = getattr(prefix, keyword)
-                cache.batch_repeat_interleave(batch)
+                repeat_cache_rows(cache, batch)
         if chain > shared:  # every row's own causal part
             causal = decoder(input_ids=input_ids[:, shared:chain], use_cache=True, **({keyword: cache} if cache
                                                                                       else {}))
@@ -235,6 +241,9 @@ class Policy(nn.Module):
         """Whether training passes can share prefixes: they need the KV cache, which gradient checkpointing
         turns off (passes without gradients always can)."""
         base = self.model.get_base_model()
+        if switched_off(base.config, "sharing prefixes in passes with gradients",
+                        prefix_cache_with_gradients(base.config)):
+            return False
         # transformers 5.2x renamed is_gradient_checkpointing (the old name warns)
         name = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") else \
             "is_gradient_checkpointing"
@@ -323,18 +332,23 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: torch.devi
 
     tokenizer = load_tokenizer(model_cfg)
     base = load_base_model(model_cfg, device)
-    targets = resolve_lora_targets(base, lora_cfg.target_modules)
+    targets = resolve_lora_targets(base, lora_cfg.target_modules or default_lora_targets(base.config),
+                                   explicit=lora_cfg.target_modules is not None)
+    experts = expert_lora_parameters(base) if lora_cfg.adapt_experts else []
+    if lora_cfg.adapt_experts and not experts:
+        raise ConfigError(f"lora.adapt_experts: {type(base).__name__} has no fused routed-expert weights to adapt.")
     peft_config = PeftLoraConfig(
         r=lora_cfg.r,
         lora_alpha=lora_cfg.alpha,
         lora_dropout=lora_cfg.dropout,
         target_modules=targets,
+        target_parameters=experts or None,
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(base, peft_config)
     policy = Policy(model, tokenizer)
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     total = sum(p.numel() for p in policy.parameters())
-    log.info("policy: %s, LoRA on %s, %s trainable of %s parameters", type(base).__name__, targets,
+    log.info("policy: %s, LoRA on %s, %s trainable of %s parameters", type(base).__name__, targets + experts,
              f"{trainable:,}", f"{total:,}")
     return policy.eval()  # the update switches to train mode itself

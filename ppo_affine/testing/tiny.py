@@ -81,3 +81,72 @@ def save_checkpoint_with_active_adapter(model_dir: Path, folder: Path) -> Path:
                 parameter.normal_(0.0, 0.5)
     policy.save(folder)
     return folder
+
+
+# The architectures the Affine validators admit (and qwen3_moe, the MoE without linear attention), shrunk: a
+# few layers of width 32 with the real layer kinds. `qwen3_5_moe` is the multimodal release config (language
+# model under `text_config`, a vision tower); `qwen3_5_moe_text` its language model alone.
+TINY_ARCHITECTURES = ("qwen3", "qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe")
+_TINY_TEXT = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=8192, tie_word_embeddings=False, initializer_range=0.3)
+_TINY_FIELDS = {
+    "qwen3": dict(intermediate_size=64),
+    "qwen3_moe": dict(intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                      decoder_sparse_step=1),
+    # three Gated DeltaNet layers and one full-attention layer, as every block of four in the real model
+    "qwen3_5_moe_text": dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_conv_kernel_dim=4, moe_intermediate_size=16,
+                             shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                             layer_types=["linear_attention"] * 3 + ["full_attention"]),
+}
+_TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+
+
+def tiny_architecture_config(model_type: str, vocab_size: int, pad_token_id: int, eos_token_id: int):
+    """A tiny config of one of TINY_ARCHITECTURES, its fields set the way the released config sets them."""
+    from transformers import AutoConfig
+
+    text_type = "qwen3_5_moe_text" if model_type == "qwen3_5_moe" else model_type
+    tokens = dict(vocab_size=vocab_size, pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=None)
+    text = AutoConfig.for_model(text_type, **_TINY_TEXT, **_TINY_FIELDS[text_type], **tokens)
+    if model_type != "qwen3_5_moe":
+        return text
+    config = AutoConfig.for_model("qwen3_5_moe")
+    config.text_config = text
+    for name, value in _TINY_VISION.items():
+        setattr(config.vision_config, name, value)
+    config.vision_config.out_hidden_size = text.hidden_size
+    config.tie_word_embeddings = False
+    return config
+
+
+def make_tiny_architecture_dir(folder: Path, model_type: str, seed: int = 0) -> Path:
+    """A tiny random model of `model_type` saved as the Hub releases it: `save_pretrained` of the model class the
+    release config names (the multimodal one for qwen3_5_moe: `model.language_model.*`, `model.visual.*`, experts
+    one tensor each), bf16 safetensors, plus the multi-token-prediction weights (`mtp.*`) that Qwen3.5/3.6
+    releases carry and transformers drops when it loads them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    tokenizer = make_tokenizer()
+    config = tiny_architecture_config(model_type, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    builder = AutoModelForImageTextToText if model_type == "qwen3_5_moe" else AutoModelForCausalLM
+    model = builder.from_config(config, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if model_type.startswith("qwen3_5_moe"):
+        weights_file = folder / "model.safetensors"
+        weights = load_file(str(weights_file))
+        hidden = config.get_text_config().hidden_size
+        generator = torch.Generator().manual_seed(seed + 1)
+        for name, shape in (("mtp.fc.weight", (hidden, 2 * hidden)), ("mtp.norm.weight", (hidden,)),
+                            ("mtp.pre_fc_norm_hidden.weight", (hidden,)),
+                            ("mtp.pre_fc_norm_embedding.weight", (hidden,))):
+            weights[name] = torch.randn(shape, generator=generator).to(torch.bfloat16)
+        save_file(weights, str(weights_file), metadata={"format": "pt"})
+    return folder

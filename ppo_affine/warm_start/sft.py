@@ -151,6 +151,7 @@ def fine_tune(config: Config, records: list[dict[str, Any]], settings: WarmStart
     import torch
 
     from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
+    from ppo_affine.architectures import tree_scoring_mode
     from ppo_affine.batching import build_sequences
     from ppo_affine.checkpoint import save_checkpoint
     from ppo_affine.generation import eos_token_ids
@@ -177,7 +178,8 @@ def fine_tune(config: Config, records: list[dict[str, Any]], settings: WarmStart
                   f"({sum(s.response_len for s in sequences)} reply tokens)", highlight=False)
     with training_allocations():
         history = train_sft(policy, sequences, settings.epochs, settings.learning_rate, settings.batch_size,
-                            cfg.ppo.micro_batch_tokens, cfg.run.seed, trees=cfg.ppo.tree_scoring)
+                            cfg.ppo.micro_batch_tokens, cfg.run.seed,
+                            trees=tree_scoring_mode(policy.model.config, cfg.ppo.tree_scoring))
     state = {"kind": SFT_STATE_KIND, "step": history[-1]["optimizer_steps"], "history": history,
              "config": config.model_dump(mode="json"), "sft": settings.model_dump(mode="json")}
     (output_dir / "sft_metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
