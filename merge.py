@@ -1,18 +1,19 @@
-"""Merge a trained LoRA adapter into its base model and save a standard Hugging Face model folder.
+"""Merge a trained LoRA adapter into its base model's own release files: the folder a validator admits.
 
-The base is loaded from the config's model section in float32 and the merge is done there; only
-the result is cast to `--dtype` (default: model.dtype). With model.use_4bit the base is quantised
-to NF4 as the trainer quantised it and dequantised to float32: those are the weights the adapter
-learned against (merging into the quantised weights would round the update away), so pass the
-training run's config. Two checks must pass before anything is reported as merged: on a fixed
-chat prompt the merged float32 logits match base + adapter (max |difference| <= 1e-4 x the
-largest logit), and the saved folder, loaded back with `from_pretrained`, holds bit-identical
-weights. How far rounding to a 16-bit dtype moves the logits is measured and printed, not judged:
-it is a property of the dtype, not of the merge. The folder is written beside the target and
-renamed into place only after both checks.
+The output is the base's folder copied byte for byte (config.json, tokenizer, chat template, every weight file
+the adapter does not touch: a vision tower and multi-token-prediction weights stay), with only the tensors the
+adapter changes rewritten, under the release's own names, layout (experts one tensor each where the release
+stores them so) and dtype: W + scale·B·A added in float32, stored in W's dtype (`--dtype` casts every tensor
+instead). Which W: `--into full-precision` (default) adds the update to the release's weights; `--into nf4` to
+the NF4-rounded weights a 4-bit run trained against (see --help for what each costs). Checks before the folder is
+renamed into place: the update computed from the adapter, added to the loaded base in float32, gives base +
+adapter's logits on a fixed chat prompt (max |difference| <= 1e-4 x the largest logit); the written folder,
+loaded back, produces finite logits, and how far they are from base + adapter is printed (rounding to a 16-bit
+dtype is a property of the dtype, not of the merge). The validators' admission check of its config.json is printed
+too.
 
-Run:  python merge.py --checkpoint runs/r/checkpoints/checkpoint-500 --output merged/r-500 --dtype bfloat16
-      python merge.py --preset cpu --adapter path/to/adapter --output merged/smol
+Run:  python merge.py --checkpoint runs/r/checkpoints/checkpoint-500 --output merged/r-500
+      python merge.py --preset cpu --adapter path/to/adapter --output merged/smol --dtype bfloat16
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ppo_affine.admission import folder_admission
 from ppo_affine.model_files import load_adapter_model
 from ppo_affine.run_log import console, report_failure, setup_logging
 from ppo_affine.config import ConfigError
@@ -38,6 +40,7 @@ CHECK_MESSAGES = [
 ]
 MERGE_TOLERANCE = 1e-4  # float32 merge vs base + adapter, relative to the largest logit (at least 1)
 DTYPES = ("bfloat16", "float16", "float32")
+INTO = ("full-precision", "nf4")
 
 
 class MergeCheckFailed(RuntimeError):
@@ -63,56 +66,69 @@ def check_logits(reference: torch.Tensor, candidate: torch.Tensor, tolerance: fl
     return difference
 
 
-def check_saved_weights(expected: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
-    """The folder loaded back must hold exactly the merged tensors (same names, bit-identical values)."""
-    unmatched = sorted(set(expected) ^ set(saved))
-    changed = [name for name in expected if name in saved and not torch.equal(expected[name].cpu(), saved[name].cpu())]
-    if unmatched or changed:
-        raise MergeCheckFailed(
-            f"the saved folder, loaded back with from_pretrained, does not hold the merged weights (tensors "
-            f"missing or extra: {unmatched[:5]}, changed: {changed[:5]}). Nothing was saved."
-        )
+def check_update(model, deltas: dict[str, torch.Tensor], reference: torch.Tensor, input_ids: torch.Tensor) -> float:
+    """The base (adapter unloaded) with each delta added to its weight in float32 must give base + adapter's logits:
+    checks the updates the folder will hold, by the names they were computed under."""
+    base = model.unload()
+    with torch.no_grad():
+        for name, delta in deltas.items():
+            base.get_parameter(name).add_(delta.to(base.get_parameter(name).device))
+    return check_logits(reference, prompt_logits(base, input_ids), MERGE_TOLERANCE,
+                        "base + the adapter's updates vs base + adapter")
 
 
-def merge(config, adapter_dir: Path, output: Path, dtype: str) -> dict[str, float]:
-    """Merge in float32 and check against base + adapter; cast to `dtype`, save to a temporary folder,
-    load it back and check its weights; rename into place. Returns max logit differences to base + adapter."""
+def merge(config, adapter_dir: Path, output: Path, dtype: str | None, into: str) -> dict[str, float]:
+    """Check the adapter's updates in float32, write the base's release files with them into a temporary folder,
+    load it back and measure its logits; rename into place. Returns max logit differences to base + adapter."""
     from transformers import AutoModelForCausalLM
 
-    from ppo_affine.model_files import load_dequantised_base, load_tokenizer, pick_device
+    from ppo_affine.model_files import load_dequantised_base, load_tokenizer, model_source, pick_device
     from ppo_affine.prompts import PromptBuilder
+    from ppo_affine.release_files import (adapter_deltas, local_release_folder, release_deltas, release_tensor_files,
+                                          replace_folder, write_merged_release)
 
-    # float32 for the merge itself: W + BA rounded to 16 bits would blur whether the merge is right
+    # float32 for the update itself: W + BA rounded to 16 bits would blur whether the merge is right
     model_cfg = config.train.model.model_copy(update={"dtype": "float32"})
     device = pick_device(config.train.run.device)
     tokenizer = load_tokenizer(model_cfg)
     input_ids = torch.tensor([PromptBuilder(tokenizer, 10**6, model_cfg.chat_template_kwargs).encode(CHECK_MESSAGES)])
+    release = local_release_folder(model_source(model_cfg))
+    names = set(release_tensor_files(release))
     model = load_adapter_model(load_dequantised_base(model_cfg, device), adapter_dir, model_cfg.name_or_path)
     reference = prompt_logits(model, input_ids)
-    merged = model.merge_and_unload()
-    differences = {"merge": check_logits(reference, prompt_logits(merged, input_ids), MERGE_TOLERANCE,
-                                         "merged model vs base + adapter")}
-    merged = merged.to(getattr(torch, dtype))
+    base_config = model.get_base_model().config
+    deltas = adapter_deltas(model)
+    rounded_bases = None
+    if into == "nf4" and model_cfg.use_4bit:  # the weights the adapter learned against, as the trainer held them
+        rounded_bases = release_deltas(base_config, {n: model.get_base_model().get_parameter(
+            _lora_base_name(model, n)).detach().float().cpu() for n in deltas}, names)
+    differences = {"merge": check_update(model, deltas, reference, input_ids)}
+    del model
 
     staging = output.parent / f".{output.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        merged.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=getattr(torch, dtype)).to(device)
-        check_saved_weights(merged.state_dict(), reloaded.state_dict())
-        del merged, model
-        # what rounding the weights to `dtype` costs, as the saved model will run
+        write_merged_release(release, release_deltas(base_config, deltas, names), staging,
+                             getattr(torch, dtype) if dtype else None, rounded_bases)
+        reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32).to(device)
+        # what rounding the weights to the stored dtype costs, as the saved model will run
         saved_logits = prompt_logits(reloaded, input_ids)
         if not torch.isfinite(saved_logits).all():
-            raise MergeCheckFailed(f"the saved model produces non-finite logits in {dtype}; merge in float32.")
+            raise MergeCheckFailed("the saved model produces non-finite logits; merge with --dtype float32.")
         differences["saved"] = float((saved_logits - reference).abs().max())
-        if output.exists():
-            output.rmdir()  # only an empty folder gets here (checked before loading anything)
-        os.replace(staging, output)
+        replace_folder(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return differences
+
+
+def _lora_base_name(model, weight_name: str) -> str:
+    """The name, inside the peft-wrapped base, of the frozen weight an adapter delta applies to."""
+    module_name, _, parameter = weight_name.rpartition(".")
+    module = model.get_base_model().get_submodule(module_name)
+    while hasattr(module, "base_layer"):
+        module_name, module = f"{module_name}.base_layer", module.base_layer
+    return f"{module_name}.{parameter}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -122,7 +138,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--adapter", type=Path, help="a peft adapter folder (holds adapter_config.json)")
     parser.add_argument("--output", type=Path, required=True, help="new folder for the merged model")
     parser.add_argument("--dtype", choices=DTYPES,
-                        help="weights dtype of the merged model (default: model.dtype, float32 when 'auto')")
+                        help="cast every tensor to this dtype (rewrites every weight file; default: none, each tensor "
+                             "keeps the base's own dtype and untouched files stay byte-equal, as validators expect)")
+    parser.add_argument("--into", choices=INTO, default="full-precision",
+                        help="which base weights the update is added to (default: full-precision, the release's own "
+                             "weights). nf4 (4-bit runs only): the NF4-rounded weights the adapter trained against, "
+                             "which gives the trained model's exact logits in float32 but keeps NF4's rounding in the "
+                             "adapted tensors; see docs/evaluate.md for the measured logit gaps of both")
     add_config_arguments(parser, set_example="model.name_or_path=...")
     return parser.parse_args(argv)
 
@@ -133,19 +155,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, adapter_dir = config_for_adapter(args, args.checkpoint or args.adapter,
                                                  flags=["model.gradient_checkpointing=false"])
-        dtype = args.dtype or (config.train.model.dtype if config.train.model.dtype != "auto" else "float32")
+        if args.into == "nf4" and not config.train.model.use_4bit:
+            raise ConfigError("--into nf4: the adapter was trained on a 16/32-bit base (model.use_4bit false); "
+                              "there is no NF4 rounding to merge into.")
         if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
             raise ConfigError(f"--output {args.output} already exists and is not an empty folder; "
                               "choose a new folder so no earlier model is overwritten.")
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        differences = merge(config, adapter_dir, args.output, dtype)
+        differences = merge(config, adapter_dir, args.output, args.dtype, args.into)
     except ConfigError as exc:
         return report_failure("Error", exc, 2)
     except MergeCheckFailed as exc:
         return report_failure("Merge check failed", exc, 1)
-    console.print(f"merged {adapter_dir} into {config.train.model.name_or_path} -> {args.output} ({dtype}). "
-                  f"Max logit difference to base + adapter on the check prompt: {differences['merge']:.1e} merged in "
-                  f"float32, {differences['saved']:.1e} as saved in {dtype}; saved weights verified.",
+    stored = args.dtype or "the base's dtypes"
+    console.print(f"merged {adapter_dir} into {config.train.model.name_or_path} ({args.into}) -> {args.output} "
+                  f"({stored}). Max logit difference to base + adapter on the check prompt: {differences['merge']:.1e} "
+                  f"with the updates in float32, {differences['saved']:.1e} as saved.", highlight=False, soft_wrap=True)
+    admitted, reasons = folder_admission(args.output)
+    console.print(f"validators' admission check: {'admitted as ' + admitted if admitted else 'not admitted: ' + '; '.join(reasons)}",
                   highlight=False, soft_wrap=True)
     return 0
 

@@ -63,13 +63,14 @@ def test_bfloat16_output_is_saved_in_bfloat16(tiny_model_dir, checkpoint, tmp_pa
 
 @pytest.mark.slow
 def test_a_merge_that_does_not_match_fails_and_saves_nothing(tiny_model_dir, checkpoint, tmp_path, monkeypatch, capsys):
-    from peft.tuners.lora import LoraModel
+    from ppo_affine import release_files
 
-    # unload() drops the adapter without merging it: exactly the mistake the check exists to catch
-    monkeypatch.setattr(LoraModel, "merge_and_unload", lambda self, *args, **kwargs: self.unload())
+    # updates that lost their scale: exactly the kind of mistake the check exists to catch
+    real = release_files.adapter_deltas
+    monkeypatch.setattr(release_files, "adapter_deltas", lambda model: {n: d / 2 for n, d in real(model).items()})
     output = tmp_path / "merged"
     assert merge.main(["--checkpoint", str(checkpoint), "--output", str(output), *tiny_sets(tiny_model_dir)]) == 1
-    assert "merged model vs base + adapter: logits differ" in capsys.readouterr().err
+    assert "base + the adapter's updates vs base + adapter: logits differ" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
