@@ -1,0 +1,271 @@
+"""The architectures the validators admit (Qwen3 dense, Qwen3.6's hybrid linear-attention MoE) and qwen3_moe, shrunk:
+what each adapts, which optimisations stay exact or are switched off, and every path of the trainer on them."""
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import evaluate
+import merge
+import train_ppo
+from ppo_affine import architectures
+from ppo_affine.admission import AdmittedModel, admission, folder_admission
+from ppo_affine.config import GenerationConfig, LoraConfig, ModelConfig
+from ppo_affine.local_generation import LocalGenerator
+from ppo_affine.policy import load_policy
+from ppo_affine.prompts import PromptBuilder
+from ppo_affine.testing.tiny import TINY_ARCHITECTURES, make_tiny_architecture_dir
+from test_generation import play, replies
+from test_train import metrics, tiny_args
+
+HYBRID = "qwen3_5_moe_text"
+
+
+@pytest.fixture(scope="module")
+def arch_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("architectures")
+    return {name: make_tiny_architecture_dir(root / name, name) for name in TINY_ARCHITECTURES}
+
+
+def policy_of(folder: Path, **lora) -> "Policy":  # noqa: F821
+    torch.manual_seed(0)
+    model = ModelConfig(name_or_path=str(folder), use_4bit=False, dtype="float32", gradient_checkpointing=False)
+    return load_policy(model, LoraConfig(**lora), torch.device("cpu"))
+
+
+def adapted(policy) -> set[str]:
+    return {name.split(".lora_")[0].rsplit(".", 1)[-1] for name, _ in policy.model.named_parameters()
+            if "lora_" in name}
+
+
+# ---------------------------------------------------------------------------------------------- what LoRA adapts
+@pytest.mark.parametrize("name,expected", [
+    ("qwen3", {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
+    ("qwen3_moe", {"q_proj", "k_proj", "v_proj", "o_proj"}),  # every MLP is routed experts
+    ("qwen3_5_moe", {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                     "out_proj", "gate_proj", "up_proj", "down_proj"}),  # the last three: the shared expert
+])
+def test_each_architecture_adapts_its_attention_linear_attention_and_dense_mlp_by_default(arch_dirs, name, expected):
+    assert adapted(policy_of(arch_dirs[name])) == expected
+
+
+def test_routed_experts_are_adapted_only_when_asked_one_rank_r_pair_per_expert(arch_dirs):
+    without = sum(p.numel() for p in policy_of(arch_dirs[HYBRID]).adapter_parameters())
+    with_experts = policy_of(arch_dirs[HYBRID], adapt_experts=True, dropout=0.0)
+    # r = 16: each linear-attention layer 4 736 (in_proj_qkv 16·(32+64), z 16·(32+32), b and a 16·(32+4) each,
+    # out_proj 16·(32+32)) + shared expert 2 304 (3 × 16·(32+16)); the full-attention layer 4 096 (q 16·(32+64),
+    # its output gate doubling q) + 2 304
+    assert without == 3 * (4736 + 2304) + (4096 + 2304) == 27520
+    # 4 layers × 4 experts × 16 · ((32 + 2·16) for gate_up + (16 + 32) for down)
+    assert sum(p.numel() for p in with_experts.adapter_parameters()) - without == 4 * 4 * 16 * (64 + 48)
+    assert "experts" in adapted(with_experts)
+
+
+def test_adapting_experts_needs_fused_experts_and_no_dropout(arch_dirs):
+    from ppo_affine.config import ConfigError
+
+    with pytest.raises(ValueError, match="lora.adapt_experts needs lora.dropout 0"):
+        LoraConfig(adapt_experts=True)
+    with pytest.raises(ConfigError, match="no fused routed-expert weights"):
+        policy_of(arch_dirs["qwen3"], adapt_experts=True, dropout=0.0)
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+def test_linear_attention_switches_off_turn_caches_and_trees_with_one_line_each(arch_dirs, caplog):
+    architectures._said.clear()
+    hybrid, dense = policy_of(arch_dirs[HYBRID]), policy_of(arch_dirs["qwen3"])
+    with caplog.at_level(logging.INFO, logger="ppo_affine.architectures"):
+        for _ in range(2):
+            assert not LocalGenerator(hybrid, GenerationConfig(reuse_kv_cache=True), seed=0).reuse_cache
+            assert architectures.tree_scoring_mode(hybrid.model.config, "always") == "off"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "generation.reuse_kv_cache off for qwen3_5_moe_text" in lines[0]
+    assert "ppo.tree_scoring off" in lines[1]
+    assert LocalGenerator(dense, GenerationConfig(reuse_kv_cache=True), seed=0).reuse_cache
+    assert architectures.tree_scoring_mode(dense.model.config, "always") == "always"
+
+
+def test_a_linear_attention_policy_refuses_a_tree(arch_dirs):
+    from ppo_affine.token_trees import TreeRows
+
+    policy = policy_of(arch_dirs[HYBRID])
+    ids = torch.tensor([[5, 6, 7, 8]])  # token 3 branches off token 1, beside token 2
+    tree = TreeRows.of([[-1, 0, 1, 1]], 4, torch.device("cpu"))
+    with pytest.raises(ValueError, match="4-D mask cannot route"):
+        policy.score(ids, None, torch.ones_like(ids), tree=tree)
+
+
+def test_a_shared_prefix_scores_each_row_of_a_linear_attention_model_as_if_alone(arch_dirs):
+    policy = policy_of(arch_dirs[HYBRID])
+    prefix = list(range(20, 60))  # longer than prefixes.MIN_SHARED_PREFIX
+    rows = [prefix + [70, 71, 72], prefix + [80, 81, 82]]
+    input_ids = torch.tensor(rows)
+    response = torch.zeros_like(input_ids)
+    response[:, -3:] = 1
+    with torch.no_grad():
+        together = policy.score(input_ids, None, response)
+        alone = [policy.score(input_ids[i:i + 1], None, response[i:i + 1]) for i in range(2)]
+    for i in range(2):
+        assert torch.allclose(together.logprobs[i], alone[i].logprobs[0], atol=1e-5)
+        assert torch.allclose(together.values[i], alone[i].values[0], atol=1e-5)
+
+
+def test_left_padding_changes_no_row_of_a_linear_attention_model(arch_dirs):
+    policy = policy_of(arch_dirs[HYBRID])
+    model = policy.model
+    short, long = [11, 12, 13, 14], [21, 22, 23, 24, 25, 26, 27, 28, 29]
+    pad = len(long) - len(short)
+    padded = torch.tensor([[0] * pad + short, long])
+    mask = torch.ones_like(padded)
+    mask[0, :pad] = 0
+    positions = torch.stack([(torch.arange(len(long)) - pad).clamp(min=0), torch.arange(len(long))])
+    with torch.no_grad():
+        batched = model(input_ids=padded, attention_mask=mask, position_ids=positions).logits[0, -1]
+        alone = model(input_ids=torch.tensor([short])).logits[0, -1]
+        leaked = model(input_ids=padded, attention_mask=torch.ones_like(mask), position_ids=positions).logits[0, -1]
+    # float32 noise of the chunked delta rule at another length is ~7e-5 here (logits up to ~6); padding that
+    # reached the recurrent state would move them by ~1
+    assert (batched - alone).abs().max() < 5e-4
+    assert (leaked - alone).abs().max() > 0.1
+    # and the decode loop's replies: each row alone equals it batched with rows of other lengths
+    builder = PromptBuilder(policy.tokenizer, 4096)
+    prompts = [builder.encode([{"role": "user", "content": "go " * n}]) for n in (1, 6, 11)]
+    cfg = GenerationConfig(backend="local", max_new_tokens=6, temperature=1.0)
+    batched_replies = replies(LocalGenerator(policy, cfg, seed=0), prompts, seeds=[1, 2, 3])
+    alone_replies = [replies(LocalGenerator(policy, cfg, seed=0), [p], seeds=[s])[0] for p, s in zip(prompts, [1, 2, 3])]
+    assert batched_replies == alone_replies
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", HYBRID])
+def test_a_reply_continued_from_kept_caches_equals_one_computed_from_scratch(arch_dirs, name):
+    policy = policy_of(arch_dirs[name])
+    kept, reused = play(policy, True, 1.0)
+    scratch, fresh = play(policy, False, 1.0)
+    assert kept == scratch
+    assert fresh.prefilled_tokens == fresh.prompt_tokens
+    if name == HYBRID:  # switched off: every turn is prefilled whole
+        assert reused.prefilled_tokens == reused.prompt_tokens
+    else:
+        assert reused.prefilled_tokens < 0.8 * reused.prompt_tokens
+
+
+# ---------------------------------------------------------------------------------------------- admission
+def test_the_admitted_configs_pass_and_anything_else_is_refused_with_the_reason():
+    from transformers import AutoConfig
+
+    qwen3_32b = {"model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 64, "intermediate_size": 25600,
+                 "vocab_size": 151936, "num_attention_heads": 64, "num_key_value_heads": 8}
+    assert admission(qwen3_32b) == ("Qwen3-32B", [])
+    # transformers' defaults for qwen3_5_moe are the 35B-A3B release's sizes
+    assert admission(AutoConfig.for_model("qwen3_5_moe").to_dict())[0] == "Qwen3.6-35B-A3B"
+    assert "quantization_config" in admission({**qwen3_32b, "quantization_config": {"quant_method": "bnb"}})[1][0]
+    text_only = AutoConfig.for_model("qwen3_5_moe_text").to_dict()
+    assert "model_type 'qwen3_5_moe_text' is not admitted" in admission(text_only)[1][0]
+    assert admission({**qwen3_32b, "num_hidden_layers": 48})[1] == [
+        "not Qwen3-32B: num_hidden_layers is 48 (needs 64)"]
+
+
+# ---------------------------------------------------------------------------------------------- merge
+def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            out.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return out
+
+
+def active_adapter(folder: Path, out: Path, **lora) -> Path:
+    policy = policy_of(folder, **lora)
+    with torch.no_grad():
+        for name, parameter in policy.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.1)
+    policy.save(out)
+    return out / "adapter"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,experts", [("qwen3_5_moe", False), ("qwen3_5_moe", True), ("qwen3", False)])
+def test_merge_rewrites_only_the_adapted_tensors_of_the_release_files(arch_dirs, tmp_path, name, experts):
+    base = arch_dirs[name]
+    lora = {"adapt_experts": True, "dropout": 0.0} if experts else {}
+    adapter = active_adapter(base, tmp_path / "ckpt", **lora)
+    output = tmp_path / "merged"
+    sets = {"model.name_or_path": str(base), "model.use_4bit": "false", "run.device": "cpu",
+            "lora.adapt_experts": str(experts).lower(), "lora.dropout": "0.0" if experts else "0.05"}
+    args = ["--adapter", str(adapter), "--output", str(output)]
+    assert merge.main(args + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]) == 0
+
+    before, after = tensors_of(base), tensors_of(output)
+    assert {n: (t.shape, t.dtype) for n, t in after.items()} == {n: (t.shape, t.dtype) for n, t in before.items()}
+    assert {t.dtype for t in after.values()} == {torch.bfloat16}
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert (output / "config.json").read_bytes() == (base / "config.json").read_bytes()
+    assert "quantization_config" not in json.loads((output / "config.json").read_text())
+    for file in ("tokenizer.json", "chat_template.jinja", "generation_config.json"):
+        assert (output / file).read_bytes() == (base / file).read_bytes()
+    if name == "qwen3_5_moe":  # the multimodal release: its names, its vision tower and mtp weights kept
+        assert json.loads((output / "config.json").read_text())["model_type"] == "qwen3_5_moe"
+        assert any(n.startswith("model.visual.") for n in after) and any(n.startswith("mtp.") for n in after)
+        assert all(n.startswith("model.language_model.layers.") for n in changed)
+        kinds = {n.split(".")[-2] for n in changed}
+        assert {"q_proj", "in_proj_qkv", "out_proj", "gate_proj"} <= kinds
+        assert any(".mlp.experts.3.up_proj." in n for n in changed) == experts
+        assert not any(".mlp.gate.weight" in n or "norm" in n for n in changed)
+    else:
+        assert changed and all(n.startswith("model.layers.") for n in changed)
+    # the checker reads the same sizes as from the base (the tiny sizes are no admitted entry, so check against
+    # an entry made of the base's own values)
+    base_config = json.loads((base / "config.json").read_text())
+    section = "text_config" if "text_config" in base_config else None
+    fields = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
+    entry = AdmittedModel("tiny", base_config["model_type"],
+                          {f: (base_config[section] if section else base_config)[f] for f in fields}, section)
+    assert admission(json.loads((output / "config.json").read_text()), (entry,)) == ("tiny", [])
+    assert folder_admission(output)[0] is None  # and the real list refuses the tiny sizes
+
+
+@pytest.mark.slow
+def test_merging_into_the_nf4_rounded_base_needs_a_4bit_run(arch_dirs, tmp_path, capsys):
+    adapter = active_adapter(arch_dirs["qwen3"], tmp_path / "ckpt")
+    args = ["--adapter", str(adapter), "--output", str(tmp_path / "m"), "--into", "nf4",
+            "--set", f"model.name_or_path={arch_dirs['qwen3']}", "--set", "model.use_4bit=false"]
+    assert merge.main(args) == 2
+    assert "--into nf4" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- the whole loop
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("batching,trees", [("continuous", "always"), ("wave", "off")])
+def test_two_ppo_steps_resume_and_evaluate(arch_dirs, tmp_path, name, batching, trees):
+    extra = ["--set", f"generation.local_batching={batching}", "--set", f"ppo.tree_scoring={trees}",
+             "--set", "generation.context_strategy=full", "--set", "model.dtype=float32",
+             "--set", "generation.max_turns=3", "--set", "ppo.ppo_epochs=1"]
+    assert train_ppo.main(tiny_args(arch_dirs[name], tmp_path, "--max-steps", "2", *extra)) == 0
+    assert train_ppo.main(tiny_args(arch_dirs[name], tmp_path, "--max-steps", "3", "--resume", "latest", *extra)) == 0
+    records = metrics(tmp_path / "t")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["env/episodes_failed"] == 0 and "policy/loss" in r for r in records)
+    if batching == "wave":
+        return
+    checkpoint = tmp_path / "t" / "checkpoints" / "checkpoint-3"
+    out = tmp_path / "eval"
+    assert evaluate.main(["--checkpoint", str(checkpoint), "--games", "leduc_poker", "--episodes", "2",
+                          "--opponent", "random", "--max-new-tokens", "2", "--output-dir", str(out),
+                          "--set", "generation.max_turns=3", "--set", "run.device=cpu",
+                          "--set", "generation.backend=local"]) == 0
+    assert len((out / "episodes.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TINY_ARCHITECTURES)
+def test_a_4bit_step_with_gradient_checkpointing(arch_dirs, tmp_path, name):
+    extra = ["--set", "model.use_4bit=true", "--set", "model.gradient_checkpointing=true",
+             "--set", "generation.max_turns=3", "--set", "ppo.ppo_epochs=1"]
+    assert train_ppo.main(tiny_args(arch_dirs[name], tmp_path, "--max-steps", "1", *extra)) == 0
+    assert "policy/loss" in metrics(tmp_path / "t")[0]
