@@ -163,6 +163,53 @@ def tree_scoring_mode(config, configured: str) -> str:
     return configured
 
 
+# ---------------------------------------------------------------------------------------------- routing
+# An MoE router picks each token's top-k experts; two float-equal models (W + BA merged, or x·W + x·A·B) can pick
+# differently where two experts' scores tie within rounding, and the logits then jump. A check that two models
+# compute the same function runs the second with the first one's choices.
+
+def _routers(model) -> list[torch.nn.Module]:
+    return [module for module in model.modules() if type(module).__name__.endswith("TopKRouter")]
+
+
+class RoutingRecord:
+    """Records every router's expert choices in call order; `replay` makes the same routers choose them again (the
+    weights of the chosen experts recomputed from the new scores, normalised as the router normalises them)."""
+
+    def __init__(self):
+        self.choices: list[torch.Tensor] = []
+        self._handles: list = []
+
+    def record(self, model) -> "RoutingRecord":
+        self.close()
+        self.choices.clear()
+        for router in _routers(model):
+            self._handles.append(router.register_forward_hook(
+                lambda module, args, output: self.choices.append(output[2].detach().clone())))
+        return self
+
+    def replay(self, model) -> "RoutingRecord":
+        self.close()
+        calls = iter(list(self.choices))
+        for router in _routers(model):
+            self._handles.append(router.register_forward_hook(
+                lambda module, args, output: _with_choice(module, output, next(calls))))
+        return self
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _with_choice(router, output, chosen: torch.Tensor):
+    logits = output[0]
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, chosen.to(logits.device))
+    if getattr(router, "norm_topk_prob", True):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, weights.to(logits.dtype), chosen.to(logits.device)
+
+
 # ---------------------------------------------------------------------------------------------- caches
 # transformers keeps a linear-attention layer's state in a layer object without keys and values (conv_states,
 # recurrent_states, indexed by state); the cache operations the trainer needs on rows handle both kinds.

@@ -230,6 +230,31 @@ def test_merge_rewrites_only_the_adapted_tensors_of_the_release_files(arch_dirs,
 
 
 @pytest.mark.slow
+def test_after_a_4bit_run_the_merge_lands_on_the_model_that_was_trained(arch_dirs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from ppo_affine.model_files import load_adapter_model, load_dequantised_base
+
+    base = arch_dirs["qwen3"]
+    model_cfg = ModelConfig(name_or_path=str(base), use_4bit=True, dtype="float32", gradient_checkpointing=False)
+    torch.manual_seed(0)
+    policy = load_policy(model_cfg, LoraConfig(), torch.device("cpu"))
+    with torch.no_grad():
+        for name, parameter in policy.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.01)
+    policy.save(tmp_path / "ckpt")
+    sets = [f"model.name_or_path={base}", "model.use_4bit=true", "model.dtype=float32", "run.device=cpu"]
+    args = ["--adapter", str(tmp_path / "ckpt" / "adapter"), "--dtype", "float32"]
+    assert merge.main(args + ["--output", str(tmp_path / "m")] + [a for s in sets for a in ("--set", s)]) == 0
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    trained = load_adapter_model(load_dequantised_base(model_cfg, torch.device("cpu")), tmp_path / "ckpt" / "adapter", "t")
+    expected = merge.prompt_logits(trained, ids)
+    merged = merge.prompt_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32), ids)
+    assert (merged - expected).abs().max() < 1e-4 * expected.abs().max()  # into the NF4-rounded weights (auto)
+
+
+@pytest.mark.slow
 def test_merging_into_the_nf4_rounded_base_needs_a_4bit_run(arch_dirs, tmp_path, capsys):
     adapter = active_adapter(arch_dirs["qwen3"], tmp_path / "ckpt")
     args = ["--adapter", str(adapter), "--output", str(tmp_path / "m"), "--into", "nf4",

@@ -70,7 +70,7 @@ def test_a_merge_that_does_not_match_fails_and_saves_nothing(tiny_model_dir, che
     monkeypatch.setattr(release_files, "adapter_deltas", lambda model: {n: d / 2 for n, d in real(model).items()})
     output = tmp_path / "merged"
     assert merge.main(["--checkpoint", str(checkpoint), "--output", str(output), *tiny_sets(tiny_model_dir)]) == 1
-    assert "base + the adapter's updates vs base + adapter: logits differ" in capsys.readouterr().err
+    assert "base + the adapter's updates vs base + adapter: a layer's outputs differ" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -1,0 +1,90 @@
+"""After a 4-bit run, which base should the adapter be merged into? The logit gap of each merge to the model the run
+trained (the NF4-rounded base + adapter), on merge.py's own check prompt, side by side.
+
+For each base: an adapter whose B matrices are drawn at a scale (`--scales`: trained adapters' deltas are small),
+merged by merge.py's own code `--into full-precision` (the release's weights + update) and `--into nf4` (the
+NF4-rounded weights + update), each stored in float32 (so the gap is the merge target's, not a 16-bit dtype's) and
+as the base stores it. The base's own gap (no adapter: the release against its NF4 rounding) is printed beside
+them for scale.
+
+    python -m bench.merge_gap                          # tiny qwen3 and qwen3_5_moe, and SmolLM2 when installed
+    python -m bench.merge_gap --models smollm2 --scales 0.001,0.01
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+import merge
+from ppo_affine.config import LoraConfig, load_config
+from ppo_affine.model_files import load_dequantised_base, load_tokenizer, pick_device
+from ppo_affine.policy import load_policy
+from ppo_affine.prompts import PromptBuilder
+from ppo_affine.testing.tiny import make_tiny_architecture_dir
+
+TINY = ("qwen3", "qwen3_5_moe")
+
+
+def model_sets(name: str, work: Path) -> list[str]:
+    if name == "smollm2":
+        return []  # the cpu preset's packaged GGUF
+    folder = make_tiny_architecture_dir(work / name, name)
+    return [f"model.name_or_path={folder}", "model.gguf_package=null"]
+
+
+def gaps(name: str, scale: float, work: Path) -> dict:
+    config = load_config(presets=["cpu"], overrides=[*model_sets(name, work), "model.use_4bit=true",
+                                                      "model.dtype=float32", "run.device=cpu"])
+    model_cfg = config.train.model
+    torch.manual_seed(0)
+    policy = load_policy(model_cfg, LoraConfig(), pick_device("cpu"))
+    with torch.no_grad():
+        for parameter_name, parameter in policy.model.named_parameters():
+            if "lora_B" in parameter_name:
+                parameter.normal_(0.0, scale)
+    checkpoint = work / f"{name}-{scale}"
+    policy.save(checkpoint)
+    del policy
+    row = {"model": name, "b_scale": scale}
+    for into in ("full-precision", "nf4"):
+        for dtype in ("float32", None):
+            output = work / f"{name}-{scale}-{into}-{dtype}"
+            differences = merge.merge(config, checkpoint / "adapter", output, dtype, into)
+            row[f"{into}/{dtype or 'stored'}"] = differences["saved"]
+    row["base_vs_nf4_base"] = base_gap(config)
+    return row
+
+
+def base_gap(config) -> float:
+    """The release's logits against its NF4 rounding's, no adapter: what quantisation alone moves."""
+    from transformers import AutoModelForCausalLM
+
+    from ppo_affine.model_files import model_source
+
+    model_cfg = config.train.model
+    tokenizer = load_tokenizer(model_cfg)
+    ids = torch.tensor([PromptBuilder(tokenizer, 10**6).encode(merge.CHECK_MESSAGES)])
+    rounded = merge.prompt_logits(load_dequantised_base(model_cfg, pick_device("cpu")), ids)
+    full = merge.prompt_logits(AutoModelForCausalLM.from_pretrained(model_source(model_cfg), dtype=torch.float32), ids)
+    return float((rounded - full).abs().max())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(TINY + ("smollm2",)), help="tiny architectures and/or smollm2")
+    parser.add_argument("--scales", default="0.001,0.01", help="std of the adapter's B entries")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for name in args.models.split(","):
+            for scale in (float(s) for s in args.scales.split(",")):
+                rows.append(gaps(name, scale, Path(work)))
+                print(json.dumps(rows[-1]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
