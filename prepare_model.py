@@ -7,12 +7,19 @@ Hub id or a local folder is served as it is. With `model.use_4bit` the trainer c
 NF4-dequantised weights, so those are written once to `model.cache_dir` and served instead: vLLM
 then samples from the policy the trainer scores. `--output DIR` copies the folder somewhere else.
 
+`--plan --gpu-memory GB` prints the memory the run takes on one GPU of that size, term by term (the trainer's
+weights, adapter and optimizer, activations, logits and generation caches; a vLLM server's weights and KV cache
+beside it), and, where it does not fit, the fewest setting changes that make it fit, with vLLM's
+--gpu-memory-utilization (ppo_affine/memory_plan.py; it reads only the model's config.json and takes about a
+minute of CPU to measure one layer's activations at full width).
+
 `--cache list` shows the model folders in `model.cache_dir` (size, what each was made from) and
 `--cache clear` removes them (each is made again when next needed).
 
 Run:  python prepare_model.py --preset cpu
       python prepare_model.py --preset cpu --output models/smollm2-135m
       python prepare_model.py --cache list
+      python prepare_model.py --preset qwen3.6-35b-a3b --plan --gpu-memory 141
 """
 from __future__ import annotations
 
@@ -35,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache", choices=["list", "clear"],
                         help="list the converted and dequantised model folders in model.cache_dir, or remove them; "
                         "writes nothing else")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the run's GPU memory plan and the settings that fit --gpu-memory; writes nothing")
+    parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GB",
+                        help="the GPU's memory in GB for --plan (an H200 has 141)")
     add_config_arguments(parser, set_example="model.cache_dir=/data/models")
     return parser.parse_args(argv)
 
@@ -47,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         model = config.train.model
         if args.cache:
             return manage_cache(Path(model.cache_dir).expanduser(), args.cache)
+        if args.plan:
+            return print_plan(config, args.gpu_memory, args.port)
         folder = write_served_folder(model, pick_device(config.train.run.device))
         if args.output is not None:
             if args.output.exists() and any(args.output.iterdir()):
@@ -67,6 +80,33 @@ def main(argv: list[str] | None = None) -> int:
           f"--port {args.port}\n")
     print(f"then: python train_ppo.py {' '.join('--preset ' + p for p in args.preset)} --set generation.backend=vllm "
           f"--set env.vllm_url=http://127.0.0.1:{args.port}/v1")
+    return 0
+
+
+def print_plan(config, gpu_gb: float, port: int) -> int:
+    from transformers import AutoConfig
+
+    from ppo_affine.memory_plan import GB, RunShape, describe, fitting_settings
+    from ppo_affine.model_files import model_source
+
+    train = config.train
+    if gpu_gb <= 0:
+        raise ConfigError(f"--gpu-memory {gpu_gb}: give the GPU's memory in GB, e.g. 80 or 141.")
+    model_config = AutoConfig.from_pretrained(model_source(train.model), trust_remote_code=train.model.trust_remote_code)
+    chosen, changes = fitting_settings(model_config, RunShape.of(train), gpu_gb * GB)
+    print("\n".join(describe(chosen, train.model.name_or_path)))
+    if not chosen.fits:
+        print("no setting the plan tries makes this run fit: a larger GPU, a second GPU for vLLM "
+              "(env.vllm_url), or shorter contexts (generation.max_prompt_tokens)")
+        return 1
+    sets = changes + ([f"generation.vllm_server.gpu_memory_utilization={chosen.vllm_share:.2f}"] if chosen.vllm else [])
+    if sets:
+        print("settings: " + " ".join(f"--set {setting}" for setting in sets))
+    if chosen.vllm:
+        gen = train.generation
+        command = vllm_serve_command(model_source(train.model), train.model.name_or_path, train.lora.r,
+                                     gen.max_prompt_tokens + gen.max_new_tokens, gen.temperature)
+        print(f"vLLM on this GPU:\n  {command} --gpu-memory-utilization {chosen.vllm_share:.2f} --port {port}")
     return 0
 
 
