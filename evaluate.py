@@ -33,6 +33,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -55,6 +56,8 @@ from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
 from ppo_affine.run_log import console, report_failure, rollout_progress, setup_logging
 from ppo_affine.config import Config, ConfigError, EnvSpec
+from ppo_affine.file_writes import WriteFailed, probe_writable, writing
+from ppo_affine.vllm_server import VLLMServerError, owned_server
 from ppo_affine.seeds import derive_seed
 from utils import add_config_arguments, config_for_adapter, program_parser
 
@@ -269,8 +272,9 @@ async def evaluate(config: Config, tasks: list[Task], env_specs: dict[str, tuple
         for label, playing_as in runs:
             def finished(episode: Episode, label=label) -> None:
                 if sink:
-                    sink.write(json.dumps(episode_record(episode, label)) + "\n")
-                    sink.flush()
+                    with writing("the episodes file", episodes_path):
+                        sink.write(json.dumps(episode_record(episode, label)) + "\n")
+                        sink.flush()
                 advance()
 
             with rollout_progress(len(tasks), f"{label}: episodes") as advance:
@@ -378,24 +382,57 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     try:
+        # the checkpoint's adapter and configuration are all evaluate reads of it (a bad trainer state only warns)
         config, adapter_dir = config_for_adapter(args, args.checkpoint, defaults=VALIDATOR_SETTINGS,
-                                                 flags=flag_overrides(args))
+                                                 flags=flag_overrides(args), adapter_only=True)
         tasks, env_specs = plan(args, config)
         episodes_path = None
         if args.output_dir:
-            args.output_dir.mkdir(parents=True, exist_ok=True)
+            probe_writable(args.output_dir, "--output-dir")  # before any model loads
             episodes_path = args.output_dir / "episodes.jsonl"
-        if args.env_evaluate:
-            records, scores_from = asyncio.run(env_evaluate.evaluate_through_env(
-                config, tasks, adapter_dir, args.compare_base, args.env_evaluate, args.env_llm_url, args.env_timeout,
-                episodes_path))
-        else:
-            records = asyncio.run(evaluate(config, tasks, env_specs, adapter_dir, args.compare_base, episodes_path))
-            scores_from = {"path": "in_process"}
+        with server_log_folder(args.output_dir) as log_dir, owned_server(config, log_dir) as config:
+            if args.env_evaluate:
+                records, scores_from = asyncio.run(env_evaluate.evaluate_through_env(
+                    config, tasks, adapter_dir, args.compare_base, args.env_evaluate, args.env_llm_url,
+                    args.env_timeout, episodes_path))
+            else:
+                records = asyncio.run(evaluate(config, tasks, env_specs, adapter_dir, args.compare_base,
+                                               episodes_path))
+                scores_from = {"path": "in_process"}
+        if args.output_dir:
+            with writing("the summary", args.output_dir / "summary.json"):
+                (args.output_dir / "summary.json").write_text(json.dumps(summary_document(
+                    args, config, records, scores_from), indent=1) + "\n")
     except ConfigError as exc:
         return report_failure("Error", exc, 2)
-    except VLLMError as exc:
+    except (VLLMError, VLLMServerError, WriteFailed) as exc:
         return report_failure("Stopped", exc, 1)
+    print_results(args, records)
+    return 0
+
+
+@contextlib.contextmanager
+def server_log_folder(output_dir: Path | None):
+    """Where a vLLM server evaluate starts writes its log: --output-dir, else a temporary folder that stays only when
+    the evaluation fails (the failure line names the log)."""
+    if output_dir is not None:
+        yield output_dir
+        return
+    folder = Path(tempfile.mkdtemp(prefix="evaluate-vllm-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def summary_document(args: argparse.Namespace, config: Config, records: list[dict[str, Any]],
+                     scores_from: dict[str, Any]) -> dict[str, Any]:
+    document = {"settings": settings(args, config) | {"scores_from": scores_from},
+                "models": report.summarize(records)}
+    if args.compare_base:
+        document["comparison"] = report.paired_differences(records)
+    return document
+
+
+def print_results(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
     summary = report.summarize(records)
     comparison = report.paired_differences(records) if args.compare_base else None
     out = Console()
@@ -412,12 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[yellow]{errors} of {len(records)} episodes failed and are left out of the rates "
                       f"(first: task {first['task_id']}: {first['error']})[/yellow]", highlight=False)
     if args.output_dir:
-        document = {"settings": settings(args, config) | {"scores_from": scores_from}, "models": summary}
-        if comparison is not None:
-            document["comparison"] = comparison
-        (args.output_dir / "summary.json").write_text(json.dumps(document, indent=1) + "\n")
-        console.print(f"wrote {episodes_path} and {args.output_dir / 'summary.json'}", highlight=False)
-    return 0
+        console.print(f"wrote {args.output_dir / 'episodes.jsonl'} and {args.output_dir / 'summary.json'}",
+                      highlight=False)
 
 
 def settings(args: argparse.Namespace, config: Config) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import torch
 from ppo_affine.model_files import load_adapter_model
 from ppo_affine.run_log import console, report_failure, setup_logging
 from ppo_affine.config import ConfigError
+from ppo_affine.file_writes import WriteFailed, apply_umask, probe_writable, writing
 from utils import add_config_arguments, config_for_adapter, program_parser
 
 log = logging.getLogger("merge")
@@ -97,8 +98,10 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str) -> dict[str, floa
     staging = output.parent / f".{output.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        merged.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        with writing("the merged model", staging):
+            merged.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            apply_umask(staging)  # safetensors writes the weights 0600
         reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=getattr(torch, dtype)).to(device)
         check_saved_weights(merged.state_dict(), reloaded.state_dict())
         del merged, model
@@ -107,9 +110,10 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str) -> dict[str, floa
         if not torch.isfinite(saved_logits).all():
             raise MergeCheckFailed(f"the saved model produces non-finite logits in {dtype}; merge in float32.")
         differences["saved"] = float((saved_logits - reference).abs().max())
-        if output.exists():
-            output.rmdir()  # only an empty folder gets here (checked before loading anything)
-        os.replace(staging, output)
+        with writing("the merged model", output):
+            if output.exists():
+                output.rmdir()  # only an empty folder gets here (checked before loading anything)
+            os.replace(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return differences
@@ -131,16 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     try:
+        # the adapter and the configuration are all merge reads of a checkpoint (a bad trainer state only warns)
         config, adapter_dir = config_for_adapter(args, args.checkpoint or args.adapter,
-                                                 flags=["model.gradient_checkpointing=false"])
+                                                 flags=["model.gradient_checkpointing=false"], adapter_only=True)
         dtype = args.dtype or (config.train.model.dtype if config.train.model.dtype != "auto" else "float32")
         if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
             raise ConfigError(f"--output {args.output} already exists and is not an empty folder; "
                               "choose a new folder so no earlier model is overwritten.")
-        args.output.parent.mkdir(parents=True, exist_ok=True)
+        probe_writable(args.output.parent, "--output's folder")  # before any model loads
         differences = merge(config, adapter_dir, args.output, dtype)
     except ConfigError as exc:
         return report_failure("Error", exc, 2)
+    except WriteFailed as exc:
+        return report_failure("Stopped", exc, 1)
     except MergeCheckFailed as exc:
         return report_failure("Merge check failed", exc, 1)
     console.print(f"merged {adapter_dir} into {config.train.model.name_or_path} -> {args.output} ({dtype}). "
