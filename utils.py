@@ -63,7 +63,8 @@ BOUND_TO_CHECKPOINT = ("model.name_or_path", "model.gguf_file", "model.gguf_pack
 # the validators converse (temperature, context) stays each program's own.
 CARRIED_FROM_CHECKPOINT = (
     "model.dtype", "model.trust_remote_code", "model.chat_template_kwargs", "model.cache_dir", "run.device",
-    "generation.backend", "generation.vllm_server.python", "generation.vllm_server.module",
+    "generation.backend", "generation.max_new_tokens", "generation.max_prompt_tokens", "generation.stop_at_closing_fence",
+    "generation.vllm_server.python", "generation.vllm_server.module",
     "generation.vllm_server.gpu_memory_utilization", "generation.vllm_server.env", "generation.vllm_server.extra_args",
     "generation.vllm_server.start_timeout_seconds",
 )
@@ -83,7 +84,9 @@ def config_for_checkpoint(args: argparse.Namespace, checkpoint: Path, defaults: 
     chosen = load_config(args.config, args.env_config, args.curriculum_config, args.preset,
                          [*defaults, *args.set, *flags], base=saved if continue_run else None,
                          base_source=f"the configuration saved in {checkpoint}")
-    return _bound_to_checkpoint(chosen, users_fields(args), saved["train"], checkpoint)
+    # the program's own settings (evaluate's validator defaults, --max-new-tokens) are chosen as explicitly as --set
+    named = users_fields(args) | {_field_of(assignment) for assignment in [*defaults, *flags]}
+    return _bound_to_checkpoint(chosen, named, saved["train"], checkpoint)
 
 
 def users_fields(args: argparse.Namespace) -> set[tuple[str, ...]]:
@@ -102,10 +105,14 @@ def users_fields(args: argparse.Namespace) -> set[tuple[str, ...]]:
     for name in args.preset:
         for section, part in read_preset(name).items():
             walk((section,), part)
-    for assignment in args.set:
-        section, keys = override_location(parse_override(assignment)[0])
-        named.add((section, *keys))
+    named.update(_field_of(assignment) for assignment in args.set)
     return named
+
+
+def _field_of(assignment: str) -> tuple[str, ...]:
+    """"ppo.learning_rate=2e-5" -> ("train", "ppo", "learning_rate")."""
+    section, keys = override_location(parse_override(assignment)[0])
+    return (section, *keys)
 
 
 def config_for_adapter(args: argparse.Namespace, path: Path | None, defaults: Sequence[str] = (),

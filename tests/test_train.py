@@ -836,3 +836,31 @@ def test_a_fresh_run_moves_an_earlier_metrics_file_aside_with_one_line(tiny_mode
     assert [r["step"] for r in metrics(run)] == [1]
     printed = " ".join(capfd.readouterr().out.split())
     assert f"already held metrics.jsonl of an earlier run: renamed to {kept.name}" in printed
+
+
+@pytest.mark.slow
+def test_evaluate_after_a_run_with_its_own_vllm_server_starts_one_as_the_run_did(tiny_model_dir, tmp_path):
+    """The README's evaluation command after a GPU run: the checkpoint alone, no --set. The run started its own server
+    (here the stand-in), so evaluate.py starts one the same way, plays through it and stops it."""
+    import httpx
+
+    port = _free_port()
+    assert train_ppo.main(tiny_args(
+        tiny_model_dir, tmp_path, "--max-steps", "1", "--set", "generation.backend=vllm",
+        "--set", f"generation.vllm_server.python={sys.executable}",
+        "--set", "generation.vllm_server.module=ppo_affine.testing.fake_vllm",
+        "--set", f"generation.vllm_server.port={port}")) == 0
+    out = tmp_path / "eval"
+    done = subprocess.run([sys.executable, str(ROOT / "evaluate.py"),
+                           "--checkpoint", str(tmp_path / "t" / "checkpoints" / "checkpoint-1"), "--games", "leduc_poker",
+                           "--episodes", "2", "--opponent", "random", "--max-new-tokens", "3", "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["settings"]["backend"] == "vllm" and summary["settings"]["temperature"] == 0.0
+    assert summary["models"]["adapter"]["leduc_poker"]["episodes"] == 2
+    assert all(e["error"] is None for e in map(json.loads, (out / "episodes.jsonl").read_text().splitlines()))
+    server_log = (out / "vllm.log").read_text()
+    assert server_log.count("==> ") == 1 and "-m ppo_affine.testing.fake_vllm" in server_log
+    assert f"--port {port}" not in server_log  # a free port of its own: the run's may still be taken
+    assert "stopped the vLLM server of this run" in done.stdout
