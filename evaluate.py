@@ -296,29 +296,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = program_parser(__doc__)
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint", type=Path,
-                       help="checkpoint folder (<run>/checkpoints/checkpoint-N) or adapter folder")
-    which.add_argument("--base-only", action="store_true", help="evaluate the base model without an adapter")
+                       help="checkpoint folder (<run>/checkpoints/checkpoint-N) or adapter folder (this or "
+                       "--base-only is required)")
+    which.add_argument("--base-only", action="store_true",
+                       help="evaluate the base model without an adapter (this or --checkpoint is required)")
     parser.add_argument("--compare-base", action="store_true",
                         help="also play the base model on the same tasks and seeds")
-    parser.add_argument("--games", help=f"comma-separated games from {AVAILABLE_GAMES}, or 'trace'")
-    parser.add_argument("--task-ids", help="comma-separated task ids / inclusive ranges; trace ids as trace:ID")
+    parser.add_argument("--games", help=f"comma-separated games from {AVAILABLE_GAMES}, or 'trace' (default: none; "
+                        "this or --task-ids is required)")
+    parser.add_argument("--task-ids", help="comma-separated task ids / inclusive ranges; trace ids as trace:ID "
+                        "(default: none; this or --games is required)")
     parser.add_argument("--episodes", type=int, help="episodes per game with --games (default 10)")
     parser.add_argument("--opponent", choices=("mcts", "random"), default="mcts",
                         help="game opponent (validators: mcts)")
-    parser.add_argument("--seed", type=int, help="derive seeds from this instead of the validator seeds")
+    parser.add_argument("--seed", type=int, help="derive seeds from this instead of the validator seeds (default: "
+                        "none: the validator seeds)")
     parser.add_argument("--temperature", type=float, help="sampling temperature (default 0 = greedy, as validators)")
-    parser.add_argument("--max-new-tokens", type=int, help="overrides generation.max_new_tokens")
+    parser.add_argument("--max-new-tokens", type=int, help="most tokens of one reply, overriding "
+                        "generation.max_new_tokens (default: the checkpoint's, else the config's)")
     parser.add_argument("--context-strategy", choices=("full", "truncated", "last"),
                         help="conversation shown to the model (default full, as validators)")
-    parser.add_argument("--output-dir", type=Path, help="write episodes.jsonl and summary.json here")
+    parser.add_argument("--output-dir", type=Path, help="write episodes.jsonl and summary.json here, and the log of a "
+                        "vLLM server evaluate starts (default: none: the tables are printed, nothing is written)")
     parser.add_argument("--env-evaluate", metavar="URL|IMAGE",
                         help="score through the env's own evaluate() (the validators' call): a running env server's "
                         "URL (e.g. http://127.0.0.1:8765 from `python -m ppo_affine.envs.server --env openspiel`) or an Affine "
                         "image to start in Docker (affinefoundation/game:openspiel); needs a vLLM server "
-                        "(env.vllm_url)")
+                        "(env.vllm_url) (default: none: evaluate.py plays the episodes itself)")
     parser.add_argument("--env-llm-url", metavar="URL",
-                        help="with --env-evaluate: the vLLM URL the env calls (its base_url; default env.vllm_url). "
-                        "A container cannot reach this machine's 127.0.0.1")
+                        help="with --env-evaluate: the vLLM URL the env calls (its base_url); a container cannot reach "
+                        "this machine's 127.0.0.1 (default: env.vllm_url)")
     parser.add_argument("--env-timeout", type=float, default=env_evaluate.VALIDATOR_TIMEOUT_S, metavar="SECONDS",
                         help="with --env-evaluate: seconds the env may take per game (default %(default)g, "
                         "the validators')")

@@ -122,8 +122,10 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str) -> dict[str, floa
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = program_parser(__doc__)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", type=Path, help="checkpoint folder (<run>/checkpoints/checkpoint-N)")
-    source.add_argument("--adapter", type=Path, help="a peft adapter folder (holds adapter_config.json)")
+    source.add_argument("--checkpoint", type=Path, help="checkpoint folder (<run>/checkpoints/checkpoint-N) (this or "
+                        "--adapter is required)")
+    source.add_argument("--adapter", type=Path, help="a peft adapter folder (holds adapter_config.json) (this or "
+                        "--checkpoint is required)")
     parser.add_argument("--output", type=Path, required=True, help="new folder for the merged model")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="weights dtype of the merged model (default: model.dtype, float32 when 'auto')")

@@ -596,12 +596,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = program_parser(__doc__)
     add_config_arguments(parser, set_example="ppo.learning_rate=2e-5")
     resume = parser.add_mutually_exclusive_group()
-    resume.add_argument("--resume", help="checkpoint folder, or 'latest'")
+    resume.add_argument("--resume", help="continue a run: its checkpoint folder, or 'latest' (the newest checkpoint of "
+                        "the configured run that verifies) (default: none: a new run, refused in a folder that holds "
+                        "checkpoints)")
     resume.add_argument("--init-adapter", type=Path,
                         help="start a new run from this adapter (a checkpoint or adapter folder, e.g. "
-                        "sft_warmstart.py's)")
-    parser.add_argument("--output-dir", help="parent folder of run folders (overrides run.output_dir)")
-    parser.add_argument("--max-steps", type=int, help="overrides run.max_steps")
+                        "sft_warmstart.py's) (default: none: a fresh LoRA)")
+    parser.add_argument("--output-dir", help="parent folder of run folders, overriding run.output_dir (default: "
+                        "run.output_dir, 'runs' in the shipped configs)")
+    parser.add_argument("--max-steps", type=int, help="the step to stop after, overriding run.max_steps (default: "
+                        "run.max_steps)")
     return parser.parse_args(argv)
 
 

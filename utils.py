@@ -17,13 +17,21 @@ from ppo_affine.config import (
 
 
 class _DefaultsShown(argparse.HelpFormatter):
-    """Each option's help followed by its default, where it has one worth showing."""
+    """Each option's help followed by its default: the value, 'off' for a flag, 'none' for a repeatable option; an
+    option without one says in its own help what happens when it is left out (tests/test_help.py checks both)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS) \
-                and "%(default)" not in text:
-            text += " (default: %(default)s)"
+        if not action.option_strings or "(default" in text or "required" in text or action.default == argparse.SUPPRESS:
+            return text
+        if action.required:
+            return text + " (required)"
+        if action.default is False and action.nargs == 0:
+            return text + " (default: off)"
+        if action.default in ([], ""):
+            return text + " (default: none)"
+        if action.default is not None:
+            return text + " (default: %(default)s)"
         return text
 
 
@@ -63,7 +71,8 @@ BOUND_TO_CHECKPOINT = ("model.name_or_path", "model.gguf_file", "model.gguf_pack
 # the validators converse (temperature, context) stays each program's own.
 CARRIED_FROM_CHECKPOINT = (
     "model.dtype", "model.trust_remote_code", "model.chat_template_kwargs", "model.cache_dir", "run.device",
-    "generation.backend", "generation.max_new_tokens", "generation.max_prompt_tokens", "generation.stop_at_closing_fence",
+    "generation.backend", "generation.max_new_tokens", "generation.max_prompt_tokens",
+    "generation.stop_at_closing_fence",
     "generation.vllm_server.python", "generation.vllm_server.module",
     "generation.vllm_server.gpu_memory_utilization", "generation.vllm_server.env", "generation.vllm_server.extra_args",
     "generation.vllm_server.start_timeout_seconds",

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from ppo_affine.config import ConfigError
-from ppo_affine.file_writes import WriteFailed, apply_umask, cause, free_space, is_out_of_space, is_write_error, megabytes
+from ppo_affine.file_writes import (WriteFailed, apply_umask, cause, free_space, is_out_of_space, is_write_error,
+                                    megabytes)
 
 log = logging.getLogger(__name__)
 
