@@ -146,7 +146,7 @@ def test_sigkill_during_checkpoint_write_leaves_previous_checkpoint_resumable(ti
     process.wait()
     checkpoints = tmp_path / "t" / "checkpoints"
     assert any(p.name.startswith(".tmp-checkpoint-2") for p in checkpoints.iterdir())
-    assert (checkpoints / "latest").read_text().strip() == "checkpoint-1"
+    assert not (checkpoints / "latest").exists()  # no pointer to go stale: the newest that verifies is resumed
     assert find_resumable(checkpoints).name == "checkpoint-1"
     assert not any(p.name.startswith(".tmp-") for p in checkpoints.iterdir()), "leftovers were not cleaned"
     assert train_ppo.main(args + ["--resume", "latest"]) == 0
