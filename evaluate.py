@@ -33,6 +33,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -55,6 +56,8 @@ from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
 from ppo_affine.run_log import console, report_failure, rollout_progress, setup_logging
 from ppo_affine.config import Config, ConfigError, EnvSpec
+from ppo_affine.file_writes import WriteFailed, probe_writable, writing
+from ppo_affine.vllm_server import VLLMServerError, owned_server
 from ppo_affine.seeds import derive_seed
 from utils import add_config_arguments, config_for_adapter, program_parser
 
@@ -269,8 +272,9 @@ async def evaluate(config: Config, tasks: list[Task], env_specs: dict[str, tuple
         for label, playing_as in runs:
             def finished(episode: Episode, label=label) -> None:
                 if sink:
-                    sink.write(json.dumps(episode_record(episode, label)) + "\n")
-                    sink.flush()
+                    with writing("the episodes file", episodes_path):
+                        sink.write(json.dumps(episode_record(episode, label)) + "\n")
+                        sink.flush()
                 advance()
 
             with rollout_progress(len(tasks), f"{label}: episodes") as advance:
@@ -292,29 +296,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = program_parser(__doc__)
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint", type=Path,
-                       help="checkpoint folder (<run>/checkpoints/checkpoint-N) or adapter folder")
-    which.add_argument("--base-only", action="store_true", help="evaluate the base model without an adapter")
+                       help="checkpoint folder (<run>/checkpoints/checkpoint-N) or adapter folder (this or "
+                       "--base-only is required)")
+    which.add_argument("--base-only", action="store_true",
+                       help="evaluate the base model without an adapter (this or --checkpoint is required)")
     parser.add_argument("--compare-base", action="store_true",
                         help="also play the base model on the same tasks and seeds")
-    parser.add_argument("--games", help=f"comma-separated games from {AVAILABLE_GAMES}, or 'trace'")
-    parser.add_argument("--task-ids", help="comma-separated task ids / inclusive ranges; trace ids as trace:ID")
+    parser.add_argument("--games", help=f"comma-separated games from {AVAILABLE_GAMES}, or 'trace' (default: none; "
+                        "this or --task-ids is required)")
+    parser.add_argument("--task-ids", help="comma-separated task ids / inclusive ranges; trace ids as trace:ID "
+                        "(default: none; this or --games is required)")
     parser.add_argument("--episodes", type=int, help="episodes per game with --games (default 10)")
     parser.add_argument("--opponent", choices=("mcts", "random"), default="mcts",
                         help="game opponent (validators: mcts)")
-    parser.add_argument("--seed", type=int, help="derive seeds from this instead of the validator seeds")
+    parser.add_argument("--seed", type=int, help="derive seeds from this instead of the validator seeds (default: "
+                        "none: the validator seeds)")
     parser.add_argument("--temperature", type=float, help="sampling temperature (default 0 = greedy, as validators)")
-    parser.add_argument("--max-new-tokens", type=int, help="overrides generation.max_new_tokens")
+    parser.add_argument("--max-new-tokens", type=int, help="most tokens of one reply, overriding "
+                        "generation.max_new_tokens (default: the checkpoint's, else the config's)")
     parser.add_argument("--context-strategy", choices=("full", "truncated", "last"),
                         help="conversation shown to the model (default full, as validators)")
-    parser.add_argument("--output-dir", type=Path, help="write episodes.jsonl and summary.json here")
+    parser.add_argument("--output-dir", type=Path, help="write episodes.jsonl and summary.json here, and the log of a "
+                        "vLLM server evaluate starts (default: none: the tables are printed, nothing is written)")
     parser.add_argument("--env-evaluate", metavar="URL|IMAGE",
                         help="score through the env's own evaluate() (the validators' call): a running env server's "
                         "URL (e.g. http://127.0.0.1:8765 from `python -m ppo_affine.envs.server --env openspiel`) or an Affine "
                         "image to start in Docker (affinefoundation/game:openspiel); needs a vLLM server "
-                        "(env.vllm_url)")
+                        "(env.vllm_url) (default: none: evaluate.py plays the episodes itself)")
     parser.add_argument("--env-llm-url", metavar="URL",
-                        help="with --env-evaluate: the vLLM URL the env calls (its base_url; default env.vllm_url). "
-                        "A container cannot reach this machine's 127.0.0.1")
+                        help="with --env-evaluate: the vLLM URL the env calls (its base_url); a container cannot reach "
+                        "this machine's 127.0.0.1 (default: env.vllm_url)")
     parser.add_argument("--env-timeout", type=float, default=env_evaluate.VALIDATOR_TIMEOUT_S, metavar="SECONDS",
                         help="with --env-evaluate: seconds the env may take per game (default %(default)g, "
                         "the validators')")
@@ -378,24 +389,57 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     try:
+        # the checkpoint's adapter and configuration are all evaluate reads of it (a bad trainer state only warns)
         config, adapter_dir = config_for_adapter(args, args.checkpoint, defaults=VALIDATOR_SETTINGS,
-                                                 flags=flag_overrides(args))
+                                                 flags=flag_overrides(args), adapter_only=True)
         tasks, env_specs = plan(args, config)
         episodes_path = None
         if args.output_dir:
-            args.output_dir.mkdir(parents=True, exist_ok=True)
+            probe_writable(args.output_dir, "--output-dir")  # before any model loads
             episodes_path = args.output_dir / "episodes.jsonl"
-        if args.env_evaluate:
-            records, scores_from = asyncio.run(env_evaluate.evaluate_through_env(
-                config, tasks, adapter_dir, args.compare_base, args.env_evaluate, args.env_llm_url, args.env_timeout,
-                episodes_path))
-        else:
-            records = asyncio.run(evaluate(config, tasks, env_specs, adapter_dir, args.compare_base, episodes_path))
-            scores_from = {"path": "in_process"}
+        with server_log_folder(args.output_dir) as log_dir, owned_server(config, log_dir) as config:
+            if args.env_evaluate:
+                records, scores_from = asyncio.run(env_evaluate.evaluate_through_env(
+                    config, tasks, adapter_dir, args.compare_base, args.env_evaluate, args.env_llm_url,
+                    args.env_timeout, episodes_path))
+            else:
+                records = asyncio.run(evaluate(config, tasks, env_specs, adapter_dir, args.compare_base,
+                                               episodes_path))
+                scores_from = {"path": "in_process"}
+        if args.output_dir:
+            with writing("the summary", args.output_dir / "summary.json"):
+                (args.output_dir / "summary.json").write_text(json.dumps(summary_document(
+                    args, config, records, scores_from), indent=1) + "\n")
     except ConfigError as exc:
         return report_failure("Error", exc, 2)
-    except VLLMError as exc:
+    except (VLLMError, VLLMServerError, WriteFailed) as exc:
         return report_failure("Stopped", exc, 1)
+    print_results(args, records)
+    return 0
+
+
+@contextlib.contextmanager
+def server_log_folder(output_dir: Path | None):
+    """Where a vLLM server evaluate starts writes its log: --output-dir, else a temporary folder that stays only when
+    the evaluation fails (the failure line names the log)."""
+    if output_dir is not None:
+        yield output_dir
+        return
+    folder = Path(tempfile.mkdtemp(prefix="evaluate-vllm-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def summary_document(args: argparse.Namespace, config: Config, records: list[dict[str, Any]],
+                     scores_from: dict[str, Any]) -> dict[str, Any]:
+    document = {"settings": settings(args, config) | {"scores_from": scores_from},
+                "models": report.summarize(records)}
+    if args.compare_base:
+        document["comparison"] = report.paired_differences(records)
+    return document
+
+
+def print_results(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
     summary = report.summarize(records)
     comparison = report.paired_differences(records) if args.compare_base else None
     out = Console()
@@ -412,12 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[yellow]{errors} of {len(records)} episodes failed and are left out of the rates "
                       f"(first: task {first['task_id']}: {first['error']})[/yellow]", highlight=False)
     if args.output_dir:
-        document = {"settings": settings(args, config) | {"scores_from": scores_from}, "models": summary}
-        if comparison is not None:
-            document["comparison"] = comparison
-        (args.output_dir / "summary.json").write_text(json.dumps(document, indent=1) + "\n")
-        console.print(f"wrote {episodes_path} and {args.output_dir / 'summary.json'}", highlight=False)
-    return 0
+        console.print(f"wrote {args.output_dir / 'episodes.jsonl'} and {args.output_dir / 'summary.json'}",
+                      highlight=False)
 
 
 def settings(args: argparse.Namespace, config: Config) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from ppo_affine.architectures import RoutingRecord
 from ppo_affine.model_files import load_adapter_model
 from ppo_affine.run_log import console, report_failure, setup_logging
 from ppo_affine.config import ConfigError
+from ppo_affine.file_writes import WriteFailed, apply_umask, probe_writable, writing
 from utils import add_config_arguments, config_for_adapter, program_parser
 
 log = logging.getLogger("merge")
@@ -131,8 +132,10 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str | None, into: str)
     staging = output.parent / f".{output.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        write_merged_release(release, release_deltas(base_config, deltas, names), staging,
-                             getattr(torch, dtype) if dtype else None, rounded_bases)
+        with writing("the merged model", staging):
+            write_merged_release(release, release_deltas(base_config, deltas, names), staging,
+                                 getattr(torch, dtype) if dtype else None, rounded_bases)
+            apply_umask(staging)  # safetensors writes the weights 0600
         reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32).to(device)
         # what rounding the weights to the stored dtype costs, as the saved model will run
         routing.replay(reloaded)
@@ -141,7 +144,8 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str | None, into: str)
         if not torch.isfinite(saved_logits).all():
             raise MergeCheckFailed("the saved model produces non-finite logits; merge with --dtype float32.")
         differences["saved"] = float((saved_logits - reference).abs().max())
-        replace_folder(staging, output)
+        with writing("the merged model", output):
+            replace_folder(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return differences
@@ -159,8 +163,10 @@ def _lora_base_name(model, weight_name: str) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = program_parser(__doc__)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", type=Path, help="checkpoint folder (<run>/checkpoints/checkpoint-N)")
-    source.add_argument("--adapter", type=Path, help="a peft adapter folder (holds adapter_config.json)")
+    source.add_argument("--checkpoint", type=Path, help="checkpoint folder (<run>/checkpoints/checkpoint-N) (this or "
+                        "--adapter is required)")
+    source.add_argument("--adapter", type=Path, help="a peft adapter folder (holds adapter_config.json) (this or "
+                        "--checkpoint is required)")
     parser.add_argument("--output", type=Path, required=True, help="new folder for the merged model")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="cast every tensor to this dtype (rewrites every weight file; default: none, each tensor "
@@ -180,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     try:
+        # the adapter and the configuration are all merge reads of a checkpoint (a bad trainer state only warns)
         config, adapter_dir = config_for_adapter(args, args.checkpoint or args.adapter,
-                                                 flags=["model.gradient_checkpointing=false"])
+                                                 flags=["model.gradient_checkpointing=false"], adapter_only=True)
         into = args.into if args.into != "auto" else ("nf4" if config.train.model.use_4bit else "full-precision")
         if into == "nf4" and not config.train.model.use_4bit:
             raise ConfigError("--into nf4: the adapter was trained on a 16/32-bit base (model.use_4bit false); "
@@ -189,10 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
             raise ConfigError(f"--output {args.output} already exists and is not an empty folder; "
                               "choose a new folder so no earlier model is overwritten.")
-        args.output.parent.mkdir(parents=True, exist_ok=True)
+        probe_writable(args.output.parent, "--output's folder")  # before any model loads
         differences = merge(config, adapter_dir, args.output, args.dtype, into)
     except ConfigError as exc:
         return report_failure("Error", exc, 2)
+    except WriteFailed as exc:
+        return report_failure("Stopped", exc, 1)
     except MergeCheckFailed as exc:
         return report_failure("Merge check failed", exc, 1)
     stored = args.dtype or "the base's dtypes"

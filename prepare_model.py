@@ -37,11 +37,12 @@ from utils import add_config_arguments, config_from_arguments, program_parser
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = program_parser(__doc__)
-    parser.add_argument("--output", type=Path, help="also copy the folder here (a new or empty folder)")
+    parser.add_argument("--output", type=Path, help="also copy the folder here (a new or empty folder) (default: "
+                        "none: the folder stays in model.cache_dir)")
     parser.add_argument("--port", type=int, default=8000, help="port in the printed commands")
     parser.add_argument("--cache", choices=["list", "clear"],
                         help="list the converted and dequantised model folders in model.cache_dir, or remove them; "
-                        "writes nothing else")
+                        "writes nothing else (default: none: write the weights and print the commands)")
     parser.add_argument("--plan", action="store_true",
                         help="print the run's GPU memory plan and the settings that fit --gpu-memory; writes nothing")
     parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GB",

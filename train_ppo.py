@@ -54,8 +54,8 @@ from typing import Any
 import torch
 
 from ppo_affine.checkpoint import (
-    PPO_KIND, CheckpointWriteError, check_checkpoint, checkpoint_kind, find_resumable,
-    list_checkpoints, load_trainer_state, rng_state, save_checkpoint, set_rng_state,
+    PPO_KIND, check_checkpoint, checkpoint_kind, find_resumable, list_checkpoints, load_trainer_state, rng_state,
+    save_checkpoint, set_aside_newer, set_rng_state,
 )
 from curriculum import Curriculum
 from ppo_affine.envs.tasks import Task
@@ -75,8 +75,9 @@ from ppo_affine.ppo import AdaptiveKLController, FixedKLController
 from ppo_affine.model_files import served_folder, write_served_folder
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
-from ppo_affine.run_log import (RunLogger, console, episode_summary, report_failure, rollout_progress,
-                                setup_logging, steps_behind)
+from ppo_affine.run_log import (RunLogger, close_run_log, episode_summary, hold_lines_for_the_run_log, open_run_log,
+                                report_failure, rollout_progress, say, setup_logging, steps_behind)
+from ppo_affine.file_writes import WriteFailed, probe_writable, writing
 from ppo_affine.vllm_server import ManagedVLLMServer, VLLMServerError
 from ppo_affine.update import (TooManySkips, TrainingSnapshot, UpdateSettings, UpdateState, build_optimizer, ppo_update,
                                update_signal)
@@ -103,9 +104,9 @@ class StopRequested:
         if self.signal is not None:
             os._exit(128 + signum)  # safe: checkpoints are atomic
         self.signal = signum
-        # emoji=False: the signal may land while the loop's first print imports rich's emoji table
-        console.print(f"[yellow]{signal.Signals(signum).name}: stopping at the next phase boundary or minibatch, "
-                      "saving the last finished step, exiting (send again to exit at once)[/yellow]", emoji=False)
+        # say() prints with emoji=False: the signal may land while the loop's first print imports rich's emoji table
+        say(f"{signal.Signals(signum).name}: stopping at the next phase boundary or minibatch, saving the last "
+            "finished step, exiting (send again to exit at once)", style="yellow")
 
     def __bool__(self) -> bool:
         return self.signal is not None
@@ -164,6 +165,8 @@ class Trainer:
         self._warned_cut_off = False
         self.step = self.saved_step = 0
         self.saved_path: Path | None = None  # the newest checkpoint this run wrote or resumed from
+        self.saved_at = time.monotonic()  # rank 0's clock: when the run started or last saved
+        self.branch_point: Path | None = None  # the checkpoint resumed from, until the first save sets newer ones aside
         self.totals = {"episodes": 0, "episodes_failed": 0, "generated_tokens": 0}
         self.pending: PlayedStep | None = None  # the next step's episodes, played ahead (async_steps: 1)
         # async_steps: every update runs on this one thread (asyncio's default executor may pick another each
@@ -174,7 +177,8 @@ class Trainer:
         wandb_id = self._resume(resume_from) if resume_from else None
         if init_adapter is not None:
             self._init_adapter(init_adapter)
-        self.logger = (RunLogger(run_dir, cfg.logging, config.model_dump(mode="json"), wandb_id, self.step)
+        self.logger = (RunLogger(run_dir, cfg.logging, config.model_dump(mode="json"), wandb_id, self.step,
+                                 fresh=resume_from is None)
                        if ranks.is_main else SilentLogger())
         self.generator = self._make_generator()
         self.runner = RolloutRunner(self.envs, self.generator,
@@ -193,7 +197,7 @@ class Trainer:
         while self.step < cfg.run.max_steps and not self.stopping():
             if not await take_step():  # interrupted: the step is undone
                 break
-            if self.step % cfg.checkpointing.save_every == 0 or self.step == cfg.run.max_steps or self.stopping():
+            if self.save_due():
                 self.save()
         if self.stopping() and self.saved_step != self.step:
             self.save()
@@ -277,6 +281,15 @@ class Trainer:
         metrics["kl/coef"] = self.kl_ctl.value
         metrics["perf/step_seconds"] = time.perf_counter() - started
         self.logger.log(self.step, metrics)
+
+    def save_due(self) -> bool:
+        """After a step: every `save_every` steps, once `save_every_minutes` have passed since the last save (rank
+        0's clock, so that every rank decides alike), at the last step, and when stopping."""
+        cfg = self.config.train
+        minutes = cfg.checkpointing.save_every_minutes
+        return (self.step % cfg.checkpointing.save_every == 0 or self.step == cfg.run.max_steps or self.stopping()
+                or (minutes is not None and self.ranks.from_main(
+                    lambda: time.monotonic() - self.saved_at >= 60 * minutes)))
 
     def stopping(self) -> bool:
         """SIGINT/SIGTERM reached this rank or another: every rank leaves the loop at the same point."""
@@ -483,7 +496,8 @@ class Trainer:
 
         async def save_and_load() -> list[str]:
             folder = self.run_dir / "vllm_adapters" / f"step-{step}"
-            self.policy.model.save_pretrained(folder)
+            with writing("the adapter for vLLM", folder):
+                self.policy.model.save_pretrained(folder)
             names = await self.generator.load_adapter(folder, f"{self.run_dir.name}-step-{step}", step, activate)
             in_use = {path.name for path in self.generator.loaded.values()}
             for old in (self.run_dir / "vllm_adapters").iterdir():
@@ -510,10 +524,19 @@ class Trainer:
             # async_steps: the next step's episodes, played during this step's update (a dict: the class lives here)
             "pending": vars(self.pending) if self.pending is not None else None,
         }
-        path = self.ranks.from_main(lambda: save_checkpoint(self.checkpoint_dir, self.step, self.policy.save, state,
-                                                            self.config.train.checkpointing.keep_last))
-        self.saved_step, self.saved_path = self.step, path
+        path = self.ranks.from_main(lambda: self.write_checkpoint(state))
+        self.saved_step, self.saved_path, self.saved_at = self.step, path, time.monotonic()
         log.info("saved %s", path)
+
+    def write_checkpoint(self, state: dict[str, Any]) -> Path:
+        """Rank 0's part of a save; the first save of a run resumed from an older checkpoint of this folder first sets
+        the newer ones aside (their branch is left)."""
+        if self.branch_point is not None and self.branch_point.parent.resolve() == self.checkpoint_dir.resolve():
+            with writing("the checkpoints folder", self.checkpoint_dir):
+                set_aside_newer(self.checkpoint_dir, self.branch_point)
+        self.branch_point = None
+        return save_checkpoint(self.checkpoint_dir, self.step, self.policy.save, state,
+                               self.config.train.checkpointing.keep_last)
 
     def _resume(self, checkpoint: Path) -> str | None:
         """Restore everything of `checkpoint` (already checked against its manifest by `resume_checkpoint`)."""
@@ -529,7 +552,7 @@ class Trainer:
         self.totals = state["totals"]
         self.step = self.saved_step = state["step"]
         self.pending = PlayedStep(**state["pending"]) if state.get("pending") else None
-        self.saved_path = checkpoint
+        self.saved_path = self.branch_point = checkpoint
         self._keep_a_halved_token_budget(state)
         rng = rng_state_of(self.ranks, state["rng"])
         if rng is not None:  # else: a rank the saving run did not have keeps the state its seed gave it
@@ -575,12 +598,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = program_parser(__doc__)
     add_config_arguments(parser, set_example="ppo.learning_rate=2e-5")
     resume = parser.add_mutually_exclusive_group()
-    resume.add_argument("--resume", help="checkpoint folder, or 'latest'")
+    resume.add_argument("--resume", help="continue a run: its checkpoint folder, or 'latest' (the newest checkpoint of "
+                        "the configured run that verifies) (default: none: a new run, refused in a folder that holds "
+                        "checkpoints)")
     resume.add_argument("--init-adapter", type=Path,
                         help="start a new run from this adapter (a checkpoint or adapter folder, e.g. "
-                        "sft_warmstart.py's)")
-    parser.add_argument("--output-dir", help="parent folder of run folders (overrides run.output_dir)")
-    parser.add_argument("--max-steps", type=int, help="overrides run.max_steps")
+                        "sft_warmstart.py's) (default: none: a fresh LoRA)")
+    parser.add_argument("--output-dir", help="parent folder of run folders, overriding run.output_dir (default: "
+                        "run.output_dir, 'runs' in the shipped configs)")
+    parser.add_argument("--max-steps", type=int, help="the step to stop after, overriding run.max_steps (default: "
+                        "run.max_steps)")
     return parser.parse_args(argv)
 
 
@@ -603,9 +630,6 @@ def check_can_train(cfg: TrainConfig, world_size: int) -> None:
         log.warning("generation.top_p/top_k truncate sampling, but old log-probs are scored on the full "
                     "distribution (temperature only), so the PPO ratio starts slightly off-policy; "
                     "keep top_p=1 and top_k=0 for training")
-    if cfg.ppo.sampler_correction and cfg.generation.backend == "local":
-        log.warning("ppo.sampler_correction has nothing to correct with generation.backend=local: the trainer "
-                    "samples the tokens itself (every weight is 1)")
     if cfg.model.use_4bit:  # before anything is loaded or started
         check_4bit_support(pick_device(cfg.run.device))
     owned = cfg.generation.vllm_server.python
@@ -643,7 +667,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer, ranks, server = None, ONE_PROCESS, None
     try:
         ranks = Ranks.from_environment()  # torchrun / accelerate launch: one process per rank
-        if not ranks.is_main:  # rank 0 reports the run; the others only their own trouble
+        if ranks.is_main:  # train.log gets every line, those before the run folder is known included
+            hold_lines_for_the_run_log()
+        else:  # rank 0 reports the run; the others only their own trouble
             setup_logging(logging.WARNING, prefix=f"[rank {ranks.rank}] ")
         config = config_from_arguments(args, flags=flags)
         config, resume_from = run_configuration(args, config, flags, ranks.is_main)  # checkpoints checked here
@@ -656,7 +682,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{run_dir} already holds checkpoints of an earlier run (newest: {earlier[-1][1].name}); "
                               "continue it with --resume latest, or start a new run elsewhere (--set run.name=NEW "
                               "or --output-dir DIR).")
-        run_dir.mkdir(parents=True, exist_ok=True)
+        if ranks.is_main:  # a read-only disk, a full one or a file in the way: one line now, not after the model loads
+            probe_writable(run_dir, "the run folder")
+            open_run_log(run_dir)
         ranks.start(ranks.local_device(pick_device(cfg.run.device)), cfg.run.rank_timeout_minutes)
         if cfg.generation.vllm_server.python is not None:  # started first: it loads while the trainer does
             device = pick_device(cfg.run.device)
@@ -669,14 +697,15 @@ def main(argv: list[str] | None = None) -> int:
             server.wait_ready()
         asyncio.run(_train_and_close(trainer))
         if ranks.is_main:
-            console.print("\n".join(trainer.logger.summary(trainer.saved_path)), highlight=False, soft_wrap=True)
+            for line in trainer.logger.summary(trainer.saved_path):
+                say(line)
         if trainer.stop.signal is not None:  # a scheduler that preempted the run sees it did not finish
             log.info("stopped by %s after step %d%s", signal.Signals(trainer.stop.signal).name, trainer.saved_step,
                      "; continue with --resume latest" if trainer.saved_step else " (nothing to save yet)")
             return 128 + trainer.stop.signal
     except ConfigError as exc:
         return report_failure("Configuration error", exc, 2, shown=ranks.is_main)
-    except (TooManySkips, VLLMError, VLLMServerError, StartupError, BatchFailed, RankFailed, CheckpointWriteError,
+    except (TooManySkips, VLLMError, VLLMServerError, StartupError, BatchFailed, RankFailed, WriteFailed,
             OutOfMemory) as exc:
         # rank 0 hears of every other failure
         return report_failure("Stopped", exc, 1, shown=ranks.is_main or isinstance(exc, RankLost))
@@ -686,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is not None:  # only now: a launcher's SIGTERM during the clean-up must not cut the report short
             trainer.stop.restore()
         ranks.close()
+        close_run_log()
     return 0
 
 
@@ -709,7 +739,8 @@ def resume_checkpoint(resume: str, config: Config, is_main: bool) -> Path:
     """`--resume latest` (the newest checkpoint of the configured run that verifies) or a checkpoint path, checked."""
     if resume == "latest":
         checkpoint_dir = Path(config.train.run.output_dir) / config.train.run.name / "checkpoints"
-        checkpoint = find_resumable(checkpoint_dir, clean=is_main)
+        with writing("the checkpoints folder", checkpoint_dir):  # cleaning up may rename and delete
+            checkpoint = find_resumable(checkpoint_dir, clean=is_main)
         if checkpoint is None:
             raise ConfigError(f"--resume latest: no complete checkpoint under {checkpoint_dir} (name the run with "
                               "--set run.name=NAME or its preset, or give the checkpoint folder: --resume PATH).")

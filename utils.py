@@ -17,13 +17,21 @@ from ppo_affine.config import (
 
 
 class _DefaultsShown(argparse.HelpFormatter):
-    """Each option's help followed by its default, where it has one worth showing."""
+    """Each option's help followed by its default: the value, 'off' for a flag, 'none' for a repeatable option; an
+    option without one says in its own help what happens when it is left out (tests/test_help.py checks both)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS) \
-                and "%(default)" not in text:
-            text += " (default: %(default)s)"
+        if not action.option_strings or "(default" in text or "required" in text or action.default == argparse.SUPPRESS:
+            return text
+        if action.required:
+            return text + " (required)"
+        if action.default is False and action.nargs == 0:
+            return text + " (default: off)"
+        if action.default in ([], ""):
+            return text + " (default: none)"
+        if action.default is not None:
+            return text + " (default: %(default)s)"
         return text
 
 
@@ -58,8 +66,17 @@ def config_from_arguments(args: argparse.Namespace, defaults: Sequence[str] = ()
 # explicitly is an error (the adapter would not fit, or would be judged on another model).
 BOUND_TO_CHECKPOINT = ("model.name_or_path", "model.gguf_file", "model.gguf_package", "model.use_4bit",
                        "lora.r", "lora.alpha", "lora.target_modules", "lora.adapt_experts")
-# How that model was loaded and prompted: read from the checkpoint unless given explicitly.
-CARRIED_FROM_CHECKPOINT = ("model.dtype", "model.trust_remote_code", "model.chat_template_kwargs", "model.cache_dir")
+# How that model was loaded, prompted and run: read from the checkpoint unless given explicitly, so that evaluate.py,
+# merge.py and --init-adapter run a checkpoint as its run did (a vLLM server the run started is started again). How
+# the validators converse (temperature, context) stays each program's own.
+CARRIED_FROM_CHECKPOINT = (
+    "model.dtype", "model.trust_remote_code", "model.chat_template_kwargs", "model.cache_dir", "run.device",
+    "generation.backend", "generation.max_new_tokens", "generation.max_prompt_tokens",
+    "generation.stop_at_closing_fence",
+    "generation.vllm_server.python", "generation.vllm_server.module",
+    "generation.vllm_server.gpu_memory_utilization", "generation.vllm_server.env", "generation.vllm_server.extra_args",
+    "generation.vllm_server.start_timeout_seconds",
+)
 
 
 def config_for_checkpoint(args: argparse.Namespace, checkpoint: Path, defaults: Sequence[str] = (),
@@ -76,7 +93,9 @@ def config_for_checkpoint(args: argparse.Namespace, checkpoint: Path, defaults: 
     chosen = load_config(args.config, args.env_config, args.curriculum_config, args.preset,
                          [*defaults, *args.set, *flags], base=saved if continue_run else None,
                          base_source=f"the configuration saved in {checkpoint}")
-    return _bound_to_checkpoint(chosen, users_fields(args), saved["train"], checkpoint)
+    # the program's own settings (evaluate's validator defaults, --max-new-tokens) are chosen as explicitly as --set
+    named = users_fields(args) | {_field_of(assignment) for assignment in [*defaults, *flags]}
+    return _bound_to_checkpoint(chosen, named, saved["train"], checkpoint)
 
 
 def users_fields(args: argparse.Namespace) -> set[tuple[str, ...]]:
@@ -95,23 +114,29 @@ def users_fields(args: argparse.Namespace) -> set[tuple[str, ...]]:
     for name in args.preset:
         for section, part in read_preset(name).items():
             walk((section,), part)
-    for assignment in args.set:
-        section, keys = override_location(parse_override(assignment)[0])
-        named.add((section, *keys))
+    named.update(_field_of(assignment) for assignment in args.set)
     return named
 
 
+def _field_of(assignment: str) -> tuple[str, ...]:
+    """"ppo.learning_rate=2e-5" -> ("train", "ppo", "learning_rate")."""
+    section, keys = override_location(parse_override(assignment)[0])
+    return (section, *keys)
+
+
 def config_for_adapter(args: argparse.Namespace, path: Path | None, defaults: Sequence[str] = (),
-                       flags: Sequence[str] = ()) -> tuple[Config, Path | None]:
+                       flags: Sequence[str] = (), adapter_only: bool = False) -> tuple[Config, Path | None]:
     """The configuration and the adapter folder for a program that loads the adapter at `path` (a checkpoint or
     an adapter folder; None: the base model alone). The checkpoint is checked against its manifest and read for
-    its model before anything loads."""
+    its model before anything loads; `adapter_only` (a program that reads nothing else of it) needs only the adapter
+    and the configuration to verify."""
     if path is None:
         return config_from_arguments(args, defaults, flags), None
     from ppo_affine.checkpoint import checkpoint_holding  # torch: only the programs that read a checkpoint load it
     from ppo_affine.policy import adapter_folder
 
-    source = checkpoint_holding(path)  # before the adapter is looked for: a corrupt checkpoint names its bad file
+    # before the adapter is looked for: a corrupt checkpoint names its bad file
+    source = checkpoint_holding(path, adapter_only=adapter_only)
     adapter_dir = adapter_folder(path)
     if source is None:
         return config_from_arguments(args, defaults, flags), adapter_dir
@@ -122,19 +147,35 @@ def _bound_to_checkpoint(chosen: Config, named: set[tuple[str, ...]], saved_trai
                          checkpoint: Path) -> Config:
     train = chosen.train.model_dump(mode="json")
     for field in (*BOUND_TO_CHECKPOINT, *CARRIED_FROM_CHECKPOINT):
-        section, name = field.split(".")
-        if name not in saved_train.get(section, {}):  # a checkpoint from before the field existed
+        *sections, name = field.split(".")
+        saved_section, section = saved_train, train
+        for key in sections:
+            saved_section, section = saved_section.get(key, {}), section[key]
+        if name not in saved_section:  # a checkpoint from before the field existed
             continue
-        saved, given = saved_train[section][name], train[section][name]
+        saved, given = saved_section[name], section[name]
         if given == saved:
             continue
-        if not {("train", section, name), ("train", section), ("train",)} & named:
-            train[section][name] = saved  # the files' default, not the user's choice: the checkpoint's value
+        path = ("train", *sections, name)
+        if not any(path[:end] in named for end in range(1, len(path) + 1)):
+            section[name] = saved  # the files' default, not the user's choice: the checkpoint's value
         elif field in BOUND_TO_CHECKPOINT:
             raise ConfigError(f"{field}={given!r} conflicts with {checkpoint}, which was trained with {saved!r}: "
                               "leave the setting out (it is read from the checkpoint).")
+    _keep_the_server_the_user_chose(train, named)
     try:
         return chosen.model_copy(update={"train": type(chosen.train).model_validate(train)})
     except ValidationError as exc:
         problem = exc.errors()[0]["msg"]
         raise ConfigError(f"The configuration saved in {checkpoint} does not validate: {problem}.") from None
+
+
+def _keep_the_server_the_user_chose(train: dict[str, Any], named: set[tuple[str, ...]]) -> None:
+    """A vLLM server the run started is started again only while the backend is vLLM and the user names no server
+    of their own (env.vllm_url): `--set generation.backend=local` or a URL given wins over the checkpoint's."""
+    server = train["generation"]["vllm_server"]
+    if server["python"] is None or {("train", "generation", "vllm_server", "python"),
+                                    ("train", "generation", "vllm_server"), ("train", "generation")} & named:
+        return
+    if train["generation"]["backend"] != "vllm" or ("env", "vllm_url") in named:
+        server["python"] = None

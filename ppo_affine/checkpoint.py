@@ -3,16 +3,19 @@
 Layout: `<run>/checkpoints/checkpoint-<step>/` holding `adapter/` (peft format), `value_head.pt`,
 `trainer_state.pt` (optimizer, KL controller, curriculum, RNG states, counters) and a
 `manifest.json` (sizes + sha256) written last. A checkpoint is built in a `.tmp-*` folder beside
-the target, fsynced, renamed into place, and only then is `latest` updated and old ones pruned.
-A write that fails (a full disk above all) removes its `.tmp-*` folder and leaves the previous
-checkpoints as they were. Every reader checks a checkpoint against its manifest before it loads
-anything (`check_checkpoint`); a corrupt one is set aside as `corrupt-checkpoint-<step>`, outside
-the pattern that resume and pruning count, so pruning keeps the newest checkpoints that verify.
-`config.json` holds the configuration the run was written with, for the programs that read it.
+the target, fsynced, renamed into place, and only then are old ones pruned. The newest checkpoint
+that verifies is the one to resume: there is no `latest` pointer to go stale (one left by an older
+version is removed at the next save). A write that fails (a full disk, a read-only folder, torch's
+writer giving up) removes its `.tmp-*` folder, leaves the previous checkpoints as they were and
+raises `CheckpointWriteError`, one line. Every reader checks a checkpoint against its manifest before
+it loads anything (`check_checkpoint`); a corrupt one is set aside as `corrupt-checkpoint-<step>`,
+and a run resumed from an older checkpoint sets the newer ones aside as `abandoned-checkpoint-<step>`:
+both outside the pattern that resume and pruning count, so pruning keeps the newest checkpoints of
+the branch being trained that verify. `config.json` holds the configuration the run was written
+with, for the programs that read it.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -27,6 +30,8 @@ import numpy as np
 import torch
 
 from ppo_affine.config import ConfigError
+from ppo_affine.file_writes import (WriteFailed, apply_umask, cause, free_space, is_out_of_space, is_write_error,
+                                    megabytes)
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +39,15 @@ MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "config.json"  # the run's resolved configuration (also inside trainer_state.pt)
 SET_ASIDE_PREFIX = "corrupt-"
+ABANDONED_PREFIX = "abandoned-"  # newer checkpoints of a branch a resume from an older one left
+REPLACED_PREFIX = "replaced-"  # the old copy of a step saved again, until the new copy is in place
+LEGACY_POINTER = "latest"  # older versions wrote it; nothing reads it
 PPO_KIND = "ppo"  # a checkpoint's kind in its manifest: a PPO run resumes, an SFT warm start (its own kind) does not
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (the disk is full); the previous ones are intact."""
+class CheckpointWriteError(WriteFailed):
+    """A checkpoint could not be written (a full disk, a read-only folder, ...); the previous ones are intact."""
 
 
 class CheckpointError(ConfigError):
@@ -89,37 +96,45 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(checkpoint_dir: Path, step: int, write_model: Callable[[Path], None],
                     trainer_state: dict[str, Any], keep_last: int) -> Path:
-    """Write checkpoint-<step> atomically; returns its path. CheckpointWriteError when the disk is full."""
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    """Write checkpoint-<step> atomically; returns its path. CheckpointWriteError, one line, when the storage refuses
+    any part of the write; the checkpoints already there stay as they were."""
     final = checkpoint_dir / f"checkpoint-{step}"
     tmp = checkpoint_dir / f".tmp-checkpoint-{step}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     try:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
         _write_files(tmp, step, write_model, trainer_state)
     except BaseException as exc:
         written = _tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)  # frees the space the next attempt needs
-        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
-            raise CheckpointWriteError(_disk_full_message(checkpoint_dir, step, written, exc)) from exc
+        if isinstance(exc, Exception) and is_write_error(exc):
+            raise CheckpointWriteError(_write_failure_message(checkpoint_dir, step, written, exc)) from exc
         raise
-    if final.exists():  # a re-save of the same step (e.g. after resume): move the old one aside first
-        stale = checkpoint_dir / f".tmp-stale-{step}-{os.getpid()}"
-        os.replace(final, stale)
-        os.replace(tmp, final)
-        shutil.rmtree(stale, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(checkpoint_dir)
-    pointer_tmp = checkpoint_dir / f".latest.tmp-{os.getpid()}"
-    pointer_tmp.write_text(final.name + "\n")
-    with open(pointer_tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(pointer_tmp, checkpoint_dir / "latest")
-    _fsync_dir(checkpoint_dir)
+    try:
+        _move_into_place(tmp, final, step)
+        (checkpoint_dir / LEGACY_POINTER).unlink(missing_ok=True)
+        _fsync_dir(checkpoint_dir)
+    except OSError as exc:
+        raise CheckpointWriteError(_write_failure_message(checkpoint_dir, step, _tree_bytes(tmp), exc)) from exc
     _VERIFIED[final.resolve()] = _signature(final)  # its hashes were computed from these very files
     _prune(checkpoint_dir, keep_last)
     return final
+
+
+def _move_into_place(tmp: Path, final: Path, step: int) -> None:
+    """Rename the finished folder to checkpoint-<step>. A re-save of a step (e.g. after a resume) first renames the old
+    copy to replaced-checkpoint-<step>, outside the `.tmp-*` names that cleaning deletes: a crash between the two
+    renames leaves that whole copy, which `clean_temporaries` puts back."""
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    replaced = final.with_name(REPLACED_PREFIX + final.name)
+    shutil.rmtree(replaced, ignore_errors=True)  # a copy an earlier crash left, with checkpoint-<step> in place
+    os.replace(final, replaced)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def _write_files(tmp: Path, step: int, write_model: Callable[[Path], None], trainer_state: dict[str, Any]) -> None:
@@ -129,6 +144,7 @@ def _write_files(tmp: Path, step: int, write_model: Callable[[Path], None], trai
     torch.save(trainer_state, tmp / STATE_FILE)
     if "config" in trainer_state:  # readable without torch.load, before any model is loaded
         (tmp / CONFIG_FILE).write_text(json.dumps(trainer_state["config"], indent=1) + "\n")
+    apply_umask(tmp)  # safetensors writes the adapter 0600
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     entries = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
     manifest = {"step": step, "kind": trainer_state.get("kind", PPO_KIND), "files": entries}
@@ -146,27 +162,24 @@ def _tree_bytes(folder: Path) -> int:
         return 0
 
 
-def _disk_full_message(checkpoint_dir: Path, step: int, written: int, exc: OSError) -> str:
-    """Names the folder, the space a checkpoint takes (the previous one's size, else what got written)
-    and what is free, so that the fix is obvious."""
+def _write_failure_message(checkpoint_dir: Path, step: int, written: int, exc: BaseException) -> str:
+    """One line: the folder, what failed, the free space and, for a full disk, the space a checkpoint takes (the
+    previous one's size, else what got written), so that the fix is obvious."""
     previous = list_checkpoints(checkpoint_dir)
     if previous:
-        needed = f"about {_megabytes(_tree_bytes(previous[-1][1]))} (the size of {previous[-1][1].name})"
         kept = f"The previous checkpoint {previous[-1][1].name} is intact; resume from it with --resume latest."
     else:
-        needed = f"more than the {_megabytes(written)} written before the disk filled"
         kept = "No earlier checkpoint exists."
-    try:
-        free = _megabytes(shutil.disk_usage(checkpoint_dir).free)
-    except OSError:
-        free = "unknown"
-    return (f"Disk full while writing checkpoint-{step} in {checkpoint_dir} ({exc.strerror}): a checkpoint needs "
-            f"{needed}, {free} is free there. {kept} Free some space, lower checkpointing.keep_last, or move "
-            "run.output_dir to a larger disk.")
-
-
-def _megabytes(size: int) -> str:
-    return f"{size / 1e6:.1f} MB"
+    free = free_space(checkpoint_dir)
+    if not is_out_of_space(exc):
+        return f"Could not write checkpoint-{step} in {checkpoint_dir} ({cause(exc)}); {free}. {kept}"
+    if previous:
+        needed = f"about {megabytes(_tree_bytes(previous[-1][1]))} (the size of {previous[-1][1].name})"
+    else:
+        needed = f"more than the {megabytes(written)} written before the disk filled"
+    return (f"Disk full while writing checkpoint-{step} in {checkpoint_dir} ({cause(exc)}): a checkpoint needs "
+            f"{needed}, {free}. {kept} Free some space, lower checkpointing.keep_last, or move run.output_dir to a "
+            "larger disk.")
 
 
 def list_checkpoints(checkpoint_dir: Path) -> list[tuple[int, Path]]:
@@ -207,9 +220,10 @@ def _signature(checkpoint: Path) -> tuple:
                  for p in sorted(checkpoint.rglob("*")) if p.is_file())
 
 
-def check_checkpoint(checkpoint: Path) -> None:
+def check_checkpoint(checkpoint: Path, files: Callable[[str], bool] | None = None) -> None:
     """Raise CheckpointError naming the first file that is missing or differs from the manifest (size, then sha256);
-    a folder with no manifest is not a checkpoint (an unfinished save, or another kind of folder)."""
+    a folder with no manifest is not a checkpoint (an unfinished save, or another kind of folder). `files` picks the
+    manifest's entries to check (by their path in the checkpoint); default all."""
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
         raise CheckpointError(f"checkpoint {checkpoint} does not exist (expected a folder "
@@ -223,11 +237,13 @@ def check_checkpoint(checkpoint: Path) -> None:
             return
         entries = json.loads(manifest_path.read_text())["files"]
         for name, entry in entries.items():
-            _check_file(checkpoint / name, entry)
+            if files is None or files(name):
+                _check_file(checkpoint / name, entry)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{manifest_path} is unreadable ({type(exc).__name__}: {exc}): the checkpoint "
                               "cannot be checked.") from None
-    _VERIFIED[checkpoint.resolve()] = signature
+    if files is None:
+        _VERIFIED[checkpoint.resolve()] = signature
 
 
 def _check_file(path: Path, entry: dict[str, Any]) -> None:
@@ -262,11 +278,47 @@ def set_aside(checkpoint: Path, problem: Exception) -> Path:
 
 
 def clean_temporaries(checkpoint_dir: Path) -> None:
-    for path in checkpoint_dir.glob(".tmp-*") if checkpoint_dir.is_dir() else []:
+    """Remove what unfinished saves and prunes left (`.tmp-*`), and put back the old copy of a step whose re-save
+    died between its two renames (then no checkpoint-<step> exists)."""
+    if not checkpoint_dir.is_dir():
+        return
+    for path in checkpoint_dir.glob(".tmp-*"):
         shutil.rmtree(path, ignore_errors=True)
         log.info("removed unfinished checkpoint %s", path.name)
-    for path in checkpoint_dir.glob(".latest.tmp-*") if checkpoint_dir.is_dir() else []:
+    for path in checkpoint_dir.glob(".latest.tmp-*"):  # an older version's pointer, half written
         path.unlink(missing_ok=True)
+    for path in checkpoint_dir.glob(REPLACED_PREFIX + "checkpoint-*"):
+        original = path.with_name(path.name[len(REPLACED_PREFIX):])
+        if original.exists():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.replace(path, original)
+            log.warning("%s was being saved again when the run stopped: its earlier copy is back in place",
+                        original.name)
+
+
+def set_aside_newer(checkpoint_dir: Path, resumed: Path) -> list[Path]:
+    """A run resumed from an older checkpoint starts a new branch: rename the checkpoints of later steps to
+    abandoned-checkpoint-<step>[-k] (kept, never deleted), so that pruning never counts them and `--resume latest`
+    follows the branch being trained. Returns their new paths."""
+    resumed_step = int(CHECKPOINT_RE.match(resumed.name).group(1))
+    moved = []
+    for step, path in list_checkpoints(checkpoint_dir):
+        if step <= resumed_step:
+            continue
+        target = path.with_name(ABANDONED_PREFIX + path.name)
+        copy = 1
+        while target.exists():
+            copy += 1
+            target = path.with_name(f"{ABANDONED_PREFIX}{path.name}-{copy}")
+        os.replace(path, target)
+        moved.append(target)
+    if moved:
+        _fsync_dir(checkpoint_dir)
+        log.warning("resuming from %s: the newer %s of the branch it ends set aside as %s (kept; delete them once "
+                    "you are sure)", resumed.name, ", ".join(p.name[len(ABANDONED_PREFIX):] for p in moved),
+                    ", ".join(p.name for p in moved))
+    return moved
 
 
 def find_resumable(checkpoint_dir: Path, clean: bool = True) -> Path | None:
@@ -288,17 +340,34 @@ def find_resumable(checkpoint_dir: Path, clean: bool = True) -> Path | None:
     return None
 
 
-def checkpoint_holding(path: Path) -> Path | None:
+def checkpoint_holding(path: Path, adapter_only: bool = False) -> Path | None:
     """The checkpoint that `path` is, or sits in (its adapter folder), checked against its manifest before anything
-    loads it; None for a bare adapter folder, which has no manifest to check against."""
+    loads it; None for a bare adapter folder, which has no manifest to check against. `adapter_only` (a program that
+    reads the adapter and the configuration alone, e.g. evaluate.py) accepts a checkpoint whose other files (the
+    trainer state, the value head) do not verify, with one warning."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist.")
     for candidate in (path, path.parent):
         if (candidate / MANIFEST).is_file():
-            check_checkpoint(candidate)
+            try:
+                check_checkpoint(candidate)
+            except CheckpointError as problem:
+                if not adapter_only:
+                    raise
+                check_checkpoint(candidate, _adapter_and_config(candidate))
+                log.warning("%s Its adapter and configuration verify, so it is read all the same (training cannot "
+                            "resume from it).", problem)
             return candidate
     return None  # saves are renamed into place whole, so a folder without a manifest was never one of ours
+
+
+def _adapter_and_config(checkpoint: Path) -> Callable[[str], bool]:
+    """The manifest entries a reader of the adapter needs: the adapter folder and where the configuration comes from
+    (config.json; trainer_state.pt in checkpoints from before it)."""
+    entries = json.loads((checkpoint / MANIFEST).read_text())["files"]
+    config = CONFIG_FILE if CONFIG_FILE in entries else STATE_FILE
+    return lambda name: name.startswith("adapter/") or name == config
 
 
 def checkpoint_kind(checkpoint: Path) -> str | None:

@@ -272,6 +272,10 @@ class LoggingConfig(Strict):
 
 class CheckpointConfig(Strict):
     save_every: int = Field(500, ge=1, description="Steps between checkpoints (the last step always saves).")
+    save_every_minutes: float | None = Field(
+        30.0, gt=0, description="Also save after the first step that ends this many minutes after the last save (or "
+        "the start), on rank 0's clock for every rank, so that a crash no signal announces (kill -9, a lost machine) "
+        "costs at most this much plus a step, however long steps take; null = steps only.")
     keep_last: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are pruned after a save.")
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ppo_affine.config import ConfigError, ModelConfig
+from ppo_affine.file_writes import apply_umask
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ def _write_once(target: Path, write) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     try:
         write(staging)
+        apply_umask(staging)  # safetensors writes the weights 0600
         try:
             os.replace(staging, target)
         except OSError:  # another process finished the same folder first

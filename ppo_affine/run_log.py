@@ -1,6 +1,7 @@
 """What a run tells the person watching it: a line per step on standard output (failures alone go to standard
 error), a rollout progress bar, a closing summary, and in the run folder `metrics.jsonl` and `train.log` (every
-line the run printed, with its time), plus Weights & Biases when configured."""
+line the run printed, with its time: the lines before the run folder was known are held and written first), plus
+Weights & Biases when configured."""
 from __future__ import annotations
 
 import json
@@ -18,13 +19,16 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from ppo_affine.config import LoggingConfig
+from ppo_affine.file_writes import WriteFailed, writing
 
 console = Console()  # what a run says goes to standard output: `python train_ppo.py > log` keeps it
 error_console = Console(stderr=True)  # the one line of a failure
 PLAIN_PROGRESS_SECONDS = 60.0
 LOG_FILE = "train.log"
+SAMPLES_FILE = "samples.jsonl"
 PLAIN_FORMAT = "%(asctime)s %(levelname)s %(message)s"
 
 
@@ -45,10 +49,92 @@ def setup_logging(level: int = logging.INFO, prefix: str = "") -> None:
 
 def report_failure(heading: str, problem: BaseException | str, exit_code: int, shown: bool = True) -> int:
     """A program's failure as one red `heading:` line (the message escaped: a `[...]` in it is text, not
-    markup); returns the exit code. `shown=False` (another rank than the one that reports) prints nothing."""
+    markup), in train.log too while one is open; returns the exit code. `shown=False` (another rank than the one that
+    reports) prints nothing."""
     if shown:
         error_console.print(f"[red]{heading}:[/red] {escape(str(problem))}", highlight=False, soft_wrap=True)
+        to_run_log(f"{heading}: {problem}", logging.ERROR)
     return exit_code
+
+
+class _HeldLines(logging.Handler):
+    """The log records of a run before its folder (and so train.log) is known: resolving a checkpoint, setting a
+    corrupt one aside, the start-up checks' warnings."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+class _RunLogFile(logging.FileHandler):
+    """train.log. A write that fails (a full disk) is kept and raised at the next step (`check_run_log`), not printed
+    as a traceback under every later line, as logging would."""
+
+    failure: BaseException | None = None
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if self.failure is None:
+            self.failure = sys.exc_info()[1]
+
+
+_held: _HeldLines | None = None
+_run_log: _RunLogFile | None = None
+
+
+def hold_lines_for_the_run_log() -> None:
+    """From now on every log line (and every warning) is kept for train.log, which `open_run_log` starts with them."""
+    global _held
+    logging.captureWarnings(True)  # a library's warning is a line the console shows: train.log holds it too
+    _held = _HeldLines()
+    logging.getLogger().addHandler(_held)
+
+
+def open_run_log(run_dir: Path) -> None:
+    """Append to `run_dir`/train.log from now on (a resumed run appends), the held lines first."""
+    global _held, _run_log
+    with writing("the run log", run_dir / LOG_FILE):
+        handler = _RunLogFile(run_dir / LOG_FILE, encoding="utf-8")
+    handler.setFormatter(logging.Formatter(PLAIN_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
+    if _held is not None:
+        logging.getLogger().removeHandler(_held)
+        for record in _held.records:
+            handler.handle(record)
+        _held = None
+    logging.getLogger().addHandler(handler)
+    _run_log = handler
+
+
+def close_run_log() -> None:
+    global _held, _run_log
+    for handler in (_held, _run_log):
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+    _held = _run_log = None
+    logging.captureWarnings(False)
+
+
+def check_run_log() -> None:
+    """WriteFailed when a line could not be written to train.log."""
+    if _run_log is not None and _run_log.failure is not None:
+        raise WriteFailed(f"Could not write the run log {_run_log.baseFilename}: {_run_log.failure}")
+
+
+def to_run_log(text: str, level: int = logging.INFO, level_name: str | None = None) -> None:
+    """A line that goes to the console by other means (a step line, the summary, a failure) into train.log too."""
+    target = _run_log or _held
+    if target is not None:
+        target.handle(logging.makeLogRecord({"msg": text, "levelname": level_name or logging.getLevelName(level),
+                                             "levelno": level, "name": "run"}))
+
+
+def say(text: str, style: str | None = None) -> None:
+    """A line of plain text (brackets are text, not markup) on the console, in `style`, and in train.log."""
+    console.print(Text(text, style=style or ""), highlight=False, soft_wrap=True, emoji=False)
+    to_run_log(text)
 
 
 def silence_known_library_warnings() -> None:
@@ -66,17 +152,19 @@ def _plain(value: Any) -> Any:
 
 class RunLogger:
     def __init__(self, run_dir: Path, cfg: LoggingConfig, config_dump: dict[str, Any], wandb_id: str | None = None,
-                 resumed_step: int = 0):
+                 resumed_step: int = 0, fresh: bool = False):
+        """`fresh`: a new run, not a resumed one; metrics.jsonl and samples.jsonl of an earlier run in its folder are
+        renamed, not written over or appended to."""
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = run_dir / "metrics.jsonl"
-        self._truncate_after(resumed_step)  # lines after the checkpoint we start from belong to no run now
+        with writing("the metrics", self.metrics_path):
+            if fresh:
+                self._set_aside_earlier_files()
+            else:
+                self._truncate_after(resumed_step)  # lines after the checkpoint we start from belong to no run now
         self.last_step: int | None = None
         self.last_metrics: dict[str, Any] = {}
-        # every log line of the run (a resumed run appends), whatever the console shows
-        self.log_file = logging.FileHandler(run_dir / LOG_FILE, encoding="utf-8")
-        self.log_file.setFormatter(logging.Formatter(PLAIN_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
-        logging.getLogger().addHandler(self.log_file)
         self.wandb_run = None
         self.wandb_id = wandb_id
         if cfg.wandb_project and cfg.wandb_mode != "disabled":
@@ -85,6 +173,16 @@ class RunLogger:
             self.wandb_run = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode, dir=str(run_dir),
                                         config=config_dump, id=wandb_id, resume="allow", name=run_dir.name)
             self.wandb_id = self.wandb_run.id
+
+    def _set_aside_earlier_files(self) -> None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for path in (self.metrics_path, self.run_dir / SAMPLES_FILE):
+            if path.exists():
+                kept = path.with_name(f"{path.stem}.before-{stamp}{path.suffix}")
+                os.replace(path, kept)
+                logging.getLogger(__name__).warning(
+                    "%s already held %s of an earlier run: renamed to %s, this run starts a new one", self.run_dir,
+                    path.name, kept.name)
 
     def _truncate_after(self, step: int) -> None:
         """Keep the lines of steps up to `step`; a line torn by a kill mid-write is dropped too."""
@@ -103,13 +201,14 @@ class RunLogger:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        with open(self.metrics_path, "a") as handle:
+        with writing("the metrics", self.metrics_path), open(self.metrics_path, "a") as handle:
             handle.write(json.dumps(record, sort_keys=True) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
         line = self.step_line(step, metrics)
         console.print(line, highlight=False, soft_wrap=True)
-        self.log_file.emit(logging.makeLogRecord({"msg": line, "levelname": "STEP", "levelno": logging.INFO}))
+        to_run_log(line, level_name="STEP")
+        check_run_log()
         self.last_step, self.last_metrics = step, record
 
     def log_sample(self, step: int, episode) -> None:
@@ -117,7 +216,8 @@ class RunLogger:
         record = {"step": step, "env": episode.task.env, "task_id": episode.task.task_id, "seed": episode.task.seed,
                   "game": episode.game_name, "score": episode.score, "error": episode.error,
                   "messages": episode.messages}
-        with open(self.run_dir / "samples.jsonl", "a") as handle:
+        path = self.run_dir / SAMPLES_FILE
+        with writing("the samples", path), open(path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
     @staticmethod
@@ -151,8 +251,6 @@ class RunLogger:
         return lines
 
     def close(self) -> None:
-        logging.getLogger().removeHandler(self.log_file)
-        self.log_file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
@@ -228,7 +326,7 @@ def rollout_progress(total: int, description: str, visible: bool = True) -> Iter
             now = time.monotonic()
             if now - last >= PLAIN_PROGRESS_SECONDS and done < total:
                 last = now
-                console.print(f"{description}: {done}/{total} ({now - started:.0f} s)", highlight=False)
+                say(f"{description}: {done}/{total} ({now - started:.0f} s)")
 
         yield advance
         return

@@ -19,11 +19,13 @@ import socket
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
-from ppo_affine.config import TrainConfig, VLLMServerConfig
+from ppo_affine.config import Config, TrainConfig, VLLMServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -162,3 +164,26 @@ class ManagedVLLMServer:
             self.process.wait()
         log.info("stopped the vLLM server of this run")
 
+
+
+@contextmanager
+def owned_server(config: Config, log_dir: Path) -> Iterator[Config]:
+    """For a program other than the trainer (evaluate.py): with `generation.vllm_server.python` set, start a server
+    as the trainer does (its output in `log_dir/vllm.log`), wait until it answers, yield `config` pointed at it and
+    stop it at the end; otherwise yield `config` as it is."""
+    train = config.train
+    if train.generation.backend != "vllm" or train.generation.vllm_server.python is None:
+        yield config
+        return
+    from ppo_affine.model_files import pick_device, write_served_folder  # torch: only when a server is started
+
+    device = pick_device(train.run.device)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    server = ManagedVLLMServer.for_run(train, write_served_folder(train.model, device), log_dir,
+                                       cpu=device.type == "cpu")
+    server.start()
+    try:
+        server.wait_ready()
+        yield config.model_copy(update={"env": config.env.model_copy(update={"vllm_url": server.url})})
+    finally:
+        server.stop()

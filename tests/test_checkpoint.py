@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from ppo_affine import checkpoint
 from ppo_affine.checkpoint import (
     CONFIG_FILE, STATE_FILE, CheckpointError, CheckpointWriteError, check_checkpoint, checkpoint_holding,
-    checkpoint_kind, find_resumable, load_trainer_state, save_checkpoint, saved_config, verify,
+    checkpoint_kind, find_resumable, load_trainer_state, save_checkpoint, saved_config, set_aside_newer, verify,
 )
 
 
@@ -43,8 +44,7 @@ def test_disk_full_keeps_the_previous_checkpoint_and_names_the_folder_and_the_si
     assert f"Disk full while writing checkpoint-2 in {checkpoints} (No space left on device)" in message
     assert "a checkpoint needs about 3.0 MB (the size of checkpoint-1)" in message
     assert "checkpoint-1 is intact" in message and "checkpointing.keep_last" in message
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-1", "latest"]  # partial folder removed
-    assert (checkpoints / "latest").read_text() == "checkpoint-1\n"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-1"]  # partial folder removed
     assert find_resumable(checkpoints) == checkpoints / "checkpoint-1"
     assert verify(checkpoints / "checkpoint-1")
     assert load_trainer_state(checkpoints / "checkpoint-1") == {"step": 1}
@@ -72,15 +72,155 @@ def test_a_disk_full_resave_of_the_same_step_keeps_the_old_copy(tmp_path):
     assert load_trainer_state(find_resumable(checkpoints)) == {"step": 4}
 
 
-def test_other_write_errors_pass_through_unchanged_and_leave_no_partial_folder(tmp_path):
-    def denied(folder: Path) -> None:
-        raise PermissionError(errno.EACCES, "Permission denied")
+def torch_writer_fails(obj, path):
+    """torch.save on a disk that filled mid-file: its zip writer raises a RuntimeError, not an OSError."""
+    Path(path).write_bytes(b"s" * 1000)
+    raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                       "data/0: file write failed")
 
+
+def raises(error: OSError):
+    def write_model(folder: Path) -> None:
+        raise error
+
+    return write_model
+
+
+def assert_one_line_and_the_last_checkpoint_resumable(checkpoints: Path, message: str) -> None:
+    assert len(message.splitlines()) == 1
+    assert "free there" in message and "checkpoint-1 is intact" in message
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-1"]  # no partial folder left
+    assert find_resumable(checkpoints) == checkpoints / "checkpoint-1"
+    assert load_trainer_state(checkpoints / "checkpoint-1") == {"step": 1}
+
+
+def test_torch_writers_runtime_error_is_a_checkpoint_write_error_naming_the_folder(tmp_path, monkeypatch):
     checkpoints = tmp_path / "checkpoints"
-    with pytest.raises(PermissionError):
-        save_checkpoint(checkpoints, 1, denied, {"step": 1}, keep_last=3)
-    assert list(checkpoints.iterdir()) == []
+    save_checkpoint(checkpoints, 1, write_weights(100), {"step": 1}, keep_last=3)
+    monkeypatch.setattr(checkpoint.torch, "save", torch_writer_fails)
+    with pytest.raises(CheckpointWriteError) as raised:
+        save_checkpoint(checkpoints, 2, write_weights(100), {"step": 2}, keep_last=3)
+    message = str(raised.value)
+    assert message.startswith(f"Could not write checkpoint-2 in {checkpoints} ([enforce fail at inline_container.cc:672]")
+    assert "file write failed" in message
+    assert_one_line_and_the_last_checkpoint_resumable(checkpoints, message)
 
+
+@pytest.mark.parametrize("code,reason", [(errno.EROFS, "Read-only file system"), (errno.EACCES, "Permission denied"),
+                                         (errno.ENOSPC, "No space left on device")])
+def test_every_os_write_error_is_one_line_with_the_free_space(tmp_path, code, reason):
+    checkpoints = tmp_path / "checkpoints"
+    save_checkpoint(checkpoints, 1, write_weights(100), {"step": 1}, keep_last=3)
+    with pytest.raises(CheckpointWriteError) as raised:
+        save_checkpoint(checkpoints, 2, raises(OSError(code, reason)), {"step": 2}, keep_last=3)
+    message = str(raised.value)
+    assert f"checkpoint-2 in {checkpoints} ({reason})" in message
+    assert_one_line_and_the_last_checkpoint_resumable(checkpoints, message)
+
+
+def test_a_checkpoint_folder_under_a_regular_file_is_one_line(tmp_path):
+    (tmp_path / "run").write_text("a file where the run folder should be")
+    with pytest.raises(CheckpointWriteError) as raised:
+        save_checkpoint(tmp_path / "run" / "checkpoints", 1, write_weights(10), {"step": 1}, keep_last=3)
+    message = str(raised.value)
+    assert len(message.splitlines()) == 1 and str(tmp_path / "run" / "checkpoints") in message
+    assert "Not a directory" in message or "File exists" in message
+    assert "free there" in message and "No earlier checkpoint exists" in message
+
+
+def test_written_files_get_the_modes_of_the_umask(tmp_path):
+    def write_0600(folder: Path) -> None:  # as safetensors writes the adapter
+        (folder / "adapter").mkdir()
+        weights = folder / "adapter" / "adapter_model.safetensors"
+        weights.write_bytes(b"w")
+        weights.chmod(0o600)
+
+    saved = save_checkpoint(tmp_path, 1, write_0600, {"step": 1}, keep_last=3)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert oct(os.stat(saved / "adapter" / "adapter_model.safetensors").st_mode & 0o777) == oct(0o666 & ~mask)
+    assert oct(os.stat(saved / STATE_FILE).st_mode & 0o777) == oct(0o666 & ~mask)
+    assert oct(os.stat(saved).st_mode & 0o777) == oct(0o777 & ~mask)
+
+
+def test_no_latest_pointer_is_written_and_an_old_one_is_removed(tmp_path):
+    (tmp_path / "latest").write_text("checkpoint-9\n")  # left by an older version, now stale
+    save_checkpoint(tmp_path, 1, write_weights(10), {"step": 1}, keep_last=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
+
+
+def test_a_crash_between_the_two_renames_of_a_resave_keeps_a_copy_of_the_step(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, 4, write_weights(100), {"step": 4}, keep_last=3)
+    original, renames = os.replace, []
+
+    def killed_at_the_second_rename(source, target):
+        renames.append(Path(source).name)
+        if len(renames) == 2:
+            raise KeyboardInterrupt  # stands in for kill -9: nothing after this line runs
+        original(source, target)
+
+    monkeypatch.setattr(checkpoint.os, "replace", killed_at_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 4, write_weights(100), {"step": 4, "again": True}, keep_last=3)
+    monkeypatch.setattr(checkpoint.os, "replace", original)
+    assert renames[0] == "checkpoint-4" and renames[1].startswith(".tmp-checkpoint-4-")
+    assert not (tmp_path / "checkpoint-4").exists()  # the moment between the renames
+    assert find_resumable(tmp_path) == tmp_path / "checkpoint-4"  # the old copy is put back, not deleted
+    assert load_trainer_state(tmp_path / "checkpoint-4") == {"step": 4}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
+
+
+def test_a_resave_replaces_the_step_and_leaves_nothing_beside_it(tmp_path):
+    save_checkpoint(tmp_path, 4, write_weights(100), {"step": 4}, keep_last=3)
+    save_checkpoint(tmp_path, 4, write_weights(100), {"step": 4, "again": True}, keep_last=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
+    assert load_trainer_state(tmp_path / "checkpoint-4") == {"step": 4, "again": True}
+
+
+def test_resuming_from_an_older_checkpoint_sets_the_newer_branch_aside(tmp_path):
+    """Resumed from 1000 of {1000, 1500, 1700}: the newer two are renamed, never deleted; the saves of the new branch
+    then prune only their own, and the newest checkpoint is the new branch's."""
+    for step in (1000, 1500, 1700):
+        save_checkpoint(tmp_path, step, write_weights(10), {"step": step}, keep_last=3)
+    moved = set_aside_newer(tmp_path, tmp_path / "checkpoint-1000")
+    assert [p.name for p in moved] == ["abandoned-checkpoint-1500", "abandoned-checkpoint-1700"]
+    for step in (1500, 1600):
+        save_checkpoint(tmp_path, step, write_weights(10), {"step": step, "branch": 2}, keep_last=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "abandoned-checkpoint-1500", "abandoned-checkpoint-1700", "checkpoint-1000", "checkpoint-1500",
+        "checkpoint-1600"]
+    assert find_resumable(tmp_path) == tmp_path / "checkpoint-1600"
+    assert load_trainer_state(tmp_path / "abandoned-checkpoint-1700") == {"step": 1700}
+
+
+def test_a_second_abandoned_branch_is_kept_beside_the_first(tmp_path):
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, write_weights(10), {"step": step}, keep_last=3)
+    set_aside_newer(tmp_path, tmp_path / "checkpoint-1")
+    save_checkpoint(tmp_path, 2, write_weights(10), {"step": 2, "branch": 2}, keep_last=3)
+    set_aside_newer(tmp_path, tmp_path / "checkpoint-1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "abandoned-checkpoint-2", "abandoned-checkpoint-2-2", "checkpoint-1"]
+    assert set_aside_newer(tmp_path, tmp_path / "checkpoint-1") == []  # resuming from the newest moves nothing
+
+
+def test_an_adapter_reader_accepts_a_checkpoint_whose_trainer_state_is_corrupt_with_one_warning(tmp_path, caplog):
+    def write_adapter(folder: Path) -> None:
+        (folder / "adapter").mkdir()
+        (folder / "adapter" / "adapter_model.safetensors").write_bytes(b"w" * 100)
+
+    config = {"train": {}, "env": {}, "curriculum": {}}
+    saved = save_checkpoint(tmp_path, 5, write_adapter, {"step": 5, "config": config}, keep_last=3)
+    truncate(saved / STATE_FILE, 10)
+    with pytest.raises(CheckpointError, match=r"trainer_state\.pt is 10 bytes"):
+        checkpoint_holding(saved)  # training (and --init-adapter) refuses it as before
+    with caplog.at_level("WARNING"):
+        assert checkpoint_holding(saved, adapter_only=True) == saved
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "trainer_state.pt is 10 bytes" in warning and "Its adapter and configuration verify" in warning
+    truncate(saved / "adapter" / "adapter_model.safetensors", 3)
+    with pytest.raises(CheckpointError, match=r"adapter_model\.safetensors is 3 bytes"):
+        checkpoint_holding(saved, adapter_only=True)
 
 
 def truncate(path: Path, size: int) -> None:
@@ -120,7 +260,7 @@ def test_resume_sets_a_corrupt_newest_checkpoint_aside_and_pruning_keeps_the_goo
     truncate(tmp_path / "checkpoint-6" / STATE_FILE, 10)
 
     assert find_resumable(tmp_path) == tmp_path / "checkpoint-3"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "corrupt-checkpoint-6", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "corrupt-checkpoint-6"]
 
     save_checkpoint(tmp_path, 4, write_weights(2000), {"step": 4}, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [

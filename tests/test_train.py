@@ -146,7 +146,7 @@ def test_sigkill_during_checkpoint_write_leaves_previous_checkpoint_resumable(ti
     process.wait()
     checkpoints = tmp_path / "t" / "checkpoints"
     assert any(p.name.startswith(".tmp-checkpoint-2") for p in checkpoints.iterdir())
-    assert (checkpoints / "latest").read_text().strip() == "checkpoint-1"
+    assert not (checkpoints / "latest").exists()  # no pointer to go stale: the newest that verifies is resumed
     assert find_resumable(checkpoints).name == "checkpoint-1"
     assert not any(p.name.startswith(".tmp-") for p in checkpoints.iterdir()), "leftovers were not cleaned"
     assert train_ppo.main(args + ["--resume", "latest"]) == 0
@@ -200,13 +200,16 @@ def test_the_sampler_correction_weighs_the_vllm_sampled_tokens_and_logs_its_weig
         assert "policy/loss" in record and "update/grad_norm" in record
 
 
-def test_the_sampler_correction_with_local_generation_says_it_has_nothing_to_correct(caplog):
+def test_the_sampler_correction_the_gpu_config_turns_on_passes_silently_to_local_generation(caplog):
+    """config/train_config.json turns the correction on for vLLM; the cpu preset (and `--set generation.backend=local`)
+    generate with the trainer itself, where every weight is 1: nothing to warn about."""
     from ppo_affine.config import load_config
 
-    cfg = load_config(presets=["cpu"], overrides=["ppo.sampler_correction=true"]).train
+    cfg = load_config(presets=["cpu"]).train
+    assert cfg.ppo.sampler_correction and cfg.generation.backend == "local"
     with caplog.at_level(logging.WARNING, logger="train_ppo"):
         train_ppo.check_can_train(cfg, world_size=1)
-    assert "ppo.sampler_correction has nothing to correct with generation.backend=local" in caplog.text
+    assert caplog.text == ""
 
 
 def served_adapters(url: str) -> list[str]:
@@ -559,8 +562,8 @@ def test_a_vllm_server_that_dies_mid_rollout_is_waited_for_and_its_episodes_repl
     assert all(r["vllm/logprob_gap"] < 1e-3 for r in records)
 
 
-def corrupt_cpu_checkpoint(folder: Path) -> Path:
-    """checkpoint-6 of a cpu-preset run under `folder`, its trainer state truncated as a crashed copy leaves it."""
+def corrupt_cpu_checkpoint(folder: Path, bad_file: str = "trainer_state.pt") -> Path:
+    """checkpoint-6 of a cpu-preset run under `folder`, `bad_file` in it truncated as a crashed copy leaves it."""
     from ppo_affine.checkpoint import save_checkpoint
     from ppo_affine.config import load_config
 
@@ -568,19 +571,23 @@ def corrupt_cpu_checkpoint(folder: Path) -> Path:
 
     def write_model(checkpoint: Path) -> None:
         (checkpoint / "adapter").mkdir()
-        (checkpoint / "adapter" / "adapter_config.json").write_text("{}")
+        (checkpoint / "adapter" / "adapter_config.json").write_text('{"r": 16}')
 
     saved = save_checkpoint(folder / "cpu-demo" / "checkpoints", 6, write_model, {"step": 6, "config": config},
                             keep_last=2)
-    with open(saved / "trainer_state.pt", "r+b") as handle:
-        handle.truncate(10)
+    with open(saved / bad_file, "r+b") as handle:
+        handle.truncate(3)
     return saved
 
 
-@pytest.mark.parametrize("program", ["train_ppo.py --resume", "evaluate.py --games leduc_poker --checkpoint",
-                                     "merge.py --output OUT --checkpoint"])
-def test_a_corrupt_checkpoint_is_one_line_naming_the_file_before_any_model_loads(tmp_path, program):
-    checkpoint = corrupt_cpu_checkpoint(tmp_path)
+# training reads all of a checkpoint; evaluate.py and merge.py its adapter and configuration alone
+@pytest.mark.parametrize("program,bad_file", [("train_ppo.py --resume", "trainer_state.pt"),
+                                              ("train_ppo.py --resume", "adapter/adapter_config.json"),
+                                              ("evaluate.py --games leduc_poker --checkpoint",
+                                               "adapter/adapter_config.json"),
+                                              ("merge.py --output OUT --checkpoint", "adapter/adapter_config.json")])
+def test_a_corrupt_checkpoint_is_one_line_naming_the_file_before_any_model_loads(tmp_path, program, bad_file):
+    checkpoint = corrupt_cpu_checkpoint(tmp_path, bad_file)
     before = sorted(p for p in tmp_path.rglob("*"))
     script, *options = program.replace("OUT", str(tmp_path / "merged")).split()
     result = subprocess.run([sys.executable, str(ROOT / script), *options, str(checkpoint)], capture_output=True,
@@ -588,7 +595,7 @@ def test_a_corrupt_checkpoint_is_one_line_naming_the_file_before_any_model_loads
     assert result.returncode == 2 and "Traceback" not in result.stderr
     message = result.stderr.strip()
     assert len(message.splitlines()) == 1, message
-    assert f"{checkpoint / 'trainer_state.pt'} is 10 bytes where its manifest says" in message
+    assert f"{checkpoint / bad_file} is 3 bytes where its manifest says" in message
     assert sorted(p for p in tmp_path.rglob("*")) == before  # no run folder, no output folder, nothing renamed
 
 
@@ -640,3 +647,220 @@ def test_an_owned_vllm_server_is_started_used_restarted_after_a_crash_and_stoppe
     assert [r["env/episodes_failed"] for r in records] == [0, 0] and records[0]["env/episodes_replayed"] >= 1
     with pytest.raises(httpx.HTTPError):  # stopped with the run
         httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2.0)
+
+
+# ---------------------------------------------------------------------- write failures, time-based saves, branches, train.log
+def the_one_line(err: str) -> str:
+    """What a run printed on standard error besides the libraries' progress bars: must be one line."""
+    lines = [line for line in err.splitlines() if line.strip() and "%|" not in line]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+def torch_writer_fails_at(step: int, original):
+    """torch.save whose zip writer gives up (as on a full disk) when it writes the trainer state of `step`."""
+
+    def save(obj, path, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step") == step:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                               "data/0: file write failed")
+        return original(obj, path, *args, **kwargs)
+
+    return save
+
+
+@pytest.mark.slow
+def test_torchs_writer_failing_mid_run_is_one_line_and_the_last_checkpoint_resumes(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch, capsys):
+    from ppo_affine import checkpoint
+
+    args = tiny_args(tiny_model_dir, tmp_path, "--set", "checkpointing.save_every=1")
+    monkeypatch.setattr(checkpoint.torch, "save", torch_writer_fails_at(2, torch.save))
+    assert train_ppo.main(args + ["--max-steps", "3"]) == 1
+    message = the_one_line(capsys.readouterr().err)
+    assert message.startswith(f"Stopped: Could not write checkpoint-2 in {tmp_path / 't' / 'checkpoints'} "
+                              "([enforce fail at inline_container.cc:672]")
+    assert "free there" in message and "checkpoint-1 is intact" in message
+    assert "Stopped: Could not write checkpoint-2" in (tmp_path / "t" / "train.log").read_text()  # the log has it
+    checkpoints = tmp_path / "t" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-1"]
+    monkeypatch.undo()
+    assert train_ppo.main(args + ["--max-steps", "2", "--resume", "latest"]) == 0
+    assert [r["step"] for r in metrics(tmp_path / "t")] == [1, 2]
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_the_metrics_is_one_line_with_the_file(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from ppo_affine import run_log
+
+    def full_after_one_line(path, mode="r", *args, **kwargs):
+        if str(path).endswith("metrics.jsonl") and mode == "a" and Path(path).exists():
+            raise OSError(28, "No space left on device")
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(run_log, "open", full_after_one_line, raising=False)
+    assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3",
+                                    "--set", "checkpointing.save_every=1")) == 1
+    message = the_one_line(capsys.readouterr().err)
+    assert message.startswith(f"Stopped: Could not write the metrics {tmp_path / 't' / 'metrics.jsonl'}: "
+                              "No space left on device; ") and message.endswith("MB free there.")
+    assert find_resumable(tmp_path / "t" / "checkpoints").name == "checkpoint-1"
+
+
+@pytest.mark.parametrize("code,reason", [(30, "Read-only file system"), (13, "Permission denied"),
+                                         (28, "No space left on device")])
+def test_an_unwritable_run_folder_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys, code, reason):
+    from ppo_affine import file_writes
+
+    def refused(path, *args, **kwargs):
+        raise OSError(code, reason, str(path))
+
+    monkeypatch.setattr(file_writes, "open", refused, raising=False)  # the probe's write
+    monkeypatch.setattr(train_ppo, "Trainer", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert train_ppo.main(["--preset", "cpu", "--output-dir", str(tmp_path)]) == 1
+    message = the_one_line(capsys.readouterr().err)
+    assert message.startswith(f"Stopped: Could not write the run folder {tmp_path / 'cpu-demo' / '.write-probe-'}")
+    assert f": {reason}; " in message and message.endswith("MB free there.")
+
+
+def test_a_run_folder_under_a_regular_file_is_one_line_before_the_model_loads(tmp_path):
+    (tmp_path / "runs").write_text("not a folder")
+    result = _run_cli("--preset", "cpu", "--output-dir", str(tmp_path / "runs"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    message = result.stderr.strip()
+    assert len(message.splitlines()) == 1, message
+    assert str(tmp_path / "runs") in message and "a file stands where a folder is needed" in message
+    assert "free there" in message
+
+
+@pytest.mark.slow
+def test_a_read_only_run_folder_at_resume_is_one_line_and_the_checkpoint_stays(tiny_model_dir, tmp_path, monkeypatch,
+                                                                               capsys):
+    from ppo_affine import file_writes
+
+    args = tiny_args(tiny_model_dir, tmp_path)
+    assert train_ppo.main(args + ["--max-steps", "1"]) == 0
+    capsys.readouterr()
+
+    def read_only(path, *a, **k):
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(file_writes, "open", read_only, raising=False)
+    assert train_ppo.main(args + ["--max-steps", "2", "--resume", "latest"]) == 1
+    message = the_one_line(capsys.readouterr().err)
+    assert "Read-only file system" in message and "free there" in message
+    assert verify(tmp_path / "t" / "checkpoints" / "checkpoint-1")
+
+
+def test_the_time_to_save_is_rank_0s_clock_on_every_rank():
+    """Rank 1's own clock says 30 minutes have passed; rank 0's, which `from_main` delivers, says not: no save."""
+    from types import SimpleNamespace
+
+    from ppo_affine.config import load_config
+
+    config = load_config(presets=["cpu"], overrides=["checkpointing.save_every=50", "run.max_steps=100"])
+    asked = []
+
+    class RankOne:
+        is_main = False
+
+        def from_main(self, compute):
+            asked.append(compute)
+            return False  # rank 0's answer
+
+    trainer = SimpleNamespace(config=config, step=7, ranks=RankOne(), saved_at=time.monotonic() - 3600,
+                              stopping=lambda: False)
+    assert train_ppo.Trainer.save_due(trainer) is False and len(asked) == 1
+    assert asked[0]() is True  # this rank's own clock would have saved
+    trainer.step = 50
+    assert train_ppo.Trainer.save_due(trainer) is True
+
+
+@pytest.mark.slow
+def test_save_every_minutes_saves_between_the_step_checkpoints(tiny_model_dir, tmp_path):
+    common = ["--max-steps", "3", "--set", "checkpointing.save_every=1000", "--set", "checkpointing.keep_last=5"]
+    assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path / "timed", *common,
+                                    "--set", "checkpointing.save_every_minutes=0.0001")) == 0
+    assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path / "steps", *common,
+                                    "--set", "checkpointing.save_every_minutes=null")) == 0
+    names = lambda out: sorted(p.name for p in (out / "t" / "checkpoints").iterdir())  # noqa: E731
+    assert names(tmp_path / "timed") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]  # each step took > 6 ms
+    assert names(tmp_path / "steps") == ["checkpoint-3"]
+
+
+@pytest.mark.slow
+def test_resuming_an_older_checkpoint_sets_the_newer_branch_aside_and_latest_follows_the_new_one(tiny_model_dir,
+                                                                                                  tmp_path, capfd):
+    args = tiny_args(tiny_model_dir, tmp_path, "--set", "checkpointing.save_every=1", "--set",
+                     "checkpointing.keep_last=2")
+    assert train_ppo.main(args + ["--max-steps", "3"]) == 0
+    checkpoints = tmp_path / "t" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+    old_three = adapter_weights(tmp_path, 3)
+    capfd.readouterr()
+    assert train_ppo.main(args + ["--max-steps", "3", "--resume", str(checkpoints / "checkpoint-2")]) == 0
+    printed = " ".join(capfd.readouterr().out.split())
+    assert "the newer checkpoint-3 of the branch it ends set aside as abandoned-checkpoint-3" in printed
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["abandoned-checkpoint-3", "checkpoint-2", "checkpoint-3"]
+    abandoned = load_file(str(checkpoints / "abandoned-checkpoint-3" / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.equal(abandoned[k], old_three[k]) for k in old_three)  # kept as it was
+    assert train_ppo.main(args + ["--max-steps", "4", "--resume", "latest"]) == 0  # goes on from the new branch's 3
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["abandoned-checkpoint-3", "checkpoint-3", "checkpoint-4"]
+    assert [r["step"] for r in metrics(tmp_path / "t")] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_train_log_holds_the_lines_before_the_run_folder_was_known_and_the_summary(tiny_model_dir, tmp_path):
+    """A resume that sets a corrupt checkpoint aside: the warning (written before the run folder is known), the resume,
+    the step lines and the closing summary all reach train.log."""
+    args = tiny_args(tiny_model_dir, tmp_path, "--set", "checkpointing.save_every=1")
+    assert train_ppo.main(args + ["--max-steps", "2"]) == 0
+    with open(tmp_path / "t" / "checkpoints" / "checkpoint-2" / "trainer_state.pt", "r+b") as handle:
+        handle.truncate(1000)
+    assert train_ppo.main(args + ["--max-steps", "3", "--resume", "latest"]) == 0
+    log = (tmp_path / "t" / "train.log").read_text()
+    for line in ("trainer_state.pt is 1,000 bytes where its manifest says", "set aside as corrupt-checkpoint-2",
+                 "resumed from", "STEP step     2", "STEP step     3", "run folder:  ", "last step:   3"):
+        assert line in log, line
+    assert log.index("set aside as corrupt-checkpoint-2") < log.index("resumed from") < log.index("STEP step     3")
+
+
+@pytest.mark.slow
+def test_a_fresh_run_moves_an_earlier_metrics_file_aside_with_one_line(tiny_model_dir, tmp_path, capfd):
+    run = tmp_path / "t"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "env/score_mean": 0.25}\n{"step": 2, "env/score_mean": 0.5}\n')
+    assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "1")) == 0
+    [kept] = run.glob("metrics.before-*.jsonl")
+    assert kept.read_text() == '{"step": 1, "env/score_mean": 0.25}\n{"step": 2, "env/score_mean": 0.5}\n'
+    assert [r["step"] for r in metrics(run)] == [1]
+    printed = " ".join(capfd.readouterr().out.split())
+    assert f"already held metrics.jsonl of an earlier run: renamed to {kept.name}" in printed
+
+
+@pytest.mark.slow
+def test_evaluate_after_a_run_with_its_own_vllm_server_starts_one_as_the_run_did(tiny_model_dir, tmp_path):
+    """The README's evaluation command after a GPU run: the checkpoint alone, no --set. The run started its own server
+    (here the stand-in), so evaluate.py starts one the same way, plays through it and stops it."""
+    import httpx
+
+    port = _free_port()
+    assert train_ppo.main(tiny_args(
+        tiny_model_dir, tmp_path, "--max-steps", "1", "--set", "generation.backend=vllm",
+        "--set", f"generation.vllm_server.python={sys.executable}",
+        "--set", "generation.vllm_server.module=ppo_affine.testing.fake_vllm",
+        "--set", f"generation.vllm_server.port={port}")) == 0
+    out = tmp_path / "eval"
+    done = subprocess.run([sys.executable, str(ROOT / "evaluate.py"),
+                           "--checkpoint", str(tmp_path / "t" / "checkpoints" / "checkpoint-1"), "--games", "leduc_poker",
+                           "--episodes", "2", "--opponent", "random", "--max-new-tokens", "3", "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["settings"]["backend"] == "vllm" and summary["settings"]["temperature"] == 0.0
+    assert summary["models"]["adapter"]["leduc_poker"]["episodes"] == 2
+    assert all(e["error"] is None for e in map(json.loads, (out / "episodes.jsonl").read_text().splitlines()))
+    server_log = (out / "vllm.log").read_text()
+    assert server_log.count("==> ") == 1 and "-m ppo_affine.testing.fake_vllm" in server_log
+    assert f"--port {port}" not in server_log  # a free port of its own: the run's may still be taken
+    assert "stopped the vLLM server of this run" in done.stdout

@@ -167,3 +167,23 @@ def test_one_command_starts_its_own_vllm_server_trains_with_it_and_stops_it(trai
     assert log.count("==> ") == 1  # started once, by the resumed run
     assert "--enable-lora" in log and "VLLM_CPU_KVCACHE_SPACE" not in log  # the variable is in its environment
     assert "stopped the vLLM server of this run" in resumed.stdout
+
+
+@pytest.mark.skipif(VLLM_PYTHON is None, reason="set VLLM_TEST_PYTHON to the Python of a vllm-cpu virtual "
+                                                "environment (.ci/run does)")
+def test_evaluate_after_a_run_that_started_its_own_server_starts_vllm_cpu_the_same_way(training, tmp_path):
+    """The README's evaluation command after a GPU run, literally: the checkpoint alone, no preset, no --set. The
+    resumed step of `training` started vllm-cpu itself, so evaluate.py does too (from the checkpoint's configuration),
+    plays through it with the adapter and stops it."""
+    run_dir, _ = training
+    done = subprocess.run([sys.executable, str(ROOT / "evaluate.py"),
+                           "--checkpoint", str(run_dir / "checkpoints" / "checkpoint-3"), "--games", "leduc_poker",
+                           "--episodes", "1", "--opponent", "random", "--output-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["settings"]["backend"] == "vllm" and summary["settings"]["max_new_tokens"] == 4  # the run's
+    assert summary["models"]["adapter"]["leduc_poker"]["episodes"] == 1
+    assert (tmp_path / "vllm.log").read_text().count("==> ") == 1
+    assert "stopped the vLLM server of this run" in done.stdout
+    assert served_adapters() == []  # the shared server was never asked

@@ -129,7 +129,8 @@ class WarmStartConfig(Strict):
     trace_levels: list[int] = Field(
         [0, 1], min_length=1, description=f"comma-separated trace levels from {TRACE_LEVELS} that --trace's tasks "
         "cycle through")
-    data: Path | None = Field(None, description="train on this JSONL instead of generating episodes")
+    data: Path | None = Field(None, description="train on this JSONL instead of generating episodes (default: none: "
+                              "expert games are played)")
     relabel: list[str] = Field(
         [], description="also train on the games a model played (evaluate.py's episodes.jsonl played with --seed S; "
         ":MODEL keeps that model's records), replayed with each game's expert answering at every turn (DAgger): the "
@@ -154,7 +155,7 @@ class WarmStartConfig(Strict):
     dagger_data: Path | None = Field(
         None, description="expert conversations (an sft_data.jsonl) that every --dagger-rounds round trains on "
         "beside its relabelled games, e.g. the games an --init-adapter learned from: the turns it plays right stay "
-        "held in place (an SFT in the same call keeps its own data this way; a conversation in both trains once)")
+        "held in place (an SFT in the same call keeps its own data this way; a conversation in both trains once) (default: none)")
     dagger_aggregate: DaggerAggregate = Field(
         DAGGER_AGGREGATES[0], description="what each --dagger-rounds round trains on beside its own relabelled "
         "games: 'sft', this call's SFT data (expert games, --data, --relabel) and --dagger-data's (measured on "
@@ -164,7 +165,7 @@ class WarmStartConfig(Strict):
         "own form to compare against")
     init_adapter: Path | None = Field(
         None, description="go on training this adapter (an earlier SFT checkpoint, or an adapter folder) instead "
-        "of a fresh LoRA, e.g. for more epochs")
+        "of a fresh LoRA, e.g. for more epochs (default: none: a fresh LoRA)")
     workers: int = Field(None, ge=1, validate_default=True,
                          description="processes playing and replaying games (default: one per core)")
     epochs: int = Field(2, ge=1, description="passes over the expert conversations")
