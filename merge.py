@@ -169,7 +169,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--checkpoint is required)")
     parser.add_argument("--output", type=Path, required=True, help="new folder for the merged model")
     parser.add_argument("--dtype", choices=DTYPES,
-                        help="cast every tensor to this dtype (rewrites every weight file; default: none, each tensor "
+                        help="cast every tensor to this dtype, rewriting every weight file (default: none: each tensor "
                              "keeps the base's own dtype and untouched files stay byte-equal, as validators expect)")
     parser.add_argument("--into", choices=INTO, default="auto",
                         help="which base weights the update is added to (default: auto = nf4 after a 4-bit run, else "
