@@ -239,3 +239,68 @@ def test_two_ppo_steps_train_on_the_foreign_env_through_the_real_loop(tools_mode
         assert record["env/episodes"] == 4 and record["env/episodes_failed"] == 0
         assert record["evaluate/calls"] == 12 and record["evaluate/prefix_breaks"] == 4
         assert "policy/loss" in record and record["update/grad_norm"] > 0
+
+
+# ---------------------------------------------------------------------- the game env, natively and through evaluate()
+class LegalMoves:
+    """Replies that play whole games: a legal action id read off the prompt, chosen by the request's seed (the same
+    seeds on both paths), then EOS."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.eos_ids = tokenizer, {tokenizer.eos_token_id}
+
+    async def generate(self, prompt_ids, order_key, seed):
+        from ppo_affine.generation import Generation
+        from ppo_affine.testing.scripted import scripted_reply
+
+        return Generation(scripted_reply(self.tokenizer, prompt_ids, seed, self.tokenizer.eos_token_id))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replies", ["greedy", "legal"])
+def test_the_game_env_through_its_evaluate_gives_the_native_paths_ids_and_rewards_call_by_call(tiny_model_dir,
+                                                                                               tmp_path, replies):
+    """Greedy replies of the tiny model (each game lost to three unusable replies) and legal moves (whole games that
+    score apart) under `full`: the embedded game env played by the rollout, and the same env's evaluate()
+    (python -m ppo_affine.envs.server) calling the endpoint, give the same prompts, replies and scores; the native
+    path starts a new sequence exactly where the endpoint counts a prefix break."""
+    from ppo_affine.envs.openspiel_env import OpenSpielEnv
+    from ppo_affine.envs.tasks import game_task_id
+    from ppo_affine.local_generation import LocalGenerator
+    from ppo_affine.reply_parsers import PLAIN
+    from ppo_affine.testing.tiny import load_tiny_policy
+    from test_env_server import ServerProcess
+
+    policy = load_tiny_policy(tiny_model_dir)
+    cfg = GenerationConfig(backend="local", max_new_tokens=4, temperature=0.0, max_concurrent_episodes=1,
+                           context_strategy="full")
+    tasks = [Task("game", game_task_id("leduc_poker"), seed, "random", "s", False) for seed in range(1, 9)]
+
+    def runner(envs, **endpoint_settings) -> RolloutRunner:
+        generator = LocalGenerator(policy, cfg, seed=0) if replies == "greedy" else LegalMoves(policy.tokenizer)
+        prompts = PromptBuilder(policy.tokenizer, 4096)
+        endpoint = ChatEndpoint(generator, prompts, cfg, PLAIN, "tiny", EndpointConfig()) if endpoint_settings else None
+        return RolloutRunner(envs, generator, prompts, cfg, endpoint=endpoint, **endpoint_settings)
+
+    async def both():
+        native = runner({"game": ("openspiel", OpenSpielEnv("evaluate"))})
+        server = ServerProcess(tmp_path / "server.log", "--env", "openspiel").start()
+        env = AffinetesEnv(mode="url", base_url=server.url, call_timeout=120)
+        through = runner({"game": ("evaluate", env)}, evaluate_kwargs={"game": {"opponent": "random"}})
+        try:
+            return await native.run(tasks, step=0), await through.run(tasks, step=0)
+        finally:
+            await through.endpoint.close()
+            await env.close()
+            server.stop()
+
+    native, through = asyncio.run(both())
+    assert sum(len(e.turns) for e in native) > len(tasks)  # more than one call per game on the whole
+    if replies == "legal":
+        assert len({e.score for e in native}) > 2  # games played to their end, scored apart
+    for mine, theirs in zip(native, through):
+        assert theirs.error is None, theirs.error
+        assert [t.response_ids for t in theirs.turns] == [t.response_ids for t in mine.turns]
+        assert [theirs.prompt_ids(t) for t in theirs.turns] == [mine.prompt_ids(t) for t in mine.turns]
+        assert theirs.score == mine.score
+        assert theirs.info["prefix_breaks"] == len(mine.sequences) - 1
