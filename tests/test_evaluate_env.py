@@ -304,3 +304,46 @@ def test_the_game_env_through_its_evaluate_gives_the_native_paths_ids_and_reward
         assert [theirs.prompt_ids(t) for t in theirs.turns] == [mine.prompt_ids(t) for t in mine.turns]
         assert theirs.score == mine.score
         assert theirs.info["prefix_breaks"] == len(mine.sequences) - 1
+
+
+@pytest.mark.slow
+def test_the_trace_env_through_its_evaluate_gives_the_native_paths_ids_and_rewards(tiny_model_dir, tmp_path):
+    """The trace env's one call, greedy: natively and through its own evaluate() over the endpoint, the same prompt,
+    reply and score (degenerate tasks skipped on both: there the real evaluate() leaves an empty reply unscored,
+    where step() scores it)."""
+    from ppo_affine.envs.tasks import trace_level_range
+    from ppo_affine.envs.trace_env import TraceEnv
+    from ppo_affine.local_generation import LocalGenerator
+    from ppo_affine.reply_parsers import PLAIN
+    from ppo_affine.testing.tiny import load_tiny_policy
+    from test_env_server import ServerProcess
+
+    policy = load_tiny_policy(tiny_model_dir)
+    cfg = GenerationConfig(backend="local", max_new_tokens=8, temperature=0.0, max_concurrent_episodes=1,
+                           context_strategy="full")
+    low = trace_level_range(0)[0] + 20_000
+    tasks = [Task("trace", low + i, seed, None, "s", False) for i, seed in enumerate((3, 4, 5, 6))]
+    sandbox = ["--skip-degenerate", "--unsafe-rlimit-only-sandbox"]  # our own generated programs: rlimits suffice
+
+    async def both():
+        generator, prompts = LocalGenerator(policy, cfg, seed=0), PromptBuilder(policy.tokenizer, 4096)
+        native = RolloutRunner({"trace": ("trace", TraceEnv(skip_degenerate=True, unsafe_rlimit_only_sandbox=True))},
+                               generator, prompts, cfg)
+        server = ServerProcess(tmp_path / "server.log", "--env", "trace", *sandbox).start()
+        env = AffinetesEnv(mode="url", base_url=server.url, call_timeout=120)
+        generator = LocalGenerator(policy, cfg, seed=0)
+        endpoint = ChatEndpoint(generator, prompts, cfg, PLAIN, "tiny", EndpointConfig())
+        through = RolloutRunner({"trace": ("evaluate", env)}, generator, prompts, cfg, endpoint=endpoint)
+        try:
+            return await native.run(tasks, step=0), await through.run(tasks, step=0)
+        finally:
+            await endpoint.close()
+            await env.close()
+            server.stop()
+
+    native, through = asyncio.run(both())
+    for mine, theirs in zip(native, through):
+        assert theirs.error is None, theirs.error
+        assert [t.response_ids for t in theirs.turns] == [t.response_ids for t in mine.turns]
+        assert [theirs.prompt_ids(t) for t in theirs.turns] == [mine.prompt_ids(t) for t in mine.turns]
+        assert (theirs.score, theirs.info["prefix_breaks"]) == (mine.score, 0)
