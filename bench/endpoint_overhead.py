@@ -89,12 +89,8 @@ async def play(tokenizer, tasks: list[Task], concurrency: int, through_endpoint:
             "ms_per_call": round(1e3 * seconds / max(calls, 1), 3), "digest": digest.hexdigest()[:16]}
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", action="store_true", help="the tiny test tokenizer and 8 games")
-    parser.add_argument("--games", type=int, help="leduc_poker games per setting (default 32, --small 8)")
-    parser.add_argument("--concurrency", type=int, default=8)
-    args = parser.parse_args()
+async def measure(args: argparse.Namespace) -> dict:
+    """Both paths at one game at a time and at --concurrency; the report."""
     if args.small:
         from ppo_affine.testing.tiny import make_tokenizer
 
@@ -115,8 +111,18 @@ async def main() -> None:
             "native": native, "endpoint": endpoint, "same_replies": native["digest"] == endpoint["digest"],
             "overhead_ms_per_call": round(1e3 * (endpoint["wall_s"] - native["wall_s"]) / max(native["calls"], 1), 3),
         }
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="the tiny test tokenizer and 8 games")
+    parser.add_argument("--games", type=int, help="leduc_poker games per setting (default 32, --small 8)")
+    parser.add_argument("--concurrency", type=int, default=8)
+    report = asyncio.run(measure(parser.parse_args(argv)))
     print(json.dumps(report, indent=1))
+    return report
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()
