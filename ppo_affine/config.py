@@ -344,6 +344,9 @@ class EnvSpec(Strict):
     url: str | list[str] | None = Field(None, description="url mode: base URL(s) of env servers.")
     image: str | None = Field(None, description="docker mode: affinetes image.")
     replicas: int = Field(1, ge=1, description="docker mode: containers (episodes stay on one).")
+    hosts: list[str] | None = Field(
+        None, min_length=1, description="docker mode: the Docker host of each replica, in affinetes' form "
+        "('localhost', 'ssh://user@host'), at least one per replica; null = all on this machine.")
     env_vars: dict[str, str] = Field(default_factory=dict, description="docker mode: container environment.")
     timeout: float = Field(120.0, gt=0, description="docker/url: seconds per env call; kind 'evaluate': the "
                            "whole evaluate() call, also passed to it as its timeout (SWE-INFINITE-like envs need "
@@ -382,6 +385,9 @@ class EnvSpec(Strict):
             raise ValueError(f"evaluate_kwargs {reserved} are set by the trainer (timeout: use 'timeout')")
         if self.evaluate_kwargs and self.kind != "evaluate":
             raise ValueError(f"evaluate_kwargs apply to kind 'evaluate' only, not {self.kind!r}")
+        if self.hosts is not None and (self.mode != "docker" or len(self.hosts) < self.replicas):
+            raise ValueError(f"hosts names the Docker host of each replica in mode 'docker': {len(self.hosts)} "
+                             f"hosts for {self.replicas} replicas in mode {self.mode!r}")
         if self.mode == "docker" and not self.image:
             raise ValueError("mode 'docker' needs 'image' (e.g. \"affinefoundation/game:openspiel\")")
         # episodes live in one server process's memory; more uvicorn workers would lose them

@@ -209,6 +209,15 @@ def test_envs_in_containers_need_an_endpoint_address_they_can_reach():
     assert config.env.endpoint.public_url == "http://172.17.0.1:8700"
 
 
+def test_hosts_name_one_docker_host_per_replica():
+    spec = {"kind": "evaluate", "mode": "docker", "image": "affinefoundation/swe:latest", "replicas": 2}
+    endpoint = {"host": "0.0.0.0", "port": 8700, "public_url": "http://10.0.0.5:8700"}
+    with pytest.raises(ConfigError, match="1 hosts for 2 replicas"):
+        quiz_config({**spec, "hosts": ["localhost"]}, endpoint=endpoint)
+    config = quiz_config({**spec, "hosts": ["localhost", "ssh://ops@gpu2"]}, endpoint=endpoint)
+    assert config.env.envs["quiz"].hosts == ["localhost", "ssh://ops@gpu2"]
+
+
 # ---------------------------------------------------------------------- the real loop
 @pytest.fixture(scope="module")
 def tools_model_dir(tmp_path_factory):
