@@ -151,6 +151,7 @@ class ChatEndpoint:
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
         self._server = _Server(config)
+        self._slots = asyncio.Semaphore(self.cfg.max_concurrent_episodes)  # of this loop
         self._serving = loop.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._serving.done():
@@ -327,21 +328,21 @@ class ChatEndpoint:
                 return JSONResponse(record, status_code=record["error"]["code"])
             if body.get("stream"):
                 return StreamingResponse(_sse(self._completion_chunks(record, body)), media_type="text/event-stream")
-            return {**self._head(record, "text_completion"), "usage": _usage(record),
+            return {**self._head("text_completion"), "usage": _usage(record),
                     "choices": [{"index": 0, "text": record.text, "finish_reason": record.finish_reason,
                                  "logprobs": None}]}
 
         return app
 
-    def _head(self, record: CallRecord, kind: str) -> dict[str, Any]:
+    def _head(self, kind: str) -> dict[str, Any]:
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": self.model_name}
 
     def _chat_response(self, record: CallRecord, message: dict[str, Any]) -> dict[str, Any]:
-        return {**self._head(record, "chat.completion"), "usage": _usage(record),
+        return {**self._head("chat.completion"), "usage": _usage(record),
                 "choices": [{"index": 0, "message": message, "finish_reason": record.finish_reason, "logprobs": None}]}
 
     def _chat_chunks(self, record: CallRecord, message: dict[str, Any], body: dict[str, Any]) -> list[dict[str, Any]]:
-        head = self._head(record, "chat.completion.chunk")
+        head = self._head("chat.completion.chunk")
         deltas = [{"role": "assistant", "content": ""}]
         if message.get("reasoning_content"):
             deltas.append({"reasoning_content": message["reasoning_content"]})
@@ -356,7 +357,7 @@ class ChatEndpoint:
         return chunks
 
     def _completion_chunks(self, record: CallRecord, body: dict[str, Any]) -> list[dict[str, Any]]:
-        head = self._head(record, "text_completion")
+        head = self._head("text_completion")
         chunks = [{**head, "choices": [{"index": 0, "text": record.text, "finish_reason": None, "logprobs": None}]},
                   {**head, "choices": [{"index": 0, "text": "", "finish_reason": record.finish_reason,
                                         "logprobs": None}]}]

@@ -61,7 +61,9 @@ def parse_reply(text: str, reply_format: ReplyFormat, tools: list[dict[str, Any]
         reasoning, text = inner.split(THINK_END, 1)
         reasoning, text = reasoning.strip() or None, text.strip()
     if reply_format.tool_calls is None or "<tool_call>" not in text:
-        return ParsedReply(content=text or None if reasoning is not None else text, reasoning_content=reasoning)
+        # after a reasoning block an empty answer is no content; a plain reply is its text, even empty
+        content = (text or None) if reasoning is not None else text
+        return ParsedReply(content=content, reasoning_content=reasoning)
     before = text[: text.index("<tool_call>")].strip()
     parse = _xml_call if reply_format.tool_calls == "qwen3_coder" else _json_call
     calls = [call for block in TOOL_CALL_BLOCK.findall(text) for call in [parse(block, tools or [])] if call]
