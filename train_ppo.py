@@ -65,6 +65,7 @@ from ppo_affine.envs.factory import make_envs, playable_filter
 from ppo_affine.advantages import assign_advantages, final_reward, turn_rewards
 from ppo_affine.architectures import served_by_vllm_cpu, tree_scoring_mode
 from ppo_affine.batching import build_sequences, scoring_sequences
+from ppo_affine.endpoint import EndpointUnused, endpoint_for
 from ppo_affine.experience import correct_for_the_sampler, sampler_gap, score_sequences
 from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
 from ppo_affine.generation import VLLMError, VLLMServers, eos_token_ids
@@ -181,9 +182,11 @@ class Trainer:
                                  fresh=resume_from is None)
                        if ranks.is_main else SilentLogger())
         self.generator = self._make_generator()
-        self.runner = RolloutRunner(self.envs, self.generator,
-                                    PromptBuilder(self.policy.tokenizer, cfg.generation.max_prompt_tokens,
-                                                  cfg.model.chat_template_kwargs), cfg.generation)
+        prompts = PromptBuilder(self.policy.tokenizer, cfg.generation.max_prompt_tokens, cfg.model.chat_template_kwargs)
+        # envs that run the conversation themselves call this endpoint (served from the generator)
+        self.endpoint = endpoint_for(config, self.generator, prompts, self.policy.model.config.model_type)
+        self.runner = RolloutRunner(self.envs, self.generator, prompts, cfg.generation, endpoint=self.endpoint,
+                                    evaluate_kwargs={name: spec.evaluate_kwargs for name, spec in config.env.envs.items()})
         self.stop = StopRequested()  # last: a failed start leaves the default signal handlers alone
 
     # ------------------------------------------------------------------ the loop
@@ -585,6 +588,8 @@ class Trainer:
     async def close(self) -> None:
         if self.update_thread is not None:
             self.update_thread.shutdown()
+        if self.endpoint is not None:
+            await self.endpoint.close()
         await self.generator.close()
         for _, env in self.envs.values():
             try:
@@ -706,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return report_failure("Configuration error", exc, 2, shown=ranks.is_main)
     except (TooManySkips, VLLMError, VLLMServerError, StartupError, BatchFailed, RankFailed, WriteFailed,
-            OutOfMemory) as exc:
+            OutOfMemory, EndpointUnused) as exc:
         # rank 0 hears of every other failure
         return report_failure("Stopped", exc, 1, shown=ranks.is_main or isinstance(exc, RankLost))
     finally:

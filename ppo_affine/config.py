@@ -320,7 +320,11 @@ class TrainConfig(Strict):
 
 # ---------------------------------------------------------------- env_config.json
 class EnvSpec(Strict):
-    kind: Literal["openspiel", "trace"] = Field(description="Which environment this is.")
+    kind: Literal["openspiel", "trace", "evaluate"] = Field(
+        description="Which environment this is. 'evaluate': any env that runs the conversation itself; an episode is "
+        "one call of its evaluate() against the trainer's endpoint (env.endpoint), its score the reward "
+        "(docs/affinetes.md, 'Training on any evaluate() env'); docker or url mode, task ids from the curriculum's "
+        "task_id_ranges.")
     mode: Literal["local", "docker", "url"] = Field("local", description="In-process, affinetes container, or server URL.")
     observation_format: Literal["evaluate", "openenv"] = Field(
         "evaluate", description="openspiel only: the validators' conversation or the reset/step text."
@@ -357,8 +361,17 @@ class EnvSpec(Strict):
     url: str | list[str] | None = Field(None, description="url mode: base URL(s) of env servers.")
     image: str | None = Field(None, description="docker mode: affinetes image.")
     replicas: int = Field(1, ge=1, description="docker mode: containers (episodes stay on one).")
+    hosts: list[str] | None = Field(
+        None, min_length=1, description="docker mode: the Docker host of each replica, in affinetes' form "
+        "('localhost', 'ssh://user@host'), at least one per replica; null = all on this machine.")
     env_vars: dict[str, str] = Field(default_factory=dict, description="docker mode: container environment.")
-    timeout: float = Field(120.0, gt=0, description="docker/url: seconds per env call.")
+    timeout: float = Field(120.0, gt=0, description="docker/url: seconds per env call; kind 'evaluate': the "
+                           "whole evaluate() call, also passed to it as its timeout (SWE-INFINITE-like envs need "
+                           "1200-7200).")
+    evaluate_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="kind 'evaluate' only: further keyword arguments of every evaluate() call "
+        "(e.g. {\"opponent\": \"random\"}, {\"agent\": \"miniswe\"}); task_id, seed, model, base_url, api_key, "
+        "temperature and timeout are the trainer's.")
     retries: int = Field(3, ge=0, description="docker/url: retries of transient failures.")
     server_wait_seconds: float = Field(
         900.0, ge=0, description="docker/url: how long an env server that went away (connections refused or "
@@ -380,6 +393,18 @@ class EnvSpec(Strict):
         if self.mode == "url" and self.replicas != 1:
             raise ValueError(f"replicas={self.replicas} is for mode 'docker'; in mode 'url' list one URL per server "
                              "in 'url' instead")
+        if self.kind == "evaluate" and self.mode == "local":
+            raise ValueError("kind 'evaluate' runs the env's own evaluate() through affinetes: set mode 'url' (with "
+                             "'url') or 'docker' (with 'image')")
+        reserved = sorted(set(self.evaluate_kwargs) & {"task_id", "seed", "model", "base_url", "api_key",
+                                                        "temperature", "timeout"})
+        if reserved:
+            raise ValueError(f"evaluate_kwargs {reserved} are set by the trainer (timeout: use 'timeout')")
+        if self.evaluate_kwargs and self.kind != "evaluate":
+            raise ValueError(f"evaluate_kwargs apply to kind 'evaluate' only, not {self.kind!r}")
+        if self.hosts is not None and (self.mode != "docker" or len(self.hosts) < self.replicas):
+            raise ValueError(f"hosts names the Docker host of each replica in mode 'docker': {len(self.hosts)} "
+                             f"hosts for {self.replicas} replicas in mode {self.mode!r}")
         if self.mode == "docker" and not self.image:
             raise ValueError("mode 'docker' needs 'image' (e.g. \"affinefoundation/game:openspiel\")")
         # episodes live in one server process's memory; more uvicorn workers would lose them
@@ -410,11 +435,29 @@ class EnvSpec(Strict):
         return self
 
 
+class EndpointConfig(Strict):
+    host: str = Field("127.0.0.1", description="Address the endpoint for kind-'evaluate' envs listens on "
+                      "(0.0.0.0: every interface, e.g. for envs in Docker containers).")
+    port: int = Field(0, ge=0, le=65535, description="Its TCP port; 0 picks a free one.")
+    public_url: str | None = Field(
+        None, description="The address envs are told (each episode's base_url is <public_url>/episodes/<id>/v1); "
+        "default http://<host>:<port>. Envs in Docker need one a container can reach, e.g. "
+        "http://172.17.0.1:8700 (the docker0 bridge) with host 0.0.0.0 and port 8700.")
+
+    @model_validator(mode="after")
+    def _public_url_needs_a_port(self) -> "EndpointConfig":
+        if self.public_url is not None and self.port == 0:
+            raise ValueError("public_url names an address envs call, so the port behind it must be fixed: set port")
+        return self
+
+
 class EnvConfig(Strict):
     envs: dict[str, EnvSpec] = Field(
         default_factory=lambda: {"openspiel": EnvSpec(kind="openspiel")},
         description="Named environments; curriculum task sources refer to these names.",
     )
+    endpoint: EndpointConfig = Field(default_factory=EndpointConfig,
+                                     description="The OpenAI-compatible endpoint kind-'evaluate' envs call.")
     vllm_url: str | list[str] = Field(
         "http://localhost:8000/v1", description="OpenAI-compatible vLLM server (generation.backend=vllm), or a "
         "list of servers of the same model (e.g. one per GPU): episodes are spread over them."
@@ -434,6 +477,18 @@ class EnvConfig(Strict):
         if isinstance(url, list) and not url:
             raise ValueError("an empty list names no server; give one URL or a list of them")
         return url
+
+    @model_validator(mode="after")
+    def _containers_reach_the_endpoint(self) -> "EnvConfig":
+        from urllib.parse import urlparse
+
+        docker = [name for name, spec in self.envs.items() if spec.kind == "evaluate" and spec.mode == "docker"]
+        host = urlparse(self.endpoint.public_url).hostname if self.endpoint.public_url else self.endpoint.host
+        if docker and (host in ("localhost", "0.0.0.0") or host.startswith("127.") or host == "::1"):
+            raise ValueError(f"envs {docker} run in Docker containers, which cannot reach this machine's loopback "
+                             f"address {host}: set endpoint.host to 0.0.0.0, endpoint.port, and endpoint.public_url "
+                             "to an address containers reach (e.g. http://172.17.0.1:8700, the docker0 bridge)")
+        return self
 
     @property
     def vllm_urls(self) -> list[str]:
@@ -455,6 +510,9 @@ class Config(Strict):
                         f"curriculum stage {stage.name!r} uses env {source.env!r}, which env_config does not "
                         f"define (defined: {sorted(self.env.envs)})"
                     )
+                if self.env.envs[source.env].kind == "evaluate" and source.task_id_ranges is None:
+                    raise ValueError(f"curriculum stage {stage.name!r} draws from env {source.env!r} of kind "
+                                     "'evaluate': give its task ids as 'task_id_ranges'")
         return self
 
 

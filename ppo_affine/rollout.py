@@ -4,6 +4,10 @@ Each turn builds the chat messages under a context strategy, turns them into pro
 (`prompts.TokenHistory`: a later turn extends the episode's token sequence by the sampled reply
 ids and the template's glue whenever the template allows it), asks a generator
 (`generation.py`) for the reply and sends the reply text to the env.
+
+An env of kind `evaluate` plays its own conversation: an episode is one call of its evaluate() against the
+trainer's endpoint (endpoint.py), whose recorded calls become the episode's turns and sequences, and whose score
+is the episode's.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ppo_affine.envs.tasks import Task
+from ppo_affine.endpoint import ChatEndpoint, EndpointUnused, pack_calls
 from ppo_affine.envs.base import Env, EpisodeLost, StepResult
 from ppo_affine.envs.openspiel_text import strip_think
 from ppo_affine.prompts import PromptBuilder, TokenHistory
@@ -128,18 +133,27 @@ class RolloutRunner:
     stripped (reasoning, surrounding whitespace) starts a new sequence, rendered as validators show it."""
 
     def __init__(self, envs: dict[str, tuple[str, Env]], generator, prompt_builder: PromptBuilder,
-                 gen_cfg: GenerationConfig, validator_conversation: bool = False):
+                 gen_cfg: GenerationConfig, validator_conversation: bool = False, endpoint: ChatEndpoint | None = None,
+                 evaluate_kwargs: dict[str, dict[str, Any]] | None = None):
+        """`endpoint` serves the envs of kind `evaluate` (built on `generator`), `evaluate_kwargs` their further
+        evaluate() arguments by env name."""
         self.envs = envs  # name -> (kind, env)
         self.generator = generator
         self.prompts = prompt_builder
         self.cfg = gen_cfg
         self.validator_conversation = validator_conversation
+        self.endpoint = endpoint
+        self.evaluate_kwargs = evaluate_kwargs or {}
+        self._checked_evaluate = False
 
     async def run(self, tasks: list[Task], step: int, on_episode_done: Callable[[Episode], None] | None = None,
                   first_index: int = 0) -> list[Episode]:
         """Play every task; at most `max_concurrent_episodes` live at once, results in task order.
         `first_index` is the first task's place in the whole step's batch (this rank's share starts
         there): episodes draw their seeds and pick their vLLM server by their place in the batch."""
+        if self.endpoint is not None:
+            await self.endpoint.start()
+            await self._check_evaluate_envs()
         rollout = getattr(self.generator, "rollout", None)
         async with (rollout(step) if rollout else contextlib.nullcontext()):
             return await self._run(tasks, step, on_episode_done, first_index)
@@ -197,6 +211,8 @@ class RolloutRunner:
     async def play(self, index: int, task: Task, step: int) -> Episode:
         """One episode; raises EpisodeLost when a server lost it (the caller replays it)."""
         kind, env = self.envs[task.env]
+        if kind == "evaluate":
+            return await self.play_through_evaluate(index, task, step)
         episode = Episode(task=task, env_kind=kind)
         history = TokenHistory(self.prompts, self.generator.eos_ids, continue_sequences=not self.validator_conversation)
         episode.sequences = history.sequences
@@ -262,6 +278,65 @@ class RolloutRunner:
                     await env.stop(episode_id)
                 except Exception as exc:
                     log.warning("stop(%s) failed: %s", episode_id, exc)
+        return episode
+
+    async def _check_evaluate_envs(self) -> None:
+        """Every env of kind `evaluate` offers evaluate() (asked once)."""
+        if self._checked_evaluate:
+            return
+        from ppo_affine.config import ConfigError
+        from ppo_affine.envs.affinetes_env import RemoteCallError
+
+        for name, (kind, env) in self.envs.items():
+            if kind != "evaluate":
+                continue
+            try:
+                methods = await env.methods()
+            except RemoteCallError as exc:
+                raise ConfigError(f"env {name!r} (kind evaluate): cannot list its methods ({exc.message})") from None
+            if "evaluate" not in methods:
+                raise ConfigError(f"env {name!r} is of kind 'evaluate' but offers {sorted(methods)}, no evaluate()")
+        self._checked_evaluate = True
+
+    async def play_through_evaluate(self, index: int, task: Task, step: int) -> Episode:
+        """One episode of an env of kind `evaluate`: one evaluate() call whose endpoint calls are the turns. A call
+        that fails (timeout, exception, no score, an `error` in its result) fails the episode with the reason in
+        `error` and `info["fault"]`; a scored result without a single endpoint call raises EndpointUnused."""
+        from ppo_affine.envs.affinetes_env import RemoteCallError
+
+        kind, env = self.envs[task.env]
+        episode = Episode(task=task, env_kind=kind, game_name=task.env)
+        door = self.endpoint.open_episode(index, (task.seed, task.task_id, step, index))
+        result, fault = None, None
+        try:
+            result = await env.evaluate(timeout=env.call_timeout, task_id=task.task_id, seed=task.seed,
+                                        model=self.endpoint.model_name, base_url=door.url, api_key="EMPTY",
+                                        temperature=self.cfg.temperature, **self.evaluate_kwargs.get(task.env, {}))
+            if result.get("error"):
+                fault = ("error", str(result["error"])[:500])
+        except RemoteCallError as exc:
+            fault = (exc.kind, exc.message)
+        finally:
+            calls = self.endpoint.close_episode(door)
+        episode.sequences, placements, breaks = pack_calls(calls)
+        episode.turns = [Turn(response_ids=call.token_ids, response_text=call.text, sampler_logprobs=call.logprobs,
+                              sequence=sequence, start=start, adapter_step=call.adapter_step)
+                         for call, (sequence, start) in zip(calls, placements)]
+        episode.info = {"evaluate_result": result, "prefix_breaks": breaks, "calls": len(calls)}
+        if fault is not None:
+            episode.info["fault"] = fault[0]
+            episode.error = f"evaluate() of env {task.env!r} failed: {fault[0]}: {fault[1]}"
+            log.warning("episode %s (task %s) dropped: %s", index, task.task_id, episode.error)
+            return episode
+        if not calls:
+            raise EndpointUnused(f"env {task.env!r}: evaluate() returned a score without calling the trainer's "
+                                 f"endpoint at {door.url}: it must send its requests to the base_url (and model) it "
+                                 "is given, or the run learns nothing from it")
+        conversation = (result.get("extra") or {}).get("conversation")
+        episode.messages = conversation if isinstance(conversation, list) else []
+        episode.done = True
+        episode.score = float(result["score"])
+        episode.success = bool(result.get("success", episode.score > 0.5))
         return episode
 
     @staticmethod

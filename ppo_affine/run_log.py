@@ -293,6 +293,14 @@ def episode_summary(episodes, rollout_seconds: float, rewards: dict[int, float])
         "perf/opponent_seconds": opponent_seconds(episodes),
         "perf/tokens_per_s": tokens / rollout_seconds if rollout_seconds > 0 else 0.0,
     }
+    harnessed = [e for e in episodes if e.env_kind == "evaluate"]
+    if harnessed:  # envs that run the conversation themselves (rollout.play_through_evaluate)
+        metrics["evaluate/calls"] = sum(e.info.get("calls", 0) for e in harnessed)
+        metrics["evaluate/prefix_breaks"] = sum(e.info.get("prefix_breaks", 0) for e in harnessed)
+        for episode in harnessed:
+            if episode.info.get("fault"):
+                key = f"evaluate/dropped/{episode.info['fault']}"
+                metrics[key] = metrics.get(key, 0) + 1
     for prefix, key in (("game", lambda e: e.game_name), ("stage", lambda e: e.task.stage)):
         groups: dict[str, list] = {}
         for episode in ok:

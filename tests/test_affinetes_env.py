@@ -803,3 +803,27 @@ def test_two_training_steps_with_the_game_env_over_http(tiny_model_dir, tmp_path
         # only the affinetes backend reports these counters
         assert record["env_errors/openspiel/failed_episodes"] == 0
         assert record["env_errors/openspiel/timeouts"] == 0
+
+
+def test_docker_mode_starts_each_replica_on_its_host(monkeypatch):
+    import affinetes
+
+    real_load_env = affinetes.load_env
+    started: list[dict[str, Any]] = []
+    with FakeServer(AffineGame()) as server_a, FakeServer(AffineGame()) as server_b:
+        container_urls = iter([server_a.url, server_b.url])
+
+        def start_container(**kwargs):
+            started.append(kwargs)
+            return real_load_env(mode="url", base_url=next(container_urls))
+
+        monkeypatch.setattr(affinetes, "load_env", start_container)
+        env = AffinetesEnv(mode="docker", image="affinefoundation/swe:latest", replicas=2,
+                           hosts=["localhost", "ssh://ops@gpu2"], **FAST)
+        run(env.close())
+    assert [kwargs["hosts"] for kwargs in started] == [["localhost"], ["ssh://ops@gpu2"]]
+
+
+def test_fewer_hosts_than_replicas_are_refused():
+    with pytest.raises(ValueError, match="1 hosts for 2 replicas"):
+        AffinetesEnv(mode="docker", image="affinefoundation/swe:latest", replicas=2, hosts=["localhost"])

@@ -111,12 +111,15 @@ class AffinetesEnv:
     server_wait_seconds: how long a server that went away is waited for (0: given up at once).
     container_prefix: docker mode: containers are named <prefix>-r0, -r1, ... (default: from the image
     name, e.g. game-openspiel), so two programs using one image on one host need different prefixes.
+    hosts: docker mode: the Docker host of each replica, in affinetes' form ("localhost", "ssh://user@host"); None:
+    all on this machine.
     """
 
     def __init__(self, mode: str, base_url: str | list[str] | None = None, image: str | None = None,
                  env_vars: dict[str, str] | None = None, replicas: int = 1, call_timeout: float = 120.0,
                  max_retries: int = 3, backoff_base: float = 0.5, connect_timeout: float = 10.0,
-                 container_prefix: str | None = None, server_wait_seconds: float = 900.0):
+                 container_prefix: str | None = None, server_wait_seconds: float = 900.0,
+                 hosts: list[str] | None = None):
         if mode not in ("docker", "url"):
             raise ValueError(f"AffinetesEnv mode must be 'docker' or 'url', got {mode!r}")
         if (replicas < 1 or call_timeout <= 0 or max_retries < 0 or backoff_base < 0 or connect_timeout <= 0
@@ -140,7 +143,7 @@ class AffinetesEnv:
         if mode == "url":
             self._instances = _connect_urls(base_url, replicas, connect_timeout)
         else:
-            self._instances = _start_containers(image, env_vars, replicas, container_prefix)
+            self._instances = _start_containers(image, env_vars, replicas, container_prefix, hosts)
 
     # ------------------------------------------------------------------ the Env interface
     async def reset(self, task_id: int | None = None, seed: int | None = None, **kwargs: Any) -> StepResult:
@@ -568,9 +571,11 @@ def _connect_urls(base_url: str | list[str] | None, replicas: int, connect_timeo
 
 
 def _start_containers(image: str | None, env_vars: dict[str, str] | None, replicas: int,
-                      container_prefix: str | None = None) -> list[_Instance]:
+                      container_prefix: str | None = None, hosts: list[str] | None = None) -> list[_Instance]:
     if not image:
         raise ValueError("affinetes docker mode needs an image, e.g. 'affinefoundation/game:openspiel'")
+    if hosts is not None and len(hosts) < replicas:
+        raise ValueError(f"affinetes docker mode: {len(hosts)} hosts for {replicas} replicas; name one per replica")
     env_vars = dict(env_vars or {})
     # Episodes live in one server process's memory; more uvicorn workers would lose them.
     if env_vars.setdefault("UVICORN_WORKERS", "1") != "1":
@@ -584,8 +589,10 @@ def _start_containers(image: str | None, env_vars: dict[str, str] | None, replic
     try:
         for index in range(replicas):
             name = f"{base_name}-r{index}"
+            # affinetes' own hosts setting, one host per replica: each replica stays its own env (episodes pinned)
+            where = {"hosts": [hosts[index]]} if hosts else {}
             client = affinetes.load_env(image=image, mode="docker", replicas=1, container_name=name,
-                                        env_vars=env_vars, pull=True, force_recreate=True)
+                                        env_vars=env_vars, pull=True, force_recreate=True, **where)
             instances.append(_Instance(name, client))
     except Exception as exc:
         loop = asyncio.get_event_loop()  # nest_asyncio (imported with affinetes) makes this safe in a running loop

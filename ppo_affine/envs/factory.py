@@ -29,6 +29,7 @@ def make_env(spec, seed: int, meets_search: bool = True, ranks_on_machine: int =
         return AffinetesEnv(
             mode=spec.mode, base_url=spec.url, image=spec.image, env_vars=spec.env_vars, replicas=spec.replicas,
             call_timeout=spec.timeout, max_retries=spec.retries, server_wait_seconds=spec.server_wait_seconds,
+            hosts=spec.hosts,
         )
     if spec.kind == "openspiel":
         from ppo_affine.envs.openspiel_env import OpenSpielEnv

@@ -61,8 +61,11 @@ class ChatReply:
 
 
 async def chat(client: httpx.AsyncClient, base_url: str, model: str, messages: list[dict[str, str]],
-               temperature: float | None, seed: int | None, api_key: str, retries: int) -> ChatReply:
-    """One streamed chat completion as the validators' client makes it, retried on transient failures."""
+               temperature: float | None, seed: int | None, api_key: str, retries: int,
+               strip_reasoning: bool = True) -> ChatReply:
+    """One streamed chat completion as the validators' client makes it, retried on transient failures.
+    `strip_reasoning=False`: the content only whitespace-stripped (the trace env's client keeps think blocks,
+    which its scoring removes)."""
     payload: dict[str, Any] = {"model": model, "messages": messages, "stream": True,
                                "stream_options": {"include_usage": True}}
     if temperature is not None:
@@ -74,7 +77,7 @@ async def chat(client: httpx.AsyncClient, base_url: str, model: str, messages: l
     failure = ""
     for attempt in range(retries + 1):
         try:
-            return await asyncio.wait_for(_stream(client, url, payload, headers), REQUEST_TIMEOUT_S)
+            return await asyncio.wait_for(_stream(client, url, payload, headers, strip_reasoning), REQUEST_TIMEOUT_S)
         except (httpx.TransportError, asyncio.TimeoutError, _Retryable) as exc:
             failure = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _Retryable) else str(exc)
         if attempt < retries:
@@ -88,7 +91,8 @@ def backoff_seconds(attempt: int) -> float:
     return float(min(2**attempt, MAX_BACKOFF_S))
 
 
-async def _stream(client: httpx.AsyncClient, url: str, payload: dict[str, Any], headers: dict[str, str]) -> ChatReply:
+async def _stream(client: httpx.AsyncClient, url: str, payload: dict[str, Any], headers: dict[str, str],
+                  strip_reasoning: bool = True) -> ChatReply:
     async with client.stream("POST", url, json=payload, headers=headers) as response:
         if response.status_code >= 400:
             detail = _error_detail((await response.aread()).decode(errors="replace"))
@@ -117,7 +121,8 @@ async def _stream(client: httpx.AsyncClient, url: str, payload: dict[str, Any], 
                 usage = chunk["usage"]
             if chunks >= MAX_CHUNKS:
                 break
-    return ChatReply(strip_think("".join(parts)) or None, usage)
+    content = "".join(parts)
+    return ChatReply((strip_think(content) if strip_reasoning else content.strip()) or None, usage)
 
 
 def _error_detail(body: str) -> str:

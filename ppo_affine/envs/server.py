@@ -9,7 +9,8 @@ This is our own small app rather than affinetes' template server, because the te
 every public callable of the served module and answers `/call` for underscore names as well
 (docs/protocols.md, 'The template server'); this one answers exactly reset/step/state/stop, plus for the
 game env the validators' `evaluate` (a whole game against an LLM endpoint, ppo_affine/envs/llm_play.py). It
-runs one process with one worker: episodes live in this process's memory.
+runs one process with one worker: episodes live in this process's memory. The trace env offers its `evaluate`
+too (ppo_affine/envs/trace_play.py).
 """
 from __future__ import annotations
 
@@ -31,11 +32,11 @@ from ppo_affine.envs.llm_play import VALIDATOR_LLM_RETRIES, GameEvaluator
 log = logging.getLogger("ppo_affine.envs.server")
 
 METHODS = ("reset", "step", "state", "stop")
-EVALUATE = "evaluate"  # the game env's validators' call, served next to METHODS when an evaluator is given
+EVALUATE = "evaluate"  # the validators' call, served next to METHODS when an evaluator is given
 GRACEFUL_SHUTDOWN_S = 5  # in-flight calls may finish; a stuck one does not hold the exit
 
 
-def create_app(env: Env, env_name: str, url: str = "(in process)", evaluator: GameEvaluator | None = None) -> FastAPI:
+def create_app(env: Env, env_name: str, url: str = "(in process)", evaluator: Any = None) -> FastAPI:
     """The HTTP app for one env: GET /health, GET /methods, POST /call and POST /<method> for METHODS only
     (and `evaluate` when an evaluator is given)."""
     methods = {name: getattr(env, name) for name in METHODS}
@@ -114,8 +115,8 @@ async def _json_body(request: Request) -> Any:
         return None
 
 
-def build_env(args: argparse.Namespace) -> tuple[Env, GameEvaluator | None]:
-    """The env to serve, and for the game env the evaluator of its `evaluate` call."""
+def build_env(args: argparse.Namespace) -> tuple[Env, Any]:
+    """The env to serve, and the evaluator of its `evaluate` call (GameEvaluator, TraceEvaluator)."""
     if args.env == "openspiel":
         from ppo_affine.envs.openspiel_env import OpenSpielEnv
 
@@ -127,9 +128,12 @@ def build_env(args: argparse.Namespace) -> tuple[Env, GameEvaluator | None]:
         games = OpenSpielEnv(observation_format="evaluate", **settings)
         return env, GameEvaluator(games, llm_retries=args.llm_retries)
     from ppo_affine.envs.trace_env import TraceEnv
+    from ppo_affine.envs.trace_play import TraceEvaluator
 
-    return TraceEnv(source=args.source, skip_degenerate=args.skip_degenerate, timeout=args.execution_timeout,
-                    seed=args.seed, unsafe_rlimit_only_sandbox=args.unsafe_rlimit_only_sandbox), None
+    settings = {"source": args.source, "skip_degenerate": args.skip_degenerate, "timeout": args.execution_timeout,
+                "seed": args.seed, "unsafe_rlimit_only_sandbox": args.unsafe_rlimit_only_sandbox}
+    # evaluate() plays its tasks in an env of its own, as the game env's does
+    return TraceEnv(**settings), TraceEvaluator(TraceEnv(**settings))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

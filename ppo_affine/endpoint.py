@@ -1,0 +1,405 @@
+"""An OpenAI-compatible endpoint served from the trainer's own generator, recording what the model produced.
+
+An env of kind `evaluate` runs its whole conversation itself (`evaluate(model, base_url, ...)`); the rollout gives
+each such episode a base URL of its own, `<public url>/episodes/<id>/v1`, so that concurrent episodes never mix.
+Behind it, `/chat/completions` (streamed or not, with `tools`) and `/completions` answer from the rollout's generator
+(local generation or the vLLM client, with the current adapter), and every call is recorded with the exact prompt
+token ids, the sampled ids, their log-probs when the generator returns them, and the adapter step that sampled them.
+The rollout turns the calls into the episode's turns (`pack_calls`).
+
+What the endpoint does as a chat server would, so that training sees the text validation sees:
+- The messages (and the request's `tools`) are rendered with the model's chat template; tool-call arguments that
+  arrive as JSON text are given to the template as objects, as servers do.
+- A prompt whose render starts with an earlier call's render + that call's reply (+ its EOS) reuses that call's
+  prompt ids and sampled ids and tokenises only the new text, as the native rollout does (prompts.TokenHistory): the
+  model is conditioned on the tokens it sampled, and the calls pack into one training sequence.
+- The reply is split into `reasoning_content` / `content` / `tool_calls` by the model family's parsers
+  (reply_parsers.py).
+- The run's sampling settings win: temperature, top-p/top-k and `generation.max_new_tokens` apply whatever the
+  request asks (a difference is logged once per setting and value). A prompt longer than
+  `generation.max_prompt_tokens` is answered 400 with the limit named, as vLLM answers a context overflow; a reply
+  that reaches max_new_tokens ends with `finish_reason: "length"`.
+- A streamed request gets its reply as server-sent events once it is generated (the generator returns whole
+  replies): a role chunk, the reasoning, the content, the tool calls, the finish reason, usage when asked, [DONE].
+- At most `generation.max_concurrent_episodes` calls generate at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ppo_affine.config import Config, EndpointConfig, GenerationConfig
+from ppo_affine.prompts import PromptBuilder
+from ppo_affine.reply_parsers import THINK_START, ReplyFormat, parse_reply, reply_format_of
+from ppo_affine.seeds import derive_seed
+
+log = logging.getLogger(__name__)
+
+SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                   "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+SHUTDOWN_GRACE_S = 2  # a harness still streaming when the run ends is cut off after this
+
+
+class EndpointUnused(RuntimeError):
+    """An env's evaluate() returned a score without ever calling the endpoint: it talks to another model."""
+
+
+@dataclass
+class CallRecord:
+    """One completion the endpoint served: what the model saw and sampled."""
+    index: int  # the episode's n-th request
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] | None
+    adapter_step: int | None
+    text: str  # the reply decoded (special tokens skipped)
+    finish_reason: str
+    render: str | None = None  # a chat call's prompt text, for the next call's splice; None: /completions
+    eos_text: str = ""  # the EOS token's text when the reply ended with one (the template writes it after the reply)
+
+
+@dataclass
+class EpisodeCalls:
+    """One episode's door to the endpoint: its base URL and the calls made through it."""
+    key: str
+    order_key: int  # the episode's place in the step's batch: its KV cache and vLLM server
+    seed_parts: tuple[int, ...]  # call n samples with derive_seed(*seed_parts, n)
+    url: str
+    calls: list[CallRecord] = field(default_factory=list)
+    requested: int = 0
+
+
+def endpoint_for(config: Config, generator, prompts: PromptBuilder, model_type: str | None) -> "ChatEndpoint | None":
+    """The endpoint a run with envs of kind `evaluate` serves (None without any), parsing replies as the
+    validators' server does for `model_type`."""
+    if not any(spec.kind == "evaluate" for spec in config.env.envs.values()):
+        return None
+    return ChatEndpoint(generator, prompts, config.train.generation, reply_format_of(model_type),
+                        config.train.model.name_or_path, config.env.endpoint)
+
+
+def pack_calls(calls: list[CallRecord]) -> tuple[list[list[int]], list[tuple[int, int]], int]:
+    """(sequences, each call's (sequence, start of its reply), prefix breaks). A call whose prompt extends an
+    earlier sequence (prompt + reply so far) token for token continues it; any other call after the first starts a
+    sequence of its own and is a prefix break (the harness re-rendered or edited the history)."""
+    sequences: list[list[int]] = []
+    placements: list[tuple[int, int]] = []
+    breaks = 0
+    for n, call in enumerate(calls):
+        prompt = call.prompt_ids
+        target = next((s for s in reversed(range(len(sequences)))
+                       if len(prompt) >= len(sequences[s]) and prompt[:len(sequences[s])] == sequences[s]), None)
+        if target is None:
+            breaks += n > 0
+            sequences.append([])
+            target = len(sequences) - 1
+        sequences[target] = list(prompt) + list(call.token_ids)
+        placements.append((target, len(prompt)))
+    return sequences, placements, breaks
+
+
+class ChatEndpoint:
+    """`/episodes/<id>/v1/{models,chat/completions,completions}` over `generator`, on `settings.host:port`."""
+
+    def __init__(self, generator, prompts: PromptBuilder, gen_cfg: GenerationConfig, reply_format: ReplyFormat,
+                 model_name: str, settings: EndpointConfig):
+        self.generator = generator
+        self.prompts = prompts
+        self.tokenizer = prompts.tokenizer
+        self.cfg = gen_cfg
+        self.reply_format = reply_format
+        self.model_name = model_name
+        self.settings = settings
+        self.episodes: dict[str, EpisodeCalls] = {}
+        self.app = self._build_app()
+        self._slots = asyncio.Semaphore(gen_cfg.max_concurrent_episodes)
+        self._server = None
+        self._serving: asyncio.Task | None = None
+        self._warned: set[tuple[str, Any]] = set()
+        self.port: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle and episodes
+    @property
+    def public_url(self) -> str:
+        return (self.settings.public_url or f"http://{self.settings.host}:{self.port}").rstrip("/")
+
+    async def start(self) -> None:
+        """Listen (once per event loop); returns when the server accepts connections."""
+        loop = asyncio.get_running_loop()
+        if self._serving is not None and not self._serving.done() and self._serving.get_loop() is loop:
+            return
+        import uvicorn
+
+        from ppo_affine.envs.server import listening_socket
+
+        class _Server(uvicorn.Server):
+            # the trainer's own SIGINT/SIGTERM handling (a flag, a checkpoint) must stay in place
+            def capture_signals(self):
+                return contextlib.nullcontext()
+
+        sock = listening_socket(self.settings.host, self.settings.port)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        self._server = _Server(config)
+        self._slots = asyncio.Semaphore(self.cfg.max_concurrent_episodes)  # of this loop
+        self._serving = loop.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._serving.done():
+                self._serving.result()  # raises what stopped it
+                raise RuntimeError(f"the endpoint on {self.settings.host}:{self.port} stopped at start")
+            await asyncio.sleep(0.01)
+        log.info("endpoint for evaluate() envs at %s/episodes/<id>/v1", self.public_url)
+
+    async def close(self) -> None:
+        serving, self._serving = self._serving, None
+        if serving is not None and not serving.done() and serving.get_loop() is asyncio.get_running_loop():
+            self._server.should_exit = True
+            await asyncio.gather(serving, return_exceptions=True)
+
+    def open_episode(self, order_key: int, seed_parts: tuple[int, ...]) -> EpisodeCalls:
+        key = f"{order_key}-{uuid.uuid4().hex[:10]}"
+        door = EpisodeCalls(key, order_key, seed_parts, f"{self.public_url}/episodes/{key}/v1")
+        self.episodes[key] = door
+        return door
+
+    def close_episode(self, door: EpisodeCalls) -> list[CallRecord]:
+        """The episode's calls in request order; later requests on its URL are answered 404."""
+        self.episodes.pop(door.key, None)
+        return sorted(door.calls, key=lambda call: call.index)
+
+    # ------------------------------------------------------------------ serving one call
+    async def chat(self, door: EpisodeCalls, body: dict[str, Any]) -> tuple[CallRecord, dict[str, Any]] | dict:
+        """A chat completion: (the record, the message fields), or an error body (see `_error`)."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            return _error(400, "'messages' must be a non-empty list of message objects")
+        tools = body.get("tools") or None
+        try:
+            render = self._render([_for_template(m) for m in messages], tools, body.get("chat_template_kwargs"))
+        except Exception as exc:  # the template refused these messages (e.g. roles out of order)
+            return _error(400, f"the chat template cannot render these messages: {type(exc).__name__}: {exc}")
+        prompt_ids = self._spliced(door, render)
+        record = await self._generate(door, body, prompt_ids)
+        if isinstance(record, dict):
+            return record
+        record.render = render
+        reasoning_open = self.reply_format.reasoning and render.rstrip().endswith(THINK_START)
+        parsed = parse_reply(record.text, self.reply_format, tools, reasoning_open, f"call_{door.key}_{record.index}")
+        if parsed.tool_calls and record.finish_reason == "stop":
+            record.finish_reason = "tool_calls"
+        door.calls.append(record)
+        message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls or None}
+        if self.reply_format.reasoning:
+            message["reasoning_content"] = parsed.reasoning_content
+        return record, message
+
+    async def complete(self, door: EpisodeCalls, body: dict[str, Any]) -> CallRecord | dict:
+        """A text completion of `prompt` (text, or token ids) with no template."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt_ids = list(prompt)
+        else:
+            return _error(400, "'prompt' must be a string or a list of token ids (one prompt per request)")
+        record = await self._generate(door, body, prompt_ids)
+        if not isinstance(record, dict):
+            door.calls.append(record)
+        return record
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                request_kwargs: dict[str, Any] | None) -> str:
+        if not tools and not request_kwargs:
+            return self.prompts.render(messages)  # the native rollout's render, so both see the same text
+        kwargs = {**(request_kwargs or {}), **self.prompts.chat_template_kwargs}  # the run's settings win
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                  **kwargs)
+
+    def _spliced(self, door: EpisodeCalls, render: str) -> list[int]:
+        """The prompt ids: an earlier call's prompt and sampled ids + the new text's, where the render extends that
+        call's render and reply (latest call first); else the render tokenised."""
+        for call in reversed(door.calls):
+            if call.render is None:
+                continue
+            before = call.render + call.text + call.eos_text
+            if len(render) > len(before) and render.startswith(before):
+                return call.prompt_ids + call.token_ids + self.prompts.tokenize(render[len(before):])
+        return self.prompts.tokenize(render)
+
+    async def _generate(self, door: EpisodeCalls, body: dict[str, Any], prompt_ids: list[int]) -> CallRecord | dict:
+        if body.get("n", 1) != 1:
+            return _error(400, f"n={body.get('n')}: this endpoint samples one reply per request")
+        limit = self.cfg.max_prompt_tokens
+        if len(prompt_ids) > limit:
+            return _error(400, f"This model's maximum context length is {limit + self.cfg.max_new_tokens} tokens. "
+                          f"However, your request has {len(prompt_ids)} input tokens, more than the trainer's "
+                          f"generation.max_prompt_tokens={limit} (which leaves room for generation.max_new_tokens="
+                          f"{self.cfg.max_new_tokens}). Please reduce the length of the input messages.")
+        self._note_sampling(body)
+        index = door.requested
+        door.requested += 1
+        try:
+            async with self._slots:
+                generation = await self.generator.generate(prompt_ids, order_key=door.order_key,
+                                                           seed=derive_seed(*door.seed_parts, index))
+        except Exception as exc:  # the harness hears of it as from a server; the run goes on (or stops) by its rules
+            log.warning("endpoint: generation for episode %s failed: %s: %s", door.key, type(exc).__name__, exc)
+            return _error(500, f"generation failed: {type(exc).__name__}: {exc}")
+        ids = list(generation.token_ids)
+        ends_with_eos = bool(ids) and ids[-1] in self.generator.eos_ids
+        finish = "length" if not ends_with_eos and len(ids) >= self.cfg.max_new_tokens else "stop"
+        return CallRecord(index=index, prompt_ids=list(prompt_ids), token_ids=ids, logprobs=generation.logprobs,
+                          adapter_step=generation.adapter_step,
+                          text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason=finish,
+                          eos_text=self.prompts.token_text(ids[-1]) if ends_with_eos else "")
+
+    def _note_sampling(self, body: dict[str, Any]) -> None:
+        """Log once per setting and value where the harness asks for other sampling than the run's."""
+        for requested, ours in SAMPLING_FIELDS.items():
+            value = body.get(requested)
+            run_value = getattr(self.cfg, ours)
+            if value is None or value == run_value or (requested, value) in self._warned:
+                continue
+            self._warned.add((requested, value))
+            log.warning("an evaluate() harness asked for %s=%s; the run's generation.%s=%s applies", requested, value,
+                        ours, run_value)
+
+    # ------------------------------------------------------------------ HTTP
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="ppo-affine endpoint", openapi_url=None, docs_url=None, redoc_url=None)
+
+        def door_of(key: str) -> EpisodeCalls | None:
+            return self.episodes.get(key)
+
+        def missing(key: str) -> JSONResponse:
+            body = _error(404, f"no live episode {key!r}: use the base_url the trainer passed to evaluate() while "
+                          "its episode runs")
+            return JSONResponse(body, status_code=404)
+
+        async def json_body(request: Request) -> dict[str, Any] | None:
+            try:
+                body = json.loads(await request.body() or b"null")
+            except ValueError:
+                return None
+            return body if isinstance(body, dict) else None
+
+        @app.get("/episodes/{key}/v1/models")
+        async def models(key: str):
+            if door_of(key) is None:
+                return missing(key)
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "ppo-affine"}]}
+
+        @app.post("/episodes/{key}/v1/chat/completions")
+        async def chat_completions(key: str, request: Request):
+            door, body = door_of(key), await json_body(request)
+            if door is None:
+                return missing(key)
+            if body is None:
+                return JSONResponse(_error(400, "the request body must be a JSON object"), status_code=400)
+            answer = await self.chat(door, body)
+            if isinstance(answer, dict):
+                return JSONResponse(answer, status_code=answer["error"]["code"])
+            record, message = answer
+            if body.get("stream"):
+                return StreamingResponse(_sse(self._chat_chunks(record, message, body)), media_type="text/event-stream")
+            return self._chat_response(record, message)
+
+        @app.post("/episodes/{key}/v1/completions")
+        async def completions(key: str, request: Request):
+            door, body = door_of(key), await json_body(request)
+            if door is None:
+                return missing(key)
+            if body is None:
+                return JSONResponse(_error(400, "the request body must be a JSON object"), status_code=400)
+            record = await self.complete(door, body)
+            if isinstance(record, dict):
+                return JSONResponse(record, status_code=record["error"]["code"])
+            if body.get("stream"):
+                return StreamingResponse(_sse(self._completion_chunks(record, body)), media_type="text/event-stream")
+            return {**self._head("text_completion"), "usage": _usage(record),
+                    "choices": [{"index": 0, "text": record.text, "finish_reason": record.finish_reason,
+                                 "logprobs": None}]}
+
+        return app
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": self.model_name}
+
+    def _chat_response(self, record: CallRecord, message: dict[str, Any]) -> dict[str, Any]:
+        return {**self._head("chat.completion"), "usage": _usage(record),
+                "choices": [{"index": 0, "message": message, "finish_reason": record.finish_reason, "logprobs": None}]}
+
+    def _chat_chunks(self, record: CallRecord, message: dict[str, Any], body: dict[str, Any]) -> list[dict[str, Any]]:
+        head = self._head("chat.completion.chunk")
+        deltas = [{"role": "assistant", "content": ""}]
+        if message.get("reasoning_content"):
+            deltas.append({"reasoning_content": message["reasoning_content"]})
+        if message.get("content"):
+            deltas.append({"content": message["content"]})
+        if message.get("tool_calls"):
+            deltas.append({"tool_calls": [{"index": n, **call} for n, call in enumerate(message["tool_calls"])]})
+        chunks = [{**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]} for delta in deltas]
+        chunks.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": record.finish_reason}]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append({**head, "choices": [], "usage": _usage(record)})
+        return chunks
+
+    def _completion_chunks(self, record: CallRecord, body: dict[str, Any]) -> list[dict[str, Any]]:
+        head = self._head("text_completion")
+        chunks = [{**head, "choices": [{"index": 0, "text": record.text, "finish_reason": None, "logprobs": None}]},
+                  {**head, "choices": [{"index": 0, "text": "", "finish_reason": record.finish_reason,
+                                        "logprobs": None}]}]
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append({**head, "choices": [], "usage": _usage(record)})
+        return chunks
+
+
+def _sse(chunks: list[dict[str, Any]]):
+    async def events():
+        for chunk in chunks:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+    return events()
+
+
+def _usage(record: CallRecord) -> dict[str, int]:
+    prompt, completion = len(record.prompt_ids), len(record.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _error(code: int, message: str) -> dict[str, Any]:
+    """An OpenAI-style error body, as vLLM sends it."""
+    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(code, "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def _for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """A request's message as chat templates take it: text parts joined, tool-call arguments as objects."""
+    message = dict(message)
+    content = message.get("content")
+    if isinstance(content, list):
+        message["content"] = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    elif content is None:
+        message["content"] = ""
+    if message.get("tool_calls"):
+        calls = []
+        for call in message["tool_calls"]:
+            function = dict(call.get("function") or {})
+            if isinstance(function.get("arguments"), str):
+                with contextlib.suppress(ValueError):
+                    function["arguments"] = json.loads(function["arguments"])
+            calls.append({**call, "function": function})
+        message["tool_calls"] = calls
+    return message

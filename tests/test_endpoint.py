@@ -1,0 +1,300 @@
+"""The endpoint kind-`evaluate` envs call: OpenAI chat/completions from the trainer's generator, recorded call by call."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ppo_affine.config import EndpointConfig, GenerationConfig
+from ppo_affine.endpoint import CallRecord, ChatEndpoint, pack_calls
+from ppo_affine.generation import Generation
+from ppo_affine.prompts import PromptBuilder
+from ppo_affine.reply_parsers import PLAIN, REPLY_FORMATS, ReplyFormat, parse_reply
+
+FOREIGN_ENV = Path(__file__).parent / "foreign_env"
+
+
+def _foreign_env():
+    """tests/foreign_env/env.py, the foreign env, imported to be called in process."""
+    spec = importlib.util.spec_from_file_location("foreign_env", FOREIGN_ENV / "env.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TOOLS, Actor = _foreign_env().TOOLS, _foreign_env().Actor
+
+# A ChatML template that renders tools, tool calls (Hermes JSON) and tool results, as Qwen3's does in short.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{%- elif m['role'] == 'assistant' %}<|im_start|>assistant\n{{ m['content'] }}"
+    "{%- for c in m.get('tool_calls') or [] %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+HERMES = REPLY_FORMATS["qwen3"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from ppo_affine.testing.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    return tokenizer
+
+
+class ScriptedGenerator:
+    """Replies from a list, each its text's ids + EOS, with made-up log-probs and adapter step 7."""
+
+    def __init__(self, tokenizer, replies: list[str], eos_at_end: bool = True):
+        self.tokenizer, self.replies, self.eos_at_end = tokenizer, list(replies), eos_at_end
+        self.eos_ids = {tokenizer.eos_token_id}
+        self.requests: list[tuple[list[int], int, int]] = []
+
+    async def generate(self, prompt_ids, order_key, seed):
+        self.requests.append((list(prompt_ids), order_key, seed))
+        ids = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False)
+        ids += [self.tokenizer.eos_token_id] if self.eos_at_end else []
+        return Generation(ids, [-0.25] * len(ids), adapter_step=7)
+
+
+def endpoint_of(tokenizer, replies, reply_format=HERMES, eos_at_end=True, **generation) -> ChatEndpoint:
+    cfg = GenerationConfig(**{"max_new_tokens": 64, "max_prompt_tokens": 2048, "temperature": 1.0, **generation})
+    return ChatEndpoint(ScriptedGenerator(tokenizer, replies, eos_at_end), PromptBuilder(tokenizer, cfg.max_prompt_tokens),
+                        cfg, reply_format, "tiny", EndpointConfig())
+
+
+async def post(endpoint: ChatEndpoint, path: str, body: dict, key: str | None = None) -> httpx.Response:
+    transport = httpx.ASGITransport(app=endpoint.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://endpoint") as client:
+        return await client.post(f"/episodes/{key}/v1{path}", json=body)
+
+
+def one_episode(endpoint: ChatEndpoint):
+    return endpoint.open_episode(3, (11, 22, 0, 3))
+
+
+# ---------------------------------------------------------------------- reply parsers
+def test_qwen3_5_moe_splits_reasoning_and_xml_tool_calls_typed_by_the_tool_schema():
+    text = ("<think>\nadd them\n</think>\n\nLet me add.\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n"
+            "<parameter=b>\n3\n</parameter>\n</function>\n</tool_call>")
+    parsed = parse_reply(text, REPLY_FORMATS["qwen3_5_moe"], TOOLS, call_id="c")
+    assert parsed.reasoning_content == "add them"
+    assert parsed.content == "Let me add."
+    assert parsed.tool_calls == [{"id": "c_0", "type": "function",
+                                  "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]
+
+
+def test_a_reasoning_block_the_template_opened_ends_at_its_closing_tag():
+    parsed = parse_reply("thinking on\n</think>\n\n42", REPLY_FORMATS["qwen3_5_moe"], reasoning_open=True)
+    assert (parsed.reasoning_content, parsed.content) == ("thinking on", "42")
+
+
+def test_a_reply_cut_off_while_reasoning_is_all_reasoning():
+    parsed = parse_reply("<think>still going", REPLY_FORMATS["qwen3_5_moe"])
+    assert (parsed.reasoning_content, parsed.content, parsed.tool_calls) == ("still going", None, [])
+
+
+def test_dense_qwen3_keeps_think_in_the_content_and_parses_json_tool_calls():
+    text = '<think>x</think>ok<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    parsed = parse_reply(text, REPLY_FORMATS["qwen3"])
+    assert parsed.reasoning_content is None and parsed.content == "<think>x</think>ok"
+    assert parsed.tool_calls[0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+
+
+def test_an_unparsable_tool_call_stays_text_and_other_families_parse_nothing():
+    assert parse_reply("<tool_call>{oops</tool_call>", HERMES).content == "<tool_call>{oops</tool_call>"
+    assert parse_reply("<think>a</think>b", PLAIN).content == "<think>a</think>b"
+
+
+# ---------------------------------------------------------------------- chat completions
+def test_a_chat_call_answers_parsed_and_records_prompt_ids_sampled_ids_logprobs_and_adapter_step(tokenizer):
+    endpoint = endpoint_of(tokenizer, ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'])
+    door = one_episode(endpoint)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    response = asyncio.run(post(endpoint, "/chat/completions", {"model": "x", "messages": messages, "tools": TOOLS},
+                                door.key))
+    assert response.status_code == 200
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+    [call] = endpoint.close_episode(door)
+    rendered = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert call.prompt_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert call.token_ids[-1] == tokenizer.eos_token_id
+    assert call.logprobs == [-0.25] * len(call.token_ids) and call.adapter_step == 7
+    assert response.json()["usage"]["prompt_tokens"] == len(call.prompt_ids)
+
+
+def test_the_tool_result_turn_reuses_the_sampled_ids_and_extends_the_prompt_token_for_token(tokenizer):
+    tool_call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    endpoint = endpoint_of(tokenizer, [tool_call, "5"])
+    door = one_episode(endpoint)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    first = asyncio.run(post(endpoint, "/chat/completions", {"messages": messages, "tools": TOOLS}, door.key)).json()
+    message = first["choices"][0]["message"]
+    messages += [{"role": "assistant", "content": message["content"], "tool_calls": message["tool_calls"]},
+                 {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "5"}]
+    asyncio.run(post(endpoint, "/chat/completions", {"messages": messages, "tools": TOOLS}, door.key))
+    one, two = endpoint.close_episode(door)
+    assert two.prompt_ids[:len(one.prompt_ids) + len(one.token_ids)] == one.prompt_ids + one.token_ids
+    sequences, placements, breaks = pack_calls([one, two])
+    assert (len(sequences), breaks) == (1, 0)
+    assert placements == [(0, len(one.prompt_ids)), (0, len(two.prompt_ids))]
+
+
+def test_a_streamed_call_sends_role_content_finish_usage_and_done_as_server_sent_events(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["<think>hm</think>The sum is 5"], reply_format=REPLY_FORMATS["qwen3_5_moe"])
+    door = one_episode(endpoint)
+    body = {"messages": [{"role": "user", "content": "2 + 3?"}], "stream": True,
+            "stream_options": {"include_usage": True}}
+    response = asyncio.run(post(endpoint, "/chat/completions", body, door.key))
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
+    assert deltas[:3] == [{"role": "assistant", "content": ""}, {"reasoning_content": "hm"},
+                          {"content": "The sum is 5"}]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_a_reply_that_reaches_max_new_tokens_finishes_with_length(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["one two three four five six"], eos_at_end=False, max_new_tokens=3)
+    door = one_episode(endpoint)
+    response = asyncio.run(post(endpoint, "/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                                door.key))
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_prompt_over_the_budget_is_a_400_naming_the_limit_and_nothing_is_generated(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["never"], max_prompt_tokens=16, max_new_tokens=8)
+    door = one_episode(endpoint)
+    response = asyncio.run(post(endpoint, "/chat/completions",
+                                {"messages": [{"role": "user", "content": "word " * 40}]}, door.key))
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "maximum context length is 24 tokens" in message and "generation.max_prompt_tokens=16" in message
+    assert endpoint.generator.requests == [] and endpoint.close_episode(door) == []
+
+
+def test_the_runs_sampling_settings_win_and_the_difference_is_logged_once(tokenizer, caplog):
+    endpoint = endpoint_of(tokenizer, ["a", "b"], temperature=1.0, max_new_tokens=64)
+    door = one_episode(endpoint)
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.2, "max_tokens": 5}
+    with caplog.at_level(logging.WARNING, logger="ppo_affine.endpoint"):
+        for _ in range(2):
+            asyncio.run(post(endpoint, "/chat/completions", body, door.key))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["an evaluate() harness asked for temperature=0.2; the run's generation.temperature=1.0 applies",
+                     "an evaluate() harness asked for max_tokens=5; the run's generation.max_new_tokens=64 applies"]
+
+
+def test_calls_sample_with_seeds_of_the_episode_and_call_and_keep_the_episodes_cache_key(tokenizer):
+    from ppo_affine.seeds import derive_seed
+
+    endpoint = endpoint_of(tokenizer, ["a", "b"])
+    door = one_episode(endpoint)
+    for _ in range(2):
+        asyncio.run(post(endpoint, "/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, door.key))
+    assert [(key, seed) for _, key, seed in endpoint.generator.requests] == [
+        (3, derive_seed(11, 22, 0, 3, 0)), (3, derive_seed(11, 22, 0, 3, 1))]
+
+
+def test_an_unknown_or_finished_episode_is_a_404_and_records_nothing(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["a"])
+    door = one_episode(endpoint)
+    endpoint.close_episode(door)
+    response = asyncio.run(post(endpoint, "/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
+                                door.key))
+    assert response.status_code == 404 and "no live episode" in response.json()["error"]["message"]
+    assert door.calls == []
+
+
+def test_text_completions_take_the_prompt_as_it_is(tokenizer):
+    endpoint = endpoint_of(tokenizer, [" world"])
+    door = one_episode(endpoint)
+    response = asyncio.run(post(endpoint, "/completions", {"prompt": "hello"}, door.key))
+    assert response.json()["choices"][0]["text"] == " world"
+    [call] = endpoint.close_episode(door)
+    assert call.prompt_ids == tokenizer("hello")["input_ids"] and call.render is None
+
+
+class CountingGenerator(ScriptedGenerator):
+    """Holds each reply a moment and counts the replies in flight at once."""
+
+    def __init__(self, tokenizer, replies):
+        super().__init__(tokenizer, replies)
+        self.in_flight = self.most_in_flight = 0
+
+    async def generate(self, prompt_ids, order_key, seed):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(0.02)
+        self.in_flight -= 1
+        return await super().generate(prompt_ids, order_key, seed)
+
+
+def test_at_most_max_concurrent_episodes_calls_generate_at_once(tokenizer):
+    endpoint = endpoint_of(tokenizer, [], max_concurrent_episodes=2)
+    endpoint.generator = CountingGenerator(tokenizer, ["a"] * 6)
+    doors = [endpoint.open_episode(i, (i,)) for i in range(6)]
+
+    async def all_at_once():
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        return await asyncio.gather(*(post(endpoint, "/chat/completions", body, door.key) for door in doors))
+
+    assert [r.status_code for r in asyncio.run(all_at_once())] == [200] * 6
+    assert endpoint.generator.most_in_flight == 2
+
+
+# ---------------------------------------------------------------------- packing
+def record(index: int, prompt: list[int], reply: list[int]) -> CallRecord:
+    return CallRecord(index=index, prompt_ids=prompt, token_ids=reply, logprobs=None, adapter_step=None, text="",
+                      finish_reason="stop")
+
+
+def test_calls_that_extend_pack_into_one_sequence_and_a_re_render_starts_another():
+    calls = [record(0, [1, 2], [3]), record(1, [1, 2, 3, 4], [5]), record(2, [1, 9], [6]),
+             record(3, [1, 2, 3, 4, 5, 7], [8])]
+    sequences, placements, breaks = pack_calls(calls)
+    assert sequences == [[1, 2, 3, 4, 5, 7, 8], [1, 9, 6]]
+    assert placements == [(0, 2), (0, 4), (1, 2), (0, 6)]
+    assert breaks == 1
+
+
+# ---------------------------------------------------------------------- the foreign env over HTTP
+def test_the_foreign_env_streams_calls_the_tool_and_breaks_the_prefix_once(tokenizer):
+    tool_call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    endpoint = endpoint_of(tokenizer, [tool_call, "It is 5", "5"])
+
+    async def play():
+        await endpoint.start()
+        try:
+            door = one_episode(endpoint)
+            result = await Actor().evaluate(task_id=32, seed=1, base_url=door.url, timeout=30)
+            return result, endpoint.close_episode(door)
+        finally:
+            await endpoint.close()
+
+    result, calls = asyncio.run(play())
+    assert result["score"] == 1.0
+    assert [m["role"] for m in result["extra"]["conversation"]] == ["system", "user", "assistant"]
+    sequences, placements, breaks = pack_calls(calls)
+    assert [s for s, _ in placements] == [0, 0, 1] and breaks == 1
+    tool_turn = tokenizer.decode(calls[1].prompt_ids)
+    assert "<tool_response>\n5\n</tool_response>" in tool_turn
