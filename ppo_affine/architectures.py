@@ -40,19 +40,17 @@ class Architecture:
     lora_targets: tuple[str, ...]
     expert_parameters: tuple[str, ...] = ()  # fused routed-expert weights [experts, out, in]
     recurrent: bool = False  # has linear-attention layers
-    # (prefix in the loaded model's names, prefix in the release files), for the release's own model type
+    # (prefix in the loaded model's names, prefix in the release files where they differ): the multimodal release
+    # keeps its language model one level down; a text-only folder uses the loaded names
     release_prefixes: tuple[tuple[str, str], ...] = ()
-    release_types: tuple[str, ...] = ()  # model types whose files use release_prefixes
-    experts_per_tensor: bool = False  # release files hold experts.{e}.gate_proj / up_proj / down_proj
 
 
 ARCHITECTURES = (
     Architecture("dense", ("llama", "mistral", "qwen2", "qwen3"), ATTENTION + MLP),
-    Architecture("qwen3_moe", ("qwen3_moe",), ATTENTION + MLP, expert_parameters=FUSED_EXPERTS,
-                 experts_per_tensor=True),
+    Architecture("qwen3_moe", ("qwen3_moe",), ATTENTION + MLP, expert_parameters=FUSED_EXPERTS),
     Architecture("qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"), ATTENTION + LINEAR_ATTENTION + MLP,
-                 expert_parameters=FUSED_EXPERTS, recurrent=True, experts_per_tensor=True,
-                 release_prefixes=(("model.", "model.language_model."),), release_types=("qwen3_5_moe",)),
+                 expert_parameters=FUSED_EXPERTS, recurrent=True,
+                 release_prefixes=(("model.", "model.language_model."),)),
 )
 _GENERIC = Architecture("generic", (), ATTENTION + MLP)
 

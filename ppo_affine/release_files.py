@@ -53,9 +53,9 @@ def adapter_deltas(peft_model) -> dict[str, torch.Tensor]:
         weight_name = f"{name}.{parameter}" if parameter else f"{name}.weight"
         with torch.no_grad():
             delta = module.get_delta_weight("default").float()
-        deltas[weight_name] = deltas[weight_name] + delta if weight_name in deltas else delta
-    # a ParamWrapper nests its base layer: the wrapped module is named `<...>.experts`, possibly twice over
-    return {name.replace(".base_layer", ""): delta for name, delta in deltas.items()}
+        # peft nests one ParamWrapper per adapted parameter of a module: the inner one is `<...>.experts.base_layer`
+        deltas[weight_name.replace(".base_layer", "")] = delta
+    return deltas
 
 
 def release_deltas(config, deltas: dict[str, torch.Tensor], names: set[str]) -> dict[str, torch.Tensor]:

@@ -301,3 +301,21 @@ def test_a_cpu_run_that_would_start_vllm_cpu_for_an_moe_model_is_refused_before_
     assert train_ppo.main(tiny_args(arch_dirs["qwen3_moe"], tmp_path, "--max-steps", "1", *owned)) == 2
     message = capsys.readouterr().err
     assert "Triton kernels" in message and "generation.backend=local" in message and "Traceback" not in message
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("os").environ.get("VLLM_TEST_PYTHON"),
+                    reason="set VLLM_TEST_PYTHON to the Python of a vllm-cpu virtual environment (.ci/run does)")
+def test_a_qwen3_adapter_hot_loads_into_vllm_cpu_and_samples_what_the_trainer_scores(tmp_path):
+    """The dense admitted architecture through a vllm-cpu server the run starts itself: the adapter's module names
+    map onto vLLM's (its packed qkv and gate_up included) and the sampled tokens' log-probs agree."""
+    import os
+
+    folder = make_tiny_architecture_dir(tmp_path / "qwen3", "qwen3", head_dim=64)  # vLLM's CPU attention: >= 32
+    owned = ["--set", "generation.backend=vllm", "--set", f"generation.vllm_server.python={os.environ['VLLM_TEST_PYTHON']}",
+             "--set", "generation.max_prompt_tokens=2048", "--set", "generation.max_turns=3", "--set", "ppo.batch_size=2",
+             "--set", "generation.max_concurrent_episodes=2"]
+    assert train_ppo.main(tiny_args(folder, tmp_path, "--max-steps", "2", *owned)) == 0
+    records = metrics(tmp_path / "t")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["vllm/logprob_gap"] < 1e-3 for r in records), [r["vllm/logprob_gap"] for r in records]
