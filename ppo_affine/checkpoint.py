@@ -265,13 +265,18 @@ def verify(checkpoint: Path) -> bool:
         return False
 
 
-def set_aside(checkpoint: Path, problem: Exception) -> Path:
-    """Rename a bad checkpoint to corrupt-checkpoint-<step>[-k] (kept for inspection, never resumed or counted)."""
-    target = checkpoint.with_name(SET_ASIDE_PREFIX + checkpoint.name)
-    copy = 1
+def _unused_name(path: Path, prefix: str) -> Path:
+    """<prefix><name>, or <prefix><name>-k with the first k from 2 that no folder has yet."""
+    target, copy = path.with_name(prefix + path.name), 1
     while target.exists():
         copy += 1
-        target = checkpoint.with_name(f"{SET_ASIDE_PREFIX}{checkpoint.name}-{copy}")
+        target = path.with_name(f"{prefix}{path.name}-{copy}")
+    return target
+
+
+def set_aside(checkpoint: Path, problem: Exception) -> Path:
+    """Rename a bad checkpoint to corrupt-checkpoint-<step>[-k] (kept for inspection, never resumed or counted)."""
+    target = _unused_name(checkpoint, SET_ASIDE_PREFIX)
     os.replace(checkpoint, target)
     log.warning("%s: set aside as %s (delete it once you have looked)", problem, target.name)
     return target
@@ -306,11 +311,7 @@ def set_aside_newer(checkpoint_dir: Path, resumed: Path) -> list[Path]:
     for step, path in list_checkpoints(checkpoint_dir):
         if step <= resumed_step:
             continue
-        target = path.with_name(ABANDONED_PREFIX + path.name)
-        copy = 1
-        while target.exists():
-            copy += 1
-            target = path.with_name(f"{ABANDONED_PREFIX}{path.name}-{copy}")
+        target = _unused_name(path, ABANDONED_PREFIX)
         os.replace(path, target)
         moved.append(target)
     if moved:

@@ -301,13 +301,20 @@ class ChatEndpoint:
                 return missing(key)
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "ppo-affine"}]}
 
-        @app.post("/episodes/{key}/v1/chat/completions")
-        async def chat_completions(key: str, request: Request):
+        async def episode_call(key: str, request: Request):
+            """The episode's door and the request's JSON body, or the error response to send instead."""
             door, body = door_of(key), await json_body(request)
             if door is None:
-                return missing(key)
+                return missing(key), None, None
             if body is None:
-                return JSONResponse(_error(400, "the request body must be a JSON object"), status_code=400)
+                return JSONResponse(_error(400, "the request body must be a JSON object"), status_code=400), None, None
+            return None, door, body
+
+        @app.post("/episodes/{key}/v1/chat/completions")
+        async def chat_completions(key: str, request: Request):
+            refused, door, body = await episode_call(key, request)
+            if refused is not None:
+                return refused
             answer = await self.chat(door, body)
             if isinstance(answer, dict):
                 return JSONResponse(answer, status_code=answer["error"]["code"])
@@ -318,11 +325,9 @@ class ChatEndpoint:
 
         @app.post("/episodes/{key}/v1/completions")
         async def completions(key: str, request: Request):
-            door, body = door_of(key), await json_body(request)
-            if door is None:
-                return missing(key)
-            if body is None:
-                return JSONResponse(_error(400, "the request body must be a JSON object"), status_code=400)
+            refused, door, body = await episode_call(key, request)
+            if refused is not None:
+                return refused
             record = await self.complete(door, body)
             if isinstance(record, dict):
                 return JSONResponse(record, status_code=record["error"]["code"])
