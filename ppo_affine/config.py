@@ -43,7 +43,10 @@ class RunConfig(Strict):
     name: str = Field("ppo", description="Run name; the run folder is <output_dir>/<name>.")
     output_dir: str = Field("runs", description="Parent folder of run folders.")
     seed: int = Field(0, ge=0, description="Seeds every random stream of the run.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = cuda when usable; the log says which device was picked and why (a GPU present "
+        "but unusable, e.g. a driver too old for torch's CUDA, is a warning)."
+    )
     max_steps: int = Field(1000, ge=1, description="PPO steps (rollout + update) to run.")
     rank_timeout_minutes: float = Field(
         60.0, gt=0, description="Data-parallel runs: how long a rank waits for the others at a meeting point "
@@ -75,7 +78,8 @@ class ModelConfig(Strict):
 
 
 class LoraConfig(Strict):
-    r: int = Field(16, ge=1, description="LoRA rank (vLLM needs --max-lora-rank at least this).")
+    r: int = Field(16, ge=1, description="LoRA rank. vLLM serves ranks up to 512: its --max-lora-rank is this "
+                   "rounded up to the next rank vLLM accepts (1, 8, 16, 32, 64, 128, 256, 320, 512).")
     alpha: int = Field(32, ge=1, description="LoRA scale numerator: the update is scaled by alpha / r.")
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="LoRA dropout (SFT; PPO turns it off, see "
                            "ppo.disable_dropout).")
@@ -283,6 +287,17 @@ class TrainConfig(Strict):
         if warmup and self.ppo.advantage == "group":
             raise ValueError(f"value_head.warmup_steps={warmup} trains a critic, but ppo.advantage='group' has none: "
                              "set value_head.warmup_steps=0 or ppo.advantage=gae")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_serves_the_rank(self) -> "TrainConfig":
+        if self.generation.backend == "vllm":
+            from ppo_affine.vllm_server import VLLM_LORA_RANKS
+
+            if self.lora.r > VLLM_LORA_RANKS[-1]:
+                raise ValueError(f"lora.r={self.lora.r}: vLLM serves LoRA adapters of rank at most "
+                                 f"{VLLM_LORA_RANKS[-1]}; set lora.r to {VLLM_LORA_RANKS[-1]} or less, or "
+                                 "generation.backend=local")
         return self
 
     @model_validator(mode="after")
