@@ -261,6 +261,48 @@ def test_a_request_gets_the_same_tokens_alone_or_batched_with_others(tiny_policy
     assert reseeded != batched
 
 
+class JoinsAfter(LocalGenerator):
+    """The real decode loop, where a second request is asked the moment the first has `after` tokens: it joins the
+    running batch at the next step (one running row, one waiting: continuous batching lets it in)."""
+
+    def __init__(self, *args, after: int, joiner: tuple[list[int], int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.after, self.joiner = after, joiner
+        self.joined: asyncio.Task | None = None
+        self.batch_keys: list[list[int]] = []  # the rows of every step's running batch
+
+    def _finish_step(self, tokens):
+        super()._finish_step(tokens)
+        if self._running is not None:
+            self.batch_keys.append([r.key for r in self._running.requests])
+            if self.joined is None and len(self._running.requests[0].reply) == self.after:
+                prompt, seed = self.joiner
+                self.joined = asyncio.get_running_loop().create_task(self.generate(prompt, order_key=1, seed=seed))
+
+
+def test_a_request_joining_a_running_batch_gets_the_tokens_it_gets_alone(tiny_policy):
+    cfg = GenerationConfig(backend="local", max_new_tokens=10, temperature=1.0, reuse_kv_cache=False,
+                           local_batching="continuous")
+    builder = PromptBuilder(tiny_policy.tokenizer, 4096)
+    first, second = (builder.encode([{"role": "user", "content": "go " * n}]) for n in (2, 30))
+    generator = JoinsAfter(tiny_policy, cfg, seed=0, after=3, joiner=(second, 12))
+    generator.eos_ids = set()  # both replies run to max_new_tokens, so the first is still decoding when the second joins
+
+    async def ask():
+        async with generator.rollout(step=0):
+            running = await generator.generate(first, order_key=0, seed=11)
+            joined = await generator.joined
+        return running.token_ids, joined.token_ids
+    running, joined = asyncio.run(ask())
+    assert generator.batch_keys[:3] == [[0], [0], [0]] and [0, 1] in generator.batch_keys  # it joined mid-reply
+    alone = []
+    for prompt, seed in ((first, 11), (second, 12)):
+        solo = LocalGenerator(tiny_policy, cfg, seed=0)
+        solo.eos_ids = set()
+        alone.append(replies(solo, [prompt], seeds=[seed])[0])
+    assert [running, joined] == alone and len(running) == len(joined) == 10
+
+
 def test_the_folded_adapter_gives_the_adapters_logits_and_leaves_the_weights_untouched(tiny_model_dir):
     import torch
 

@@ -55,3 +55,19 @@ def test_greedy_is_argmax_and_samples_follow_the_tempered_distribution():
     counts = torch.bincount(tokens, minlength=4).double() / draws
     for p, q in zip(counts.tolist(), expected.tolist()):
         assert abs(p - q) < 4 * math.sqrt(q * (1 - q) / draws)  # within 4 standard errors
+
+
+def test_temperature_top_k_and_top_p_together_sample_the_hand_computed_distribution():
+    """Temperature first, then the filters on the tempered probabilities. logits / 0.5 = [6, 4.8, 4, 2, 1, 0];
+    top-k 4 leaves [6, 4.8, 4, 2], whose softmax is [.6874, .2070, .0930, .0126]: the mass before the 4th token is
+    .9874 >= top-p .95, so it goes. Left: softmax([6, 4.8, 4]) = [.696122, .209668, .094210]. (Top-p applied to the
+    untempered logits would keep the 4th token, mass before .934, and draw it ~1.3 % of the time.)"""
+    logits = torch.tensor([[3.0, 2.4, 2.0, 1.0, 0.5, 0.0]])
+    draws = 20_000
+    tokens = sample_tokens(logits.expand(draws, 6), list(range(draws)), [5] * draws, temperature=0.5, top_k=4,
+                           top_p=0.95)
+    counts = torch.bincount(tokens, minlength=6).tolist()
+    assert counts[3:] == [0, 0, 0]
+    expected = [0.696122 * draws, 0.209668 * draws, 0.094210 * draws]
+    chi_square = sum((seen - e) ** 2 / e for seen, e in zip(counts[:3], expected))
+    assert chi_square < 13.82  # 2 degrees of freedom, p = 0.001
