@@ -73,9 +73,9 @@ class ScriptedGenerator(LocalGenerator):
     def launches_inline(self) -> bool:
         return True
 
-    def _device_values(self, tokens):
+    def _device_values(self, sampled):
         time.sleep(max(0.0, self.policy.model.busy_until - time.monotonic()))
-        return tokens.tolist()
+        return sampled.tolist()
 
     def _choose(self, logits, requests):
         eos = min(self.eos_ids)
@@ -84,7 +84,7 @@ class ScriptedGenerator(LocalGenerator):
             if not request.reply:
                 request.script = scripted_reply(self.tokenizer, request.prompt, request.seed, eos)
             tokens.append(request.script[len(request.reply)])
-        return torch.tensor(tokens, device=logits.device)
+        return torch.tensor(tokens, device=logits.device), torch.zeros(len(tokens), dtype=torch.float64)
 
 
 class NullGenerator:

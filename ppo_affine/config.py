@@ -161,9 +161,10 @@ class PPOConfig(Strict):
     )
     sampler_correction: bool = Field(
         False, description="Truncated importance sampling: weigh each sampled token's policy loss by "
-        "min(pi_trainer_old / pi_sampler, sampler_correction_cap), correcting for the sampler (vLLM) computing other "
-        "probabilities than the trainer (vllm/logprob_gap: about 2e-5 on CPU in float32, 1e-3 to 1e-2 on GPUs in "
-        "bf16). Recommended with vLLM on a GPU; with local generation the trainer is the sampler (weight 1)."
+        "min(pi_trainer_old / pi_sampler, sampler_correction_cap), correcting for the sampler (vLLM, or the local "
+        "decode loop with its cache and batch) computing other probabilities than the trainer's scoring pass "
+        "(vllm/logprob_gap, local/logprob_gap: about 2e-5 and 1e-6 on CPU in float32, 1e-3 to 1e-2 in bf16). "
+        "Recommended in bf16 (GPUs)."
     )
     sampler_correction_cap: float = Field(
         2.0, ge=1.0, description="sampler_correction: the most a token's importance weight may be (C)."
@@ -228,7 +229,8 @@ class GenerationConfig(Strict):
     fold_adapter: bool = Field(
         True, description="local backend: generate with the LoRA adapter added into a copy of each weight it adapts "
         "(one matmul per layer instead of three; the trained weights are untouched). Needs the copy's memory during "
-        "rollouts; 4-bit models always keep the adapter path.")
+        "rollouts. float32 weights only: bfloat16 and float16 keep the adapter path (W + ΔW rounded to bfloat16 "
+        "loses most of a small ΔW; bench/fold_gap.py), as do 4-bit models.")
     stop_at_closing_fence: bool = Field(
         False, description="A reply ends once it has closed a ``` fenced block (both backends): a trace reply whose "
         "answer is fenced stops there instead of looping to max_new_tokens. The trace preset sets it; a game reply "

@@ -18,7 +18,10 @@ with: a seeded run repeats itself, except where two tokens' scores tie within th
 a different batch width adds (~1e-6 on CPU). A rollout switches the model to eval mode once and,
 unless the model is 4-bit, runs it with the LoRA adapter added into a copy of each adapted weight
 (`generation.fold_adapter`): one matmul per adapted layer instead of three, which is most of the
-kernel launches of a decode step; the trained weights are never touched.
+kernel launches of a decode step; the trained weights are never touched. Only float32 weights are folded: in
+bfloat16 W + ΔW rounds to W's 8-bit mantissa and a small ΔW is mostly lost (bench/fold_gap.py measured the
+sampler's log-prob gap several times larger folded), so there the adapter path runs. Each reply token comes with
+its log-prob under the distribution it was drawn from, which the trainer compares with its own scores.
 """
 from __future__ import annotations
 
@@ -83,6 +86,7 @@ class Request:
     seed: int
     future: asyncio.Future
     reply: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # each reply token's, from the distribution it was drawn from
     arrived: float = field(default_factory=time.monotonic)
 
     def resolve(self, result: Generation | BaseException) -> None:
@@ -102,6 +106,7 @@ class Running:
     mask: torch.Tensor  # [rows, width] 1 where a column holds the row's token
     positions: torch.Tensor  # [rows] position of the token each row feeds next
     next_tokens: torch.Tensor  # [rows] the token each row feeds next (its last sampled one)
+    next_logprobs: torch.Tensor  # [rows] float64: that token's log-prob where it was sampled
     # [rows, 1, 1, width]: the mask as the attention adds it (0 on the row's columns, -inf on padding); kept from
     # one decode step to the next, None after the batch's rows or columns changed (see decode_bias_dtype)
     bias: torch.Tensor | None = None
@@ -136,25 +141,40 @@ class FoldedAdapter:
                 return None
         return layers
 
+    @staticmethod
+    def keeps_the_delta(layers: list) -> bool:
+        """Whether W + ΔW held in the weights' dtype keeps ΔW: float32 does (to float noise); bfloat16 rounds away
+        most of a small delta (a LoRA B of 1e-4 keeps ~26 % of it), float16 a good part."""
+        return all(layer.get_base_layer().weight.dtype == torch.float32 for layer in layers)
+
     def __enter__(self) -> "FoldedAdapter":
         layers = self.foldable_layers(self.model)
         if layers is None:
             raise ValueError("the adapter cannot be folded here")
-        with torch.no_grad():
-            for layer in layers:
-                base = layer.get_base_layer()
-                merged = base.weight.detach().clone()
-                for name in layer.active_adapters:
-                    if name in layer.lora_A:
-                        merged += layer.get_delta_weight(name).to(merged.dtype)
-                self.swapped.append((base, base.weight.data))
-                base.weight.data = merged
-        self._adapter_off = self.model.disable_adapter()
-        self._adapter_off.__enter__()
+        try:
+            with torch.no_grad():
+                for layer in layers:
+                    base = layer.get_base_layer()
+                    merged = base.weight.detach().clone()
+                    for name in layer.active_adapters:
+                        if name in layer.lora_A:
+                            merged += layer.get_delta_weight(name).to(merged.dtype)
+                    self.swapped.append((base, base.weight.data))
+                    base.weight.data = merged
+            self._adapter_off = self.model.disable_adapter()
+            self._adapter_off.__enter__()
+        except BaseException:  # a half-folded model would add the delta twice once the adapter path is back on
+            self._restore_weights()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self._adapter_off.__exit__(*exc)
+        try:
+            self._adapter_off.__exit__(*exc)
+        finally:
+            self._restore_weights()
+
+    def _restore_weights(self) -> None:
         for base, original in self.swapped:
             base.weight.data = original
         self.swapped.clear()
@@ -188,6 +208,7 @@ class LocalGenerator:
         self.prompt_tokens = 0
         self.forward_calls = 0  # prefill and decode steps: what a GPU would run as kernels
         self._step_seconds = 0.005  # a moving average of a step's time
+        self._said_why_unfolded = False
 
     # ------------------------------------------------------------------ the episodes' side
     def episode_started(self) -> None:
@@ -217,13 +238,26 @@ class LocalGenerator:
         self._caches.clear()
         with contextlib.ExitStack() as held:
             held.enter_context(self.policy.evaluating())
-            if self.cfg.fold_adapter and FoldedAdapter.foldable_layers(self.policy.model) is not None:
+            if self.folds_adapter():
                 held.enter_context(FoldedAdapter(self.policy.model))
             try:
                 yield
             finally:
                 await self._stop_engine()
                 self._caches.clear()
+
+    def folds_adapter(self) -> bool:
+        """Whether rollouts fold the adapter: asked for, foldable, and in weights that keep the delta."""
+        layers = FoldedAdapter.foldable_layers(self.policy.model)
+        if not self.cfg.fold_adapter or layers is None:
+            return False
+        if not FoldedAdapter.keeps_the_delta(layers):
+            if not self._said_why_unfolded:
+                self._said_why_unfolded = True
+                log.info("generation.fold_adapter: the adapter path runs (the weights are %s, in which W + ΔW loses "
+                         "most of a small ΔW)", layers[0].get_base_layer().weight.dtype)
+            return False
+        return True
 
     async def close(self) -> None:
         await self._stop_engine()
@@ -320,25 +354,27 @@ class LocalGenerator:
         with torch.no_grad():
             return self._device_values(self._launch_step(joining))
 
-    def _device_values(self, tokens: torch.Tensor) -> list[int]:
-        """The sampled ids on the host: waits for the device to finish the step (bench/ stands in its time here)."""
-        return tokens.tolist()
+    def _device_values(self, sampled: torch.Tensor) -> list[list[float]]:
+        """The sampled ids and their log-probs on the host, [[ids], [log-probs]]: waits for the device to finish the
+        step (bench/ stands in its time here)."""
+        return sampled.tolist()
 
-    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """The next token of each row (bench/ replaces this with a scripted player)."""
+    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next token of each row and its log-prob (bench/ replaces this with a scripted player)."""
         return sample_tokens(logits, [r.seed for r in requests], [len(r.reply) for r in requests],
                              self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
 
     def _launch_step(self, joining: list[Request]) -> torch.Tensor:
         """A decode step of the running rows (each feeds its last sampled token), and a prefill of the joining
         rows (the prompt tokens their episode's kept cache lacks), which then join the running batch; returns
-        the next token of every running row, still on the device. Joining rows get a forward call of their own:
+        the next token of every running row and its log-prob, [2, rows] float64 (one copy to the host, ids exact
+        below 2**53), still on the device. Joining rows get a forward call of their own:
         in one padded batch their new columns would be padding for every other row until it ends."""
         if self._running is not None:
             self._decode_step()
         if joining:
             self._merge(self._prefill(joining))
-        return self._running.next_tokens
+        return torch.stack([self._running.next_tokens.double(), self._running.next_logprobs])
 
     def _forward(self, input_ids, mask, positions, cache, cached_width: int):
         self.forward_calls += 1
@@ -364,7 +400,7 @@ class LocalGenerator:
         logits, running.cache = self._forward(running.next_tokens[:, None], attention, running.positions[:, None],
                                               running.cache, running.width)
         running.mask, running.positions = mask, running.positions + 1
-        running.next_tokens = self._choose(logits, running.requests)
+        running.next_tokens, running.next_logprobs = self._choose(logits, running.requests)
 
     def _prefill(self, joining: list[Request]) -> Running:
         """The joining rows' forward call: [left padding | kept prefix | left padding | new prompt tokens]."""
@@ -388,7 +424,7 @@ class LocalGenerator:
         mask = mask.to(device)
         logits, cache = self._forward(input_ids.to(device), mask, positions.to(device), cache, cached_width)
         next_positions = torch.tensor([len(r.prompt) for r in joining], dtype=torch.long, device=device)
-        return Running(list(joining), cache, mask, next_positions, self._choose(logits, joining))
+        return Running(list(joining), cache, mask, next_positions, *self._choose(logits, joining))
 
     def _merge(self, joining: Running) -> None:
         """Append the joining rows to the running batch, both right-aligned to the wider of the two."""
@@ -404,10 +440,13 @@ class LocalGenerator:
         running.mask = torch.cat([_left_pad(running.mask, width, dim=1), _left_pad(joining.mask, width, dim=1)])
         running.positions = torch.cat([running.positions, joining.positions])
         running.next_tokens = torch.cat([running.next_tokens, joining.next_tokens])
+        running.next_logprobs = torch.cat([running.next_logprobs, joining.next_logprobs])
 
-    def _finish_step(self, tokens: list[int]) -> None:
-        for request, token in zip(self._running.requests, tokens):
-            request.reply.append(token)
+    def _finish_step(self, sampled: list[list[float]]) -> None:
+        tokens, logprobs = sampled
+        for request, token, logprob in zip(self._running.requests, tokens, logprobs):
+            request.reply.append(int(token))
+            request.logprobs.append(logprob)
         self.generated_tokens += len(tokens)
         self._retire_finished()
 
@@ -444,7 +483,7 @@ class LocalGenerator:
             request = running.requests[row]
             if self.reuse_cache:
                 self._keep_cache(running, row)
-            request.resolve(Generation(list(request.reply)))
+            request.resolve(Generation(list(request.reply), list(request.logprobs)))
         keep = [row for row in range(len(running.requests)) if row not in set(done)]
         if not keep:
             self._running = None
@@ -453,7 +492,7 @@ class LocalGenerator:
         running.cache.batch_select_indices(index)
         running.requests, running.bias = [running.requests[row] for row in keep], None
         running.mask, running.positions = running.mask[index], running.positions[index]
-        running.next_tokens = running.next_tokens[index]
+        running.next_tokens, running.next_logprobs = running.next_tokens[index], running.next_logprobs[index]
         used = running.mask.any(dim=0)
         if int(used.sum()) < used.numel() // 2:  # mostly padding: keep only the columns some row uses
             columns = used.nonzero().squeeze(-1)

@@ -79,13 +79,22 @@ def filter_scores(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample_tokens(logits: torch.Tensor, seeds: list[int], counters: list[int], temperature: float,
-                  top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """[B] token ids: greedy at temperature 0, else a sample of softmax(filtered logits / temperature). Row b's
-    draw is keyed by (seeds[b], counters[b]); every operation is batched (a decode step's few dozen kernels)."""
+                  top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B] token ids and [B] float64 log-probs of them under the distribution they were drawn from: greedy at
+    temperature 0 (log-probs of the untempered logits, as the trainer scores them there), else a sample of
+    softmax(filtered logits / temperature). Row b's draw is keyed by (seeds[b], counters[b]); every operation is
+    batched (a decode step's few dozen kernels)."""
     if temperature <= 0:
-        return logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
+        return tokens, _logprobs_of(logits.double(), tokens)
     scores = logits.double() if temperature == 1 else logits.double() / temperature
     scores = filter_scores(scores, top_k, top_p)
     keys = torch.tensor(row_keys(seeds, counters), dtype=torch.long, device=logits.device)
     # Gumbel-max: argmax(scores + Gumbel noise), the noise written -log(-log u)
-    return (scores - torch.log(-torch.log(uniform_noise(keys, logits.shape[-1])))).argmax(dim=-1)
+    tokens = (scores - torch.log(-torch.log(uniform_noise(keys, logits.shape[-1])))).argmax(dim=-1)
+    return tokens, _logprobs_of(scores, tokens)
+
+
+def _logprobs_of(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B] log softmax(scores)[b, tokens[b]]; filtered tokens' -inf scores drop out of the normaliser."""
+    return scores.gather(-1, tokens[:, None]).squeeze(-1) - scores.logsumexp(dim=-1)

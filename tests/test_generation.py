@@ -330,13 +330,85 @@ def test_the_folded_adapter_gives_the_adapters_logits_and_leaves_the_weights_unt
         assert FoldedAdapter.foldable_layers(policy.model) is None
 
 
+@pytest.mark.parametrize("failing_layer", [1, 5])
+def test_a_fold_that_fails_at_a_layer_puts_every_weight_back_and_keeps_the_adapter_path(tiny_model_dir, monkeypatch,
+                                                                                         failing_layer):
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from ppo_affine.local_generation import FoldedAdapter
+    from ppo_affine.testing.tiny import load_tiny_policy
+
+    policy = load_tiny_policy(tiny_model_dir)
+    with torch.no_grad():
+        for name, parameter in policy.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.5)
+    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+    ids = torch.tensor([[5, 9, 13, 40, 2, 7]])
+    policy.eval()
+    with torch.no_grad():
+        unfolded = policy.model(input_ids=ids).logits
+    delta_weight, folded = LoraLinear.get_delta_weight, []
+
+    def fails_at_the_kth_layer(layer, name):
+        folded.append(layer)
+        if len(folded) == failing_layer:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return delta_weight(layer, name)
+
+    monkeypatch.setattr(LoraLinear, "get_delta_weight", fails_at_the_kth_layer)
+    with pytest.raises(RuntimeError, match="injected"):
+        FoldedAdapter(policy.model).__enter__()
+    assert len(folded) == failing_layer
+    assert all(torch.equal(before[name], p) for name, p in policy.model.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(policy.model(input_ids=ids).logits, unfolded)  # the adapter path is on, nothing added twice
+    monkeypatch.setattr(LoraLinear, "get_delta_weight", delta_weight)
+    with torch.no_grad(), FoldedAdapter(policy.model):  # and a later fold works
+        assert torch.allclose(policy.model(input_ids=ids).logits, unfolded, atol=1e-5)
+
+
+def test_a_fold_whose_adapter_switch_fails_puts_every_weight_back(tiny_model_dir, monkeypatch):
+    from ppo_affine.local_generation import FoldedAdapter
+    from ppo_affine.testing.tiny import load_tiny_policy
+
+    policy = load_tiny_policy(tiny_model_dir)
+    with torch.no_grad():
+        for name, parameter in policy.model.named_parameters():
+            if "lora_B" in name:  # a delta that changes the weights it is folded into
+                parameter.normal_(0.0, 0.5)
+    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+
+    def switch_fails():
+        raise RuntimeError("switch failed (injected)")
+
+    monkeypatch.setattr(policy.model, "disable_adapter", switch_fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        FoldedAdapter(policy.model).__enter__()
+    assert all(torch.equal(before[name], p) for name, p in policy.model.named_parameters())
+
+
+def test_local_generation_folds_float32_weights_and_keeps_the_adapter_path_for_bfloat16(tiny_model_dir, caplog):
+    from ppo_affine.testing.tiny import load_tiny_policy
+
+    cfg = GenerationConfig(backend="local")
+    policy = load_tiny_policy(tiny_model_dir)
+    assert LocalGenerator(policy, cfg, seed=0).folds_adapter()
+    assert not LocalGenerator(policy, cfg.model_copy(update={"fold_adapter": False}), seed=0).folds_adapter()
+    policy.model.to(torch.bfloat16)
+    generator = LocalGenerator(policy, cfg, seed=0)
+    with caplog.at_level("INFO", logger="ppo_affine.local_generation"):
+        assert not generator.folds_adapter() and not generator.folds_adapter()
+    assert caplog.text.count("generation.fold_adapter: the adapter path runs (the weights are torch.bfloat16") == 1
+
+
 # ---------------------------------------------------------------------- stopping at the closing fence
 class FencedReplies(LocalGenerator):
     """The real decode loop, replying with a fenced answer and then a loop that never ends by itself."""
 
     def _choose(self, logits, requests):
         script = self.tokenizer.encode("```\n7\n```" + " and again" * 40, add_special_tokens=False)
-        return torch.tensor([script[len(r.reply)] for r in requests], device=logits.device)
+        return torch.tensor([script[len(r.reply)] for r in requests], device=logits.device), torch.zeros(len(requests))
 
 
 @pytest.mark.parametrize("stop", [True, False])
@@ -454,8 +526,8 @@ class LeavingOneByOne(LogitsKept):
         self.logits.append(logits.detach().clone())
         self.widths.append(self._running.width if self._running is not None else None)
         eos = self.tokenizer.eos_token_id
-        return torch.tensor([eos if len(r.reply) + 1 >= self.stops[r.key] else int(row.argmax())
-                             for r, row in zip(requests, logits)], device=logits.device)
+        tokens = [eos if len(r.reply) + 1 >= self.stops[r.key] else int(row.argmax()) for r, row in zip(requests, logits)]
+        return torch.tensor(tokens, device=logits.device), torch.zeros(len(requests))
 
 
 def test_the_additive_mask_follows_rows_that_leave_and_columns_that_are_cut(tiny_policy):
