@@ -77,7 +77,7 @@ class ScriptedGenerator(LocalGenerator):
         time.sleep(max(0.0, self.policy.model.busy_until - time.monotonic()))
         return sampled.tolist()
 
-    def _choose(self, logits, requests):
+    def _choose(self, logits, requests, keys):
         eos = min(self.eos_ids)
         tokens = []
         for request in requests:

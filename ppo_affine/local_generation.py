@@ -3,7 +3,8 @@
 A coroutine on the rollout's event loop runs decode steps over a running batch: on an accelerator
 it launches each step's kernels itself and waits for the device in a thread (the loop steps envs
 meanwhile, and no second Python thread contends for the GIL); on CPU the whole step runs in a
-thread. A request (an episode's prompt for its next turn) joins at the next step: its new tokens are
+thread. A step copies everything it needs from the host (new tokens, masks, positions, the draws'
+keys) before its first kernel: a copy from the host after a launch would wait for the launched work. A request (an episode's prompt for its next turn) joins at the next step: its new tokens are
 prefilled, from its episode's kept keys/values where they match, and its row is appended to the
 batch; a row leaves when it samples an end-of-sequence id, reaches `max_new_tokens` or (with
 `stop_at_closing_fence`) closes a fenced block, and its keys/values are kept for the episode's next turn. So an episode waiting on its opponent's search
@@ -39,7 +40,7 @@ from ppo_affine.config import GenerationConfig
 from ppo_affine.seeds import derive_seed
 from ppo_affine.generation import Generation, closes_fence, eos_token_ids
 from ppo_affine.policy import kv_cache_keyword
-from ppo_affine.sampling import sample_tokens
+from ppo_affine.sampling import draw_keys, sample_tokens
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,35 @@ class Running:
     @property
     def width(self) -> int:
         return self.mask.shape[1]
+
+
+@dataclass
+class StagedDecode:
+    """What a decode step needs from the host, on the device before the step's first kernel."""
+    ones: torch.Tensor  # [rows, 1] the mask's new column
+    cache_position: torch.Tensor  # [1]
+    keys: torch.Tensor  # [rows] the draws' keys
+
+
+@dataclass
+class StagedPrefill:
+    """What the joining rows' prefill needs from the host, on the device before the step's first kernel: their
+    padded new tokens, positions and mask ([left padding | kept prefix | left padding | new tokens]), and the
+    prefixes shared by fresh rows, each run once before the prefill (`shared`: the rows, the prefix's ids, and
+    those ids on the device [1, n])."""
+    requests: list[Request]
+    reuse: list[int]  # leading prompt tokens each row takes from a kept or shared cache
+    input_ids: torch.Tensor  # [rows, new width]
+    positions: torch.Tensor  # [rows, new width]
+    mask: torch.Tensor  # [rows, cached width + new width]
+    cache_position: torch.Tensor  # [new width]
+    next_positions: torch.Tensor  # [rows]
+    keys: torch.Tensor  # [rows]
+    shared: list[tuple[list[int], list[int], torch.Tensor]]
+
+    @property
+    def cached_width(self) -> int:
+        return max(self.reuse)
 
 
 class FoldedAdapter:
@@ -196,6 +226,7 @@ class LocalGenerator:
         self.continuous = gen_cfg.local_batching == "continuous"
         self._cache_name = kv_cache_keyword()
         self._bias_dtype = decode_bias_dtype(policy.model)
+        self._vocab = policy.model.config.get_text_config().vocab_size  # the logits' width
         self.live_episodes = 0
         self._pending: list[Request] = []
         self._caches: dict[int, EpisodeCache] = {}
@@ -359,53 +390,68 @@ class LocalGenerator:
         step (bench/ stands in its time here)."""
         return sampled.tolist()
 
-    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next token of each row and its log-prob (bench/ replaces this with a scripted player)."""
-        return sample_tokens(logits, [r.seed for r in requests], [len(r.reply) for r in requests],
-                             self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+    def _choose(self, logits: torch.Tensor, requests: list[Request], keys: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next token of each row and its log-prob, drawn with the staged `keys` (bench/ replaces this with a
+        scripted player)."""
+        return sample_tokens(logits, keys, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+
+    def _draw_keys(self, requests: list[Request], device: torch.device) -> torch.Tensor:
+        """Each row's draw is keyed by its request's seed and the index of the token it samples next."""
+        return draw_keys([r.seed for r in requests], [len(r.reply) for r in requests], self._vocab, device)
 
     def _launch_step(self, joining: list[Request]) -> torch.Tensor:
         """A decode step of the running rows (each feeds its last sampled token), and a prefill of the joining
         rows (the prompt tokens their episode's kept cache lacks), which then join the running batch; returns
         the next token of every running row and its log-prob, [2, rows] float64 (one copy to the host, ids exact
-        below 2**53), still on the device. Joining rows get a forward call of their own:
-        in one padded batch their new columns would be padding for every other row until it ends."""
-        if self._running is not None:
-            self._decode_step()
-        if joining:
-            self._merge(self._prefill(joining))
+        below 2**53), still on the device. Joining rows get a forward call of their own: in one padded batch
+        their new columns would be padding for every other row until it ends.
+
+        Everything both calls need from the host is staged first: a copy from the host waits for the kernels
+        queued before it (PyTorch synchronises the stream), so one made after the first launch would hold the
+        event loop until the device had run the forward (tests/test_generation.py records the order on CPU)."""
+        decode = self._stage_decode() if self._running is not None else None
+        prefill = self._stage_prefill(joining) if joining else None
+        if decode is not None:
+            self._decode_step(decode)
+        if prefill is not None:
+            self._merge(self._prefill(prefill))
         return torch.stack([self._running.next_tokens.double(), self._running.next_logprobs])
 
-    def _forward(self, input_ids, mask, positions, cache, cached_width: int):
+    def _forward(self, input_ids, mask, positions, cache, cache_position: torch.Tensor):
         self.forward_calls += 1
-        device = self.policy.device
-        cache_position = torch.arange(cached_width, cached_width + input_ids.shape[1], device=device)
         out = self.policy.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                                 cache_position=cache_position, use_cache=True, logits_to_keep=1,
                                 **{self._cache_name: cache})
         return out.logits[:, -1], getattr(out, self._cache_name)
 
-    def _decode_step(self) -> None:
+    def _stage_decode(self) -> StagedDecode:
         running = self._running
-        ones = torch.ones((len(running.requests), 1), dtype=torch.long, device=running.mask.device)
-        mask = torch.cat([running.mask, ones], dim=1)
+        device = running.mask.device
+        return StagedDecode(ones=torch.ones((len(running.requests), 1), dtype=torch.long, device=device),
+                            cache_position=torch.arange(running.width, running.width + 1, device=device),
+                            keys=self._draw_keys(running.requests, device))
+
+    def _decode_step(self, staged: StagedDecode) -> None:
+        running = self._running
+        mask = torch.cat([running.mask, staged.ones], dim=1)
         attention = mask
         if self._bias_dtype is not None:
             if running.bias is None:  # -inf, as SDPA's own conversion of a boolean mask, so the scores are the same
-                running.bias = torch.zeros(running.mask.shape, dtype=self._bias_dtype, device=mask.device)
+                running.bias = running.mask.new_zeros(running.mask.shape, dtype=self._bias_dtype)
                 running.bias.masked_fill_(running.mask == 0, float("-inf"))
                 running.bias = running.bias[:, None, None, :]
-            running.bias = attention = torch.cat([running.bias, running.bias.new_zeros(ones.shape)[:, None, None]],
+            running.bias = attention = torch.cat([running.bias, running.bias.new_zeros(staged.ones.shape)[:, None, None]],
                                                  dim=-1)
         logits, running.cache = self._forward(running.next_tokens[:, None], attention, running.positions[:, None],
-                                              running.cache, running.width)
+                                              running.cache, staged.cache_position)
         running.mask, running.positions = mask, running.positions + 1
-        running.next_tokens, running.next_logprobs = self._choose(logits, running.requests)
+        running.next_tokens, running.next_logprobs = self._choose(logits, running.requests, staged.keys)
 
-    def _prefill(self, joining: list[Request]) -> Running:
-        """The joining rows' forward call: [left padding | kept prefix | left padding | new prompt tokens]."""
+    def _stage_prefill(self, joining: list[Request]) -> StagedPrefill:
+        """The joining rows' inputs, built on the host and copied to the device in one go each."""
         device = self.policy.device
-        reuse = self._reused_lengths(joining)
+        reuse, shared = self._reused_lengths(joining)
         cached_width = max(reuse)
         new_width = max(len(r.prompt) - n for r, n in zip(joining, reuse))
         width = cached_width + new_width
@@ -418,13 +464,24 @@ class LocalGenerator:
             positions[row, new_width - fresh:] = torch.arange(n, len(request.prompt))
             mask[row, cached_width - n: cached_width] = 1
             mask[row, width - fresh:] = 1
+        return StagedPrefill(
+            list(joining), reuse, input_ids.to(device), positions.to(device), mask.to(device),
+            cache_position=torch.arange(cached_width, width, device=device),
+            next_positions=torch.tensor([len(r.prompt) for r in joining], dtype=torch.long, device=device),
+            keys=self._draw_keys(joining, device),
+            shared=[(rows, prefix, torch.tensor([prefix], device=device)) for rows, prefix in shared])
+
+    def _prefill(self, staged: StagedPrefill) -> Running:
+        """The joining rows' forward call, after the prefixes fresh rows share have run once."""
+        joining, reuse = staged.requests, staged.reuse
+        for rows, prefix, prefix_ids in staged.shared:
+            self._run_shared_prefix([joining[row] for row in rows], prefix, prefix_ids)
         self.prompt_tokens += sum(len(r.prompt) for r in joining)
         self.prefilled_tokens += sum(len(r.prompt) - n for r, n in zip(joining, reuse))
-        cache = self._joining_cache(joining, reuse, cached_width) if cached_width else None
-        mask = mask.to(device)
-        logits, cache = self._forward(input_ids.to(device), mask, positions.to(device), cache, cached_width)
-        next_positions = torch.tensor([len(r.prompt) for r in joining], dtype=torch.long, device=device)
-        return Running(list(joining), cache, mask, next_positions, *self._choose(logits, joining))
+        cache = self._joining_cache(joining, reuse, staged.cached_width) if staged.cached_width else None
+        logits, cache = self._forward(staged.input_ids, staged.mask, staged.positions, cache, staged.cache_position)
+        return Running(list(joining), cache, staged.mask, staged.next_positions,
+                       *self._choose(logits, joining, staged.keys))
 
     def _merge(self, joining: Running) -> None:
         """Append the joining rows to the running batch, both right-aligned to the wider of the two."""
@@ -508,39 +565,43 @@ class LocalGenerator:
                   for layer in running.cache.layers]
         self._caches[request.key] = EpisodeCache(ids=request.prompt + request.reply[:-1], layers=layers)
 
-    def _reused_lengths(self, requests: list[Request]) -> list[int]:
+    def _reused_lengths(self, requests: list[Request]) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
         """How many leading prompt tokens of each request its episode's kept cache already holds (each row keeps
-        at least one token to feed); fresh rows that begin alike get their common prefix prefilled once."""
+        at least one token to feed), and the prefixes fresh rows that begin alike share: (rows, prefix ids), each
+        to be run once and handed to its rows as their cache (counted in the lengths already)."""
         reuse = []
         caches = [self._caches.get(r.key) if self.reuse_cache else None for r in requests]
         for request, cache in zip(requests, caches):
             reuse.append(min(prefixes.common_prefix(cache.ids, request.prompt), len(request.prompt) - 1)
                          if cache else 0)
-        if self.reuse_cache:
-            self._prefill_shared_prefixes(requests, reuse)
-        return reuse
+        shared = self._shared_prefixes(requests, reuse) if self.reuse_cache else []
+        return reuse, shared
 
-    def _prefill_shared_prefixes(self, requests: list[Request], reuse: list[int]) -> None:
+    def _shared_prefixes(self, requests: list[Request], reuse: list[int]) -> list[tuple[list[int], list[int]]]:
         """Rows with no cache of their own whose prompts begin alike (a group's episodes of one task and seed,
-        one game's rules) get their common prefix run once and handed to each of them as its cache; `reuse`
-        is updated in place."""
+        one game's rules): their common prefixes, each with its rows; `reuse` is updated in place."""
         fresh = [row for row, n in enumerate(reuse) if n == 0]
         prompts = [requests[row].prompt for row in fresh]
+        shared_prefixes = []
         for members, shared in prefixes.partition(prompts, prefixes.padded_cost):
             shared = min([shared] + [len(prompts[m]) - 1 for m in members])  # each row keeps a token to feed
             if len(members) < 2 or shared < prefixes.MIN_SHARED_PREFIX:
                 continue
-            prefix = prompts[members[0]][:shared]
-            device = self.policy.device
-            self.forward_calls += 1
-            out = self.policy.model(input_ids=torch.tensor([prefix], device=device), use_cache=True,
-                                    logits_to_keep=1)
-            layers = [(layer.keys[0], layer.values[0]) for layer in getattr(out, self._cache_name).layers]
-            for member in members:
-                row = fresh[member]
-                self._caches[requests[row].key] = EpisodeCache(ids=list(prefix), layers=layers)
+            rows = [fresh[member] for member in members]
+            for row in rows:
                 reuse[row] = shared
-            self.prefilled_tokens += shared  # once; each row's rest is counted with its prefill
+            shared_prefixes.append((rows, prompts[members[0]][:shared]))
+        return shared_prefixes
+
+    def _run_shared_prefix(self, requests: list[Request], prefix: list[int], prefix_ids: torch.Tensor) -> None:
+        """One forward call over a prefix the requests share (`prefix_ids`: its ids on the device, [1, n]); its
+        keys/values become each one's cache."""
+        self.forward_calls += 1
+        out = self.policy.model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1)
+        layers = [(layer.keys[0], layer.values[0]) for layer in getattr(out, self._cache_name).layers]
+        for request in requests:
+            self._caches[request.key] = EpisodeCache(ids=list(prefix), layers=layers)
+        self.prefilled_tokens += len(prefix)  # once; each row's rest is counted with its prefill
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:

@@ -5,6 +5,7 @@ import json
 import httpx
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ppo_affine.generation import VLLMGenerator, eos_token_ids
 from ppo_affine.local_generation import LocalGenerator
@@ -402,11 +403,92 @@ def test_local_generation_folds_float32_weights_and_keeps_the_adapter_path_for_b
     assert caplog.text.count("generation.fold_adapter: the adapter path runs (the weights are torch.bfloat16") == 1
 
 
+# ---------------------------------------------------------------------- no copy from the host after a launch
+class CopiesAndModelOps(TorchFunctionMode):
+    """Records in order every tensor made or moved with an explicit device ("copy") and every operation inside the
+    model's forward ("model"). On a GPU a copy from the host after a launch waits for the launched kernels."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.events: list[tuple[str, str]] = []
+        self.depth = 0  # > 0 inside the model's forward
+        self.hooks = [model.register_forward_pre_hook(lambda *_: self._enter()),
+                      model.register_forward_hook(lambda *_: self._leave())]
+
+    def _enter(self):
+        self.depth += 1
+
+    def _leave(self):
+        self.depth -= 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        result = func(*args, **kwargs)
+        if self.depth:
+            self.events.append(("model", name))
+        elif kwargs.get("device") is not None or (name in ("to", "cuda") and any(
+                isinstance(a, (torch.device, str, torch.Tensor)) for a in args[1:])):
+            # an empty tensor carries nothing (a cache layer's first keys): PyTorch copies no zero-element tensor
+            if not (isinstance(result, torch.Tensor) and result.numel() == 0):
+                self.events.append(("copy", name))
+        return result
+
+
+class RecordsEachStep(JoinsAfter):
+    """The real decode loop (a second request joining mid-reply, with a kept cache and shared prefixes in play),
+    each step's launch recorded in the thread it runs in."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps: list[dict] = []
+
+    def _compute_step(self, joining):
+        recorder = CopiesAndModelOps(self.policy.model)
+        decoding = self._running is not None
+        try:
+            with torch.no_grad(), recorder:
+                sampled = self._launch_step(joining)
+        finally:
+            for hook in recorder.hooks:
+                hook.remove()
+        self.steps.append({"decode": decoding, "joining": len(joining), "events": recorder.events})
+        return self._device_values(sampled)
+
+
+def test_no_step_copies_from_the_host_after_its_first_model_operation(tiny_policy):
+    cfg = GenerationConfig(backend="local", max_new_tokens=6, temperature=1.0, reuse_kv_cache=True,
+                           local_batching="continuous")
+    builder = PromptBuilder(tiny_policy.tokenizer, 4096)
+    rules = "Rules: " + "play well " * 20
+    first = builder.encode([{"role": "user", "content": "go"}])
+    joiners = [builder.encode([{"role": "user", "content": rules + end}]) for end in ("a", "b")]
+    generator = RecordsEachStep(tiny_policy, cfg, seed=0, after=2, joiner=(joiners[0], 12))
+    generator.eos_ids = set()
+
+    async def ask():
+        async with generator.rollout(step=0):
+            await generator.generate(first, order_key=0, seed=11)
+            await generator.joined
+            # two fresh rows beginning alike join together: their shared prefix runs once, in the step
+            await asyncio.gather(*(generator.generate(p, order_key=2 + i, seed=i) for i, p in enumerate(joiners)))
+    asyncio.run(ask())
+    kinds = {(step["decode"], step["joining"] > 0) for step in generator.steps}
+    assert kinds == {(False, True), (True, False), (True, True)}  # prefill alone, decode alone, decode + prefill
+    assert generator.forward_calls > len(generator.steps) + 1  # joins ran prefills beside decodes, and a shared prefix
+    for step in generator.steps:
+        events = step["events"]
+        first_model_op = next(i for i, (kind, _) in enumerate(events) if kind == "model")
+        late = [name for kind, name in events[first_model_op:] if kind == "copy"]
+        assert late == [], (step["decode"], step["joining"], late)
+        assert any(kind == "copy" for kind, _ in events[:first_model_op])  # the staged copies were seen
+
+
 # ---------------------------------------------------------------------- stopping at the closing fence
 class FencedReplies(LocalGenerator):
     """The real decode loop, replying with a fenced answer and then a loop that never ends by itself."""
 
-    def _choose(self, logits, requests):
+    def _choose(self, logits, requests, keys):
         script = self.tokenizer.encode("```\n7\n```" + " and again" * 40, add_special_tokens=False)
         return torch.tensor([script[len(r.reply)] for r in requests], device=logits.device), torch.zeros(len(requests))
 
@@ -465,12 +547,12 @@ class LogitsKept(LocalGenerator):
         if not bias:
             self._bias_dtype = None
 
-    def _choose(self, logits, requests):
+    def _choose(self, logits, requests, keys):
         self.logits.append(logits.detach().clone())
-        return super()._choose(logits, requests)
+        return super()._choose(logits, requests, keys)
 
-    def _decode_step(self):
-        super()._decode_step()
+    def _decode_step(self, staged):
+        super()._decode_step(staged)
         bias = self._running.bias
         if bias is not None and bool(torch.isinf(bias).any()):
             self.padded_steps += 1  # a step whose mask hid some row's padding
@@ -522,7 +604,7 @@ class LeavingOneByOne(LogitsKept):
         super().__init__(*args, **kwargs)
         self.stops, self.widths = stops, []
 
-    def _choose(self, logits, requests):
+    def _choose(self, logits, requests, keys):
         self.logits.append(logits.detach().clone())
         self.widths.append(self._running.width if self._running is not None else None)
         eos = self.tokenizer.eos_token_id
