@@ -9,7 +9,8 @@ opponent with the fold on and off, at several scales of the LoRA B matrices (A a
 way the trainer does, and reports per scale and setting:
 
 - `gap_fold`, `gap_no_fold`: the mean log-prob gap over the sampled tokens;
-- `fold_over_no_fold`: their ratio (the fold stays on by default in a dtype only where this is <= 1.1);
+- `fold_over_no_fold`: their ratio (the fold would stay on by default in a dtype only where this is <= 1.1;
+  in bfloat16 it is not: docs/benchmarks.md, so local generation folds only float32 weights);
 - `delta_lost`: ||fold(W + ΔW) - W - ΔW|| / ||ΔW|| over the adapted layers, the share of the delta the folded
   copy does not hold (the same for every layer kind; 0 in float32 to float noise).
 
