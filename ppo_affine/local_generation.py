@@ -15,8 +15,10 @@ last row ends.
 Rows sit right-aligned in one padded batch ([left padding | row's tokens], an attention mask hides
 the padding; positions are each row's own). Draws come from `sampling.sample_tokens`, keyed by the
 request's seed and the token's index, so a request gets the same tokens whatever it is batched
-with: a seeded run repeats itself, except where two tokens' scores tie within the float noise that
-a different batch width adds (~1e-6 on CPU). A rollout switches the model to eval mode once and,
+with, in float32 on CPU: a seeded run repeats itself, except where two tokens' scores tie within the
+float noise that a different batch width adds (~1e-6). In bf16 on a GPU batch width, padding, kernel
+choice and the timing of joins move logits by ~1e-2, so near-ties flip: the draws are the same in
+distribution, not token for token. A rollout switches the model to eval mode once and,
 unless the model is 4-bit, runs it with the LoRA adapter added into a copy of each adapted weight
 (`generation.fold_adapter`): one matmul per adapted layer instead of three, which is most of the
 kernel launches of a decode step; the trained weights are never touched. Only float32 weights are folded: in

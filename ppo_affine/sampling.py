@@ -5,7 +5,8 @@ step depends on timing. A single random generator drawn over the batch, as `gene
 transformers' continuous-batching manager do, would then give a request different tokens run to
 run. Here every draw is a Gumbel-max draw whose noise is a hash of (request seed, token index,
 vocabulary id): the same request samples the same tokens whatever it was batched with, so a seeded
-run and its resumed copy generate alike. Argmax of (scores / temperature + Gumbel noise) is an
+run and its resumed copy generate alike, as far as the logits are the same (exactly in float32 on CPU;
+in bf16 on a GPU the batch moves them ~1e-2, and tokens whose scores nearly tie can differ). Argmax of (scores / temperature + Gumbel noise) is an
 exact sample of softmax(scores / temperature); top-k and top-p keep the highest-scoring tokens.
 """
 from __future__ import annotations
