@@ -223,6 +223,11 @@ class GenerationConfig(Strict):
     max_concurrent_episodes: int = Field(32, ge=1, description="Episodes played at once (local: the most rows "
                                          "of a decode step).")
     reuse_kv_cache: bool = Field(True, description="local backend: keep each episode's KV cache between its turns.")
+    kv_cache_budget: int | None = Field(
+        None, ge=0, description="local backend: the most tokens of kept episode KV caches (reuse_kv_cache) a rollout "
+        "holds; past it the least recently used episode's cache is dropped and its next turn prefilled again. null "
+        "= a quarter of the device's free memory at the first kept cache (CUDA; on CPU, of the available memory), "
+        "in tokens of this model's cache. 0 keeps none.")
     local_batching: Literal["continuous", "wave"] = Field(
         "continuous", description="local backend: continuous = a reply request joins the next decode step as soon as "
         "its episode asks; wave = the old barrier, a batch starts when every live episode has asked (for comparison).")

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,18 @@ class EpisodeCache:
     ids: list[int]
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [heads, len(ids), dim]
 
+    def bytes_per_token(self) -> float:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers) / len(self.ids)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """What the device can still allocate: CUDA's free memory, or the machine's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
 
 @dataclass
 class Request:
@@ -91,6 +104,12 @@ class Request:
     reply: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # each reply token's, from the distribution it was drawn from
     arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def fed(self) -> list[int]:
+        """The tokens a prefill feeds: the prompt, and the reply so far of a row that rejoins after running out
+        of memory (its last token sampled, not yet fed)."""
+        return self.prompt + self.reply
 
     def resolve(self, result: Generation | BaseException) -> None:
         if self.future.done():
@@ -135,6 +154,7 @@ class StagedPrefill:
     those ids on the device [1, n])."""
     requests: list[Request]
     reuse: list[int]  # leading prompt tokens each row takes from a kept or shared cache
+    kept: list[EpisodeCache | None]  # each row's kept cache, held here so that no eviction takes it mid-step
     input_ids: torch.Tensor  # [rows, new width]
     positions: torch.Tensor  # [rows, new width]
     mask: torch.Tensor  # [rows, cached width + new width]
@@ -231,7 +251,11 @@ class LocalGenerator:
         self._vocab = policy.model.config.get_text_config().vocab_size  # the logits' width
         self.live_episodes = 0
         self._pending: list[Request] = []
-        self._caches: dict[int, EpisodeCache] = {}
+        self._caches: OrderedDict[int, EpisodeCache] = OrderedDict()  # least recently used first
+        self.cache_budget = gen_cfg.kv_cache_budget  # tokens; None until the first kept cache sets the default
+        self.evicted_caches = 0
+        self.row_cap: int | None = None  # the most rows a step runs, set after running out of memory
+        self.out_of_memory_retries = 0
         self._running: Running | None = None
         self._work: asyncio.Event | None = None  # set when something may let a step start
         self._engine: asyncio.Task | None = None
@@ -337,9 +361,11 @@ class LocalGenerator:
             await self._work.wait()
 
     def _joining(self) -> list[Request]:
-        """The requests that join this step, in episode order (see JOIN_WAIT_STEPS)."""
+        """The requests that join this step, in episode order (see JOIN_WAIT_STEPS), as many as `row_cap` lets
+        in (the earliest first)."""
         if not self._pending:
             return []
+        running_rows = len(self._running.requests) if self._running is not None else 0
         if self._running is None:
             due = self.continuous or len(self._pending) >= self.live_episodes
         else:
@@ -348,8 +374,11 @@ class LocalGenerator:
                                        or waited >= JOIN_WAIT_STEPS * self._step_seconds)
         if not due:
             return []
-        joining, self._pending = sorted(self._pending, key=lambda r: r.key), []
-        return joining
+        room = len(self._pending) if self.row_cap is None else self.row_cap - running_rows
+        if room <= 0:
+            return []
+        joining, self._pending = self._pending[:room], self._pending[room:]
+        return sorted(joining, key=lambda r: r.key)
 
     async def _serve(self) -> None:
         while True:
@@ -371,12 +400,38 @@ class LocalGenerator:
                 self._finish_step(values)
             except asyncio.CancelledError:
                 raise
+            except torch.OutOfMemoryError as exc:
+                self._in_flight = None
+                self._recover_from_running_out_of_memory(joining, exc)
             except Exception as exc:  # the failure goes to every request in the step; the loop goes on
                 log.warning("local generation failed: %s", exc)
                 for request in joining + (self._running.requests if self._running else []):
                     request.resolve(exc)
                 self._running = None
             self._step_seconds = 0.8 * self._step_seconds + 0.2 * (time.monotonic() - started)
+
+    def _recover_from_running_out_of_memory(self, joining: list[Request], exc: BaseException) -> None:
+        """Out of memory in a step: the kept caches are dropped and the budget for them halved, the step's rows
+        go back to waiting with their replies so far, and at most half of them decode at once from now on (each
+        rejoins with a prefill of its prompt and reply, drawing the tokens it would have drawn). A step of one row
+        that runs out of memory fails that row's request."""
+        rows = (self._running.requests if self._running is not None else []) + joining
+        self._running = None
+        held = sum(len(kept.ids) for kept in self._caches.values())
+        self._caches.clear()
+        if held and self.cache_budget is not None:
+            self.cache_budget = min(self.cache_budget, held // 2)
+        if len(rows) <= 1:
+            log.warning("local generation ran out of memory on a single row: %s", exc)
+            for request in rows:
+                request.resolve(exc)
+            return
+        self.row_cap = len(rows) // 2
+        self.out_of_memory_retries += 1
+        log.warning("local generation ran out of memory with %d rows: the kept caches are dropped (budget %s "
+                    "tokens) and at most %d rows decode at once from now on", len(rows), self.cache_budget,
+                    self.row_cap)
+        self._pending = sorted(rows, key=lambda r: r.key) + self._pending
 
     def launches_inline(self) -> bool:
         """Whether a step's forward call only launches work on an accelerator (it then runs on the event loop,
@@ -453,34 +508,37 @@ class LocalGenerator:
     def _stage_prefill(self, joining: list[Request]) -> StagedPrefill:
         """The joining rows' inputs, built on the host and copied to the device in one go each."""
         device = self.policy.device
-        reuse, shared = self._reused_lengths(joining)
+        reuse, kept, shared = self._reused_lengths(joining)
         cached_width = max(reuse)
-        new_width = max(len(r.prompt) - n for r, n in zip(joining, reuse))
+        new_width = max(len(r.fed) - n for r, n in zip(joining, reuse))
         width = cached_width + new_width
         input_ids = torch.full((len(joining), new_width), self.tokenizer.pad_token_id, dtype=torch.long)
         positions = torch.zeros((len(joining), new_width), dtype=torch.long)
         mask = torch.zeros((len(joining), width), dtype=torch.long)
         for row, (request, n) in enumerate(zip(joining, reuse)):
-            fresh = len(request.prompt) - n
-            input_ids[row, new_width - fresh:] = torch.tensor(request.prompt[n:], dtype=torch.long)
-            positions[row, new_width - fresh:] = torch.arange(n, len(request.prompt))
+            fed = request.fed
+            fresh = len(fed) - n
+            input_ids[row, new_width - fresh:] = torch.tensor(fed[n:], dtype=torch.long)
+            positions[row, new_width - fresh:] = torch.arange(n, len(fed))
             mask[row, cached_width - n: cached_width] = 1
             mask[row, width - fresh:] = 1
         return StagedPrefill(
-            list(joining), reuse, input_ids.to(device), positions.to(device), mask.to(device),
+            list(joining), reuse, kept, input_ids.to(device), positions.to(device), mask.to(device),
             cache_position=torch.arange(cached_width, width, device=device),
-            next_positions=torch.tensor([len(r.prompt) for r in joining], dtype=torch.long, device=device),
+            next_positions=torch.tensor([len(r.fed) for r in joining], dtype=torch.long, device=device),
             keys=self._draw_keys(joining, device),
             shared=[(rows, prefix, torch.tensor([prefix], device=device)) for rows, prefix in shared])
 
     def _prefill(self, staged: StagedPrefill) -> Running:
         """The joining rows' forward call, after the prefixes fresh rows share have run once."""
-        joining, reuse = staged.requests, staged.reuse
+        joining, reuse, caches = staged.requests, staged.reuse, list(staged.kept)
         for rows, prefix, prefix_ids in staged.shared:
-            self._run_shared_prefix([joining[row] for row in rows], prefix, prefix_ids)
+            shared = self._run_shared_prefix([joining[row] for row in rows], prefix, prefix_ids)
+            for row in rows:
+                caches[row] = shared
         self.prompt_tokens += sum(len(r.prompt) for r in joining)
-        self.prefilled_tokens += sum(len(r.prompt) - n for r, n in zip(joining, reuse))
-        cache = self._joining_cache(joining, reuse, staged.cached_width) if staged.cached_width else None
+        self.prefilled_tokens += sum(len(r.fed) - n for r, n in zip(joining, reuse))
+        cache = self._joining_cache(caches, reuse, staged.cached_width) if staged.cached_width else None
         logits, cache = self._forward(staged.input_ids, staged.mask, staged.positions, cache, staged.cache_position)
         return Running(list(joining), cache, staged.mask, staged.next_positions,
                        *self._choose(logits, joining, staged.keys))
@@ -509,15 +567,15 @@ class LocalGenerator:
         self.generated_tokens += len(tokens)
         self._retire_finished()
 
-    def _joining_cache(self, joining: list[Request], reuse: list[int], width: int):
-        """One DynamicCache holding each joining row's reused prefix, right-aligned to `width`."""
+    def _joining_cache(self, caches: list[EpisodeCache | None], reuse: list[int], width: int):
+        """One DynamicCache holding each joining row's reused prefix (from `caches`), right-aligned to `width`."""
         from transformers import DynamicCache
 
-        kept = [(row, self._caches[r.key], n) for row, (r, n) in enumerate(zip(joining, reuse)) if n]
+        kept = [(row, cache, n) for row, (cache, n) in enumerate(zip(caches, reuse)) if n]
         sample = kept[0][1].layers[0][0]
         layers = []
         for layer in range(len(kept[0][1].layers)):
-            keys = sample.new_zeros((len(joining), sample.shape[0], width, sample.shape[2]))
+            keys = sample.new_zeros((len(caches), sample.shape[0], width, sample.shape[2]))
             values = keys.clone()
             for row, cache, n in kept:
                 keys[row, :, width - n:] = cache.layers[layer][0][:, :n]
@@ -565,19 +623,38 @@ class LocalGenerator:
         columns = running.mask[row].nonzero().squeeze(-1)
         layers = [(layer.keys[row].index_select(1, columns), layer.values[row].index_select(1, columns))
                   for layer in running.cache.layers]
-        self._caches[request.key] = EpisodeCache(ids=request.prompt + request.reply[:-1], layers=layers)
+        self._remember(request.key, EpisodeCache(ids=request.prompt + request.reply[:-1], layers=layers))
 
-    def _reused_lengths(self, requests: list[Request]) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+    def _remember(self, key: int, cache: EpisodeCache) -> None:
+        """Keep an episode's cache as the most recently used, then drop the least recently used ones past the
+        budget (`generation.kv_cache_budget`); a dropped episode's next turn is prefilled from its tokens."""
+        if self.cache_budget is None:
+            self.cache_budget = int(free_memory_bytes(self.policy.device) / 4 / cache.bytes_per_token())
+            log.info("generation.kv_cache_budget: %d tokens of kept KV caches (a quarter of the free memory)",
+                     self.cache_budget)
+        self._caches[key] = cache
+        self._caches.move_to_end(key)
+        held = sum(len(kept.ids) for kept in self._caches.values())
+        while held > self.cache_budget and self._caches:
+            _, dropped = self._caches.popitem(last=False)
+            held -= len(dropped.ids)
+            self.evicted_caches += 1
+
+    def _reused_lengths(self, requests: list[Request]
+                        ) -> tuple[list[int], list[EpisodeCache | None], list[tuple[list[int], list[int]]]]:
         """How many leading prompt tokens of each request its episode's kept cache already holds (each row keeps
-        at least one token to feed), and the prefixes fresh rows that begin alike share: (rows, prefix ids), each
-        to be run once and handed to its rows as their cache (counted in the lengths already)."""
+        at least one token to feed), those caches, and the prefixes fresh rows that begin alike share: (rows,
+        prefix ids), each to be run once and handed to its rows as their cache (counted in the lengths already)."""
         reuse = []
         caches = [self._caches.get(r.key) if self.reuse_cache else None for r in requests]
         for request, cache in zip(requests, caches):
-            reuse.append(min(prefixes.common_prefix(cache.ids, request.prompt), len(request.prompt) - 1)
+            if cache is not None:
+                self._caches.move_to_end(request.key)  # used: the last to be dropped
+        for request, cache in zip(requests, caches):
+            reuse.append(min(prefixes.common_prefix(cache.ids, request.fed), len(request.fed) - 1)
                          if cache else 0)
         shared = self._shared_prefixes(requests, reuse) if self.reuse_cache else []
-        return reuse, shared
+        return reuse, caches, shared
 
     def _shared_prefixes(self, requests: list[Request], reuse: list[int]) -> list[tuple[list[int], list[int]]]:
         """Rows with no cache of their own whose prompts begin alike (a group's episodes of one task and seed,
@@ -595,15 +672,18 @@ class LocalGenerator:
             shared_prefixes.append((rows, prompts[members[0]][:shared]))
         return shared_prefixes
 
-    def _run_shared_prefix(self, requests: list[Request], prefix: list[int], prefix_ids: torch.Tensor) -> None:
+    def _run_shared_prefix(self, requests: list[Request], prefix: list[int], prefix_ids: torch.Tensor
+                           ) -> EpisodeCache:
         """One forward call over a prefix the requests share (`prefix_ids`: its ids on the device, [1, n]); its
-        keys/values become each one's cache."""
+        keys/values become each one's cache, and are returned."""
         self.forward_calls += 1
         out = self.policy.model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1)
         layers = [(layer.keys[0], layer.values[0]) for layer in getattr(out, self._cache_name).layers]
+        shared = EpisodeCache(ids=list(prefix), layers=layers)
         for request in requests:
-            self._caches[request.key] = EpisodeCache(ids=list(prefix), layers=layers)
+            self._remember(request.key, shared)
         self.prefilled_tokens += len(prefix)  # once; each row's rest is counted with its prefill
+        return shared
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:

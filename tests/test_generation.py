@@ -633,3 +633,101 @@ def test_the_additive_mask_follows_rows_that_leave_and_columns_that_are_cut(tiny
     assert len(with_bias.logits) == len(with_2d.logits)
     for kept, plain in zip(with_bias.logits, with_2d.logits):
         assert torch.allclose(kept, plain, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------- memory: the KV budget, out of memory
+class KeepsTrack(LocalGenerator):
+    """The real decode loop, noting the tokens of kept caches after every cache it keeps."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.held: list[int] = []
+
+    def _remember(self, key, cache):
+        super()._remember(key, cache)
+        self.held.append(sum(len(kept.ids) for kept in self._caches.values()))
+
+
+def played_with(policy, generator_class, **settings):
+    cfg = GenerationConfig(backend="local", max_new_tokens=5, max_concurrent_episodes=3, temperature=1.0, **settings)
+    generator = generator_class(policy, cfg, seed=0)
+    runner = RolloutRunner({"game": ("openspiel", CountingEnv())}, generator, PromptBuilder(policy.tokenizer, 4096),
+                           cfg)
+    episodes = asyncio.run(runner.run(_tasks(5), step=0))
+    return [[t.response_ids for t in e.turns] for e in episodes], generator
+
+
+def test_kept_caches_past_the_budget_drop_the_least_recently_used_and_change_no_token(tiny_policy):
+    unbounded, plenty = played_with(tiny_policy, KeepsTrack, kv_cache_budget=10**9)
+    bounded, tight = played_with(tiny_policy, KeepsTrack, kv_cache_budget=60)
+    assert bounded == unbounded
+    assert plenty.evicted_caches == 0 and max(plenty.held) == 176  # kept unbounded: up to 176 tokens
+    assert tight.evicted_caches > 0 and max(tight.held) <= 60
+    assert tight.prefilled_tokens > plenty.prefilled_tokens  # a dropped episode's next turn is prefilled again
+
+
+def test_the_default_budget_is_a_quarter_of_the_free_memory_in_tokens_of_the_models_cache(tiny_policy, monkeypatch):
+    from ppo_affine import local_generation
+
+    generator = LocalGenerator(tiny_policy, GenerationConfig(backend="local"), seed=0)
+    layer = (torch.zeros(2, 10, 8), torch.zeros(2, 10, 8))  # 2 heads x 8 dims, keys and values: 128 bytes a token
+    cache = local_generation.EpisodeCache(ids=list(range(10)), layers=[layer, layer])  # 2 layers: 256 bytes a token
+    monkeypatch.setattr(local_generation, "free_memory_bytes", lambda device: 4 * 256 * 1000)
+    generator._remember(0, cache)
+    assert generator.cache_budget == 1000
+
+
+class RunsOutOfMemoryAbove(LocalGenerator):
+    """The real decode loop on a device that holds at most `rows` rows: a bigger forward call runs out of memory.
+    Two more requests join the first two once these have two tokens each."""
+
+    def __init__(self, *args, rows: int, later: list[list[int]], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rows, self.later, self.asked = rows, later, []
+
+    def _forward(self, input_ids, *args):
+        if input_ids.shape[0] > self.rows:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return super()._forward(input_ids, *args)
+
+    def _finish_step(self, sampled):
+        super()._finish_step(sampled)
+        if not self.asked and self._running is not None and len(self._running.requests[0].reply) == 2:
+            loop = asyncio.get_running_loop()
+            self.asked = [loop.create_task(self.generate(p, order_key=2 + i, seed=20 + i))
+                          for i, p in enumerate(self.later)]
+
+
+def test_running_out_of_memory_mid_reply_halves_the_batch_and_every_reply_is_the_one_it_would_have_been(
+        tiny_policy, caplog):
+    cfg = GenerationConfig(backend="local", max_new_tokens=6, temperature=1.0, reuse_kv_cache=False)
+    builder = PromptBuilder(tiny_policy.tokenizer, 4096)
+    prompts = [builder.encode([{"role": "user", "content": "go " * n}]) for n in (1, 3, 5, 7)]
+
+    def replies_of(generator):
+        generator.eos_ids = set()  # every reply runs to max_new_tokens
+
+        async def ask():
+            async with generator.rollout(step=0):
+                first = await asyncio.gather(*(generator.generate(p, order_key=i, seed=10 + i)
+                                               for i, p in enumerate(prompts[:2])))
+                later = await asyncio.gather(*generator.asked)
+            return [g.token_ids for g in first + later]
+        return asyncio.run(ask())
+
+    plenty = replies_of(RunsOutOfMemoryAbove(tiny_policy, cfg, seed=0, rows=8, later=prompts[2:]))
+    short = RunsOutOfMemoryAbove(tiny_policy, cfg, seed=0, rows=2, later=prompts[2:])
+    with caplog.at_level("WARNING", logger="ppo_affine.local_generation"):
+        squeezed = replies_of(short)
+    # the 4-row decode step failed with two tokens of the first replies drawn; each row rejoined with its reply so far
+    assert squeezed == plenty and all(len(reply) == 6 for reply in squeezed)
+    assert short.row_cap == 2 and short.out_of_memory_retries == 1
+    assert "ran out of memory with 4 rows" in caplog.text and "at most 2 rows decode at once" in caplog.text
+
+
+def test_running_out_of_memory_on_a_single_row_fails_its_request(tiny_policy):
+    cfg = GenerationConfig(backend="local", max_new_tokens=4, reuse_kv_cache=False)
+    generator = RunsOutOfMemoryAbove(tiny_policy, cfg, seed=0, rows=0, later=[])
+    prompt = PromptBuilder(tiny_policy.tokenizer, 4096).encode([{"role": "user", "content": "go"}])
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        replies(generator, [prompt])
