@@ -1,16 +1,18 @@
 """Replies from the training model itself: a decode loop that serves each request as soon as it comes.
 
-A coroutine on the rollout's event loop runs decode steps over a running batch: on an accelerator
-it launches each step's kernels itself and waits for the device in a thread (the loop steps envs
-meanwhile, and no second Python thread contends for the GIL); on CPU the whole step runs in a
-thread. A step copies everything it needs from the host (new tokens, masks, positions, the draws'
-keys) before its first kernel: a copy from the host after a launch would wait for the launched work. A request (an episode's prompt for its next turn) joins at the next step: its new tokens are
-prefilled, from its episode's kept keys/values where they match, and its row is appended to the
-batch; a row leaves when it samples an end-of-sequence id, reaches `max_new_tokens` or (with
-`stop_at_closing_fence`) closes a fenced block, and its keys/values are kept for the episode's next turn. So an episode waiting on its opponent's search
-holds up no other episode's reply (`generation.local_batching: continuous`). `wave` keeps the old
-barrier for comparison: a batch starts only when every live episode has asked and runs until its
-last row ends.
+A coroutine on the rollout's event loop runs decode steps over a running batch: on an accelerator it launches
+each step's kernels itself and waits for the device in a thread (the loop steps envs meanwhile, and no second
+Python thread contends for the GIL); on CPU the whole step runs in a thread. A step copies everything it needs
+from the host (new tokens, masks, positions, the draws' keys) before its first kernel: a copy from the host
+after a launch would wait for the launched work. A request (an episode's prompt for its next turn) joins at the
+next step: its new tokens are prefilled, from its episode's kept keys/values where they match, and its row is
+appended to the batch; a row leaves when it samples an end-of-sequence id, reaches `max_new_tokens` or (with
+`stop_at_closing_fence`) closes a fenced block, and its keys/values are kept for the episode's next turn (up to
+`generation.kv_cache_budget` tokens in all, the least recently used dropped first). Out of memory in a step puts
+its rows back with their replies so far and halves the rows a step may run. So an episode waiting on its
+opponent's search holds up no other episode's reply (`generation.local_batching: continuous`). `wave` keeps the
+old barrier for comparison: a batch starts only when every live episode has asked and runs until its last row
+ends.
 
 Rows sit right-aligned in one padded batch ([left padding | row's tokens], an attention mask hides
 the padding; positions are each row's own). Draws come from `sampling.sample_tokens`, keyed by the
