@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ppo_affine.curriculum_config import CurriculumConfig, Stage, TaskSource
+from ppo_affine.envs.trace_programs import repeats_a_held_out_program
 from ppo_affine.envs.tasks import (GAME_ID_STRIDE, Task, game_name_of, game_task_id, players_of,
                                    trace_training_range)
 
@@ -136,7 +137,10 @@ class Curriculum:
             return game_task_id(game, config_id)
         if source.trace_difficulty is not None:
             level = source.trace_difficulty[int(self._rng.integers(len(source.trace_difficulty)))]
-            return int(self._rng.integers(*trace_training_range(level)))  # never a held-out task
+            while True:  # never a held-out task, nor a held-out program under another id
+                task_id = int(self._rng.integers(*trace_training_range(level)))
+                if not repeats_a_held_out_program(task_id):
+                    return task_id
         # one offset into the concatenated ranges: uniform over their union (overlaps count twice)
         offset = int(self._rng.integers(0, sum(hi - lo for lo, hi in source.task_id_ranges)))
         for lo, hi in source.task_id_ranges:

@@ -26,9 +26,9 @@ Algorithm (one step = sample -> rollout -> score -> advantages -> update -> curr
 Departures from the textbook: LoRA dropout is off during PPO (the ratio must start at exactly 1);
 sampled tokens are scored at the sampling temperature; for `value_head.warmup_steps` steps only
 the value head trains, on a detached trunk (the policy does not move); with
-`ppo.sampler_correction` each token's surrogate is weighted by min(pi_old / pi_vLLM, C) (truncated
-importance sampling), since vLLM's kernels give the sampled tokens other probabilities than the
-trainer's.
+`ppo.sampler_correction` each token's surrogate is weighted by min(pi_old / pi_sampler, C) (truncated
+importance sampling), since the sampler's kernels (vLLM's, or the local decode loop's with its cache and
+batch) give the sampled tokens other probabilities than the trainer's scoring pass.
 
 Run:  python train_ppo.py --preset cpu                  (offline CPU demo with SmolLM2-135M)
       python train_ppo.py                               (Qwen3-4B, 4-bit, vLLM at localhost:8000)
@@ -433,8 +433,8 @@ class Trainer:
             metrics["perf/score_seconds"] = time.perf_counter() - started
             self.check_stop()
             gap = sampler_gap(sequences, self.ranks.sum)
-            if gap is not None:
-                metrics["vllm/logprob_gap"] = gap
+            if gap is not None:  # vllm/ or local/: the sampler is the server, or the folded copy in the trainer
+                metrics[f"{cfg.generation.backend}/logprob_gap"] = gap
             if cfg.ppo.sampler_correction:
                 metrics.update(correct_for_the_sampler(sequences, cfg.ppo.sampler_correction_cap, self.ranks.sum))
             metrics.update(assign_advantages(sequences, episodes, cfg.ppo, self.kl_ctl.value, group_ids,

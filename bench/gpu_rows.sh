@@ -10,6 +10,8 @@
 #
 #   bash bench/gpu_rows.sh prepare   # call 1 (carry .whl .gpu/a): packages, part one, tests on CUDA
 #   bash bench/gpu_rows.sh measure   # call 2 (carry .gpu/b), while the machine is warm: the benches
+#   bash bench/gpu_rows.sh check     # one call (carry .whl): bench/gpu_check.py, one JSON ($OUT/gpu_check.json);
+#                                    # CHECK_DEVICE=cpu CHECK_SHAPE=tiny runs it at CI size (tests/test_bench_gpu_check.py)
 #
 # Results go to $OUT (the device tool's folder), one JSON file per bench and the whole log.
 set -u
@@ -61,6 +63,17 @@ measure() {
     echo "== issue 69: host_speed with the real model generating"
     timeout 150 python3 -m bench.host_speed --real-model cuda --episodes 32 --set model.dtype=bfloat16 \
         --json "$OUT/host_real.json" 2>&1 | grep -v "Loading weights" | tail -8
+}
+
+check() {
+    # the wheels the image lacks, if they came (a CPU machine with the packages installed needs none)
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || exit 1
+    fi
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    timeout 450 python3 -m bench.gpu_check --device "${CHECK_DEVICE:-cuda}" --shape "${CHECK_SHAPE:-smollm2}" \
+        --json "$OUT/gpu_check.json" 2>&1 | grep -v "Loading weights\|Writing model shards" | tail -60
 }
 
 "$@" 2>&1 | tee -a "$OUT/log.txt"

@@ -90,8 +90,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    restore_cuda_rng(state.get("cuda", []), visible, torch.cuda.set_rng_state)
+
+
+def restore_cuda_rng(saved: list[torch.Tensor], visible: int,
+                     set_device_state: Callable[[torch.Tensor, int], None]) -> int:
+    """Give each visible GPU the state the saving run's GPU of the same index had; returns how many were restored.
+    A resume on fewer GPUs (or none) restores what it can, on more the extra GPUs keep their seeded state; either
+    way the log says so, since sampling on the GPUs left out no longer repeats the saved run's."""
+    restored = min(len(saved), visible)
+    for index in range(restored):
+        set_device_state(saved[index], index)
+    if len(saved) != visible:
+        rest = (f"GPUs {restored}..{visible - 1} keep their seeded state" if visible > restored else
+                f"the states of GPUs {restored}..{len(saved) - 1} go unused")
+        log.warning("the checkpoint holds the CUDA random states of %d GPUs and this process sees %d: restored %d, %s",
+                    len(saved), visible, restored, rest)
+    return restored
 
 
 def save_checkpoint(checkpoint_dir: Path, step: int, write_model: Callable[[Path], None],

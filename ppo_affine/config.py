@@ -43,7 +43,10 @@ class RunConfig(Strict):
     name: str = Field("ppo", description="Run name; the run folder is <output_dir>/<name>.")
     output_dir: str = Field("runs", description="Parent folder of run folders.")
     seed: int = Field(0, ge=0, description="Seeds every random stream of the run.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = cuda when usable; the log says which device was picked and why (a GPU present "
+        "but unusable, e.g. a driver too old for torch's CUDA, is a warning)."
+    )
     max_steps: int = Field(1000, ge=1, description="PPO steps (rollout + update) to run.")
     rank_timeout_minutes: float = Field(
         60.0, gt=0, description="Data-parallel runs: how long a rank waits for the others at a meeting point "
@@ -75,7 +78,8 @@ class ModelConfig(Strict):
 
 
 class LoraConfig(Strict):
-    r: int = Field(16, ge=1, description="LoRA rank (vLLM needs --max-lora-rank at least this).")
+    r: int = Field(16, ge=1, description="LoRA rank. vLLM serves ranks up to 512: its --max-lora-rank is this "
+                   "rounded up to the next rank vLLM accepts (1, 8, 16, 32, 64, 128, 256, 320, 512).")
     alpha: int = Field(32, ge=1, description="LoRA scale numerator: the update is scaled by alpha / r.")
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="LoRA dropout (SFT; PPO turns it off, see "
                            "ppo.disable_dropout).")
@@ -170,9 +174,10 @@ class PPOConfig(Strict):
     )
     sampler_correction: bool = Field(
         False, description="Truncated importance sampling: weigh each sampled token's policy loss by "
-        "min(pi_trainer_old / pi_sampler, sampler_correction_cap), correcting for the sampler (vLLM) computing other "
-        "probabilities than the trainer (vllm/logprob_gap: about 2e-5 on CPU in float32, 1e-3 to 1e-2 on GPUs in "
-        "bf16). Recommended with vLLM on a GPU; with local generation the trainer is the sampler (weight 1)."
+        "min(pi_trainer_old / pi_sampler, sampler_correction_cap), correcting for the sampler (vLLM, or the local "
+        "decode loop with its cache and batch) computing other probabilities than the trainer's scoring pass "
+        "(vllm/logprob_gap, local/logprob_gap: about 2e-5 and 1e-6 on CPU in float32, 1e-3 to 1e-2 in bf16). "
+        "Recommended in bf16 (GPUs)."
     )
     sampler_correction_cap: float = Field(
         2.0, ge=1.0, description="sampler_correction: the most a token's importance weight may be (C)."
@@ -231,13 +236,19 @@ class GenerationConfig(Strict):
     max_concurrent_episodes: int = Field(32, ge=1, description="Episodes played at once (local: the most rows "
                                          "of a decode step).")
     reuse_kv_cache: bool = Field(True, description="local backend: keep each episode's KV cache between its turns.")
+    kv_cache_budget: int | None = Field(
+        None, ge=0, description="local backend: the most tokens of kept episode KV caches (reuse_kv_cache) a rollout "
+        "holds; past it the least recently used episode's cache is dropped and its next turn prefilled again. null "
+        "= a quarter of the device's free memory at the first kept cache (CUDA; on CPU, of the available memory), "
+        "in tokens of this model's cache. 0 keeps none.")
     local_batching: Literal["continuous", "wave"] = Field(
         "continuous", description="local backend: continuous = a reply request joins the next decode step as soon as "
         "its episode asks; wave = the old barrier, a batch starts when every live episode has asked (for comparison).")
     fold_adapter: bool = Field(
         True, description="local backend: generate with the LoRA adapter added into a copy of each weight it adapts "
         "(one matmul per layer instead of three; the trained weights are untouched). Needs the copy's memory during "
-        "rollouts; 4-bit models always keep the adapter path.")
+        "rollouts. float32 weights only: bfloat16 and float16 keep the adapter path (W + ΔW rounded to bfloat16 "
+        "loses most of a small ΔW; bench/fold_gap.py), as do 4-bit models.")
     stop_at_closing_fence: bool = Field(
         False, description="A reply ends once it has closed a ``` fenced block (both backends): a trace reply whose "
         "answer is fenced stops there instead of looping to max_new_tokens. The trace preset sets it; a game reply "
@@ -300,6 +311,17 @@ class TrainConfig(Strict):
         if warmup and self.ppo.advantage == "group":
             raise ValueError(f"value_head.warmup_steps={warmup} trains a critic, but ppo.advantage='group' has none: "
                              "set value_head.warmup_steps=0 or ppo.advantage=gae")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_serves_the_rank(self) -> "TrainConfig":
+        if self.generation.backend == "vllm":
+            from ppo_affine.vllm_server import VLLM_LORA_RANKS
+
+            if self.lora.r > VLLM_LORA_RANKS[-1]:
+                raise ValueError(f"lora.r={self.lora.r}: vLLM serves LoRA adapters of rank at most "
+                                 f"{VLLM_LORA_RANKS[-1]}; set lora.r to {VLLM_LORA_RANKS[-1]} or less, or "
+                                 "generation.backend=local")
         return self
 
     @model_validator(mode="after")

@@ -68,7 +68,7 @@ def unique_tokens(sequences: list[TrainSequence]) -> int:
 def sampler_gap(sequences: list[TrainSequence],
                 global_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> float | None:
     """Mean |trainer - sampler| log-prob on the sampled tokens (over every rank's with `global_sum`); large
-    values mean a server runs other weights."""
+    values mean the sampler runs other weights (a server without the adapter, a fold that lost it)."""
     gaps = [abs(float(o) - s) for sequence in sequences if sequence.sampler_logprobs
             for o, s in zip(sequence.old_logprobs, sequence.sampler_logprobs) if not math.isnan(s)]
     total, count = global_sum(torch.tensor([sum(gaps), len(gaps)], dtype=torch.float64)).tolist()
@@ -77,9 +77,10 @@ def sampler_gap(sequences: list[TrainSequence],
 
 def correct_for_the_sampler(sequences: list[TrainSequence], cap: float,
                             global_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, float]:
-    """Truncated importance weights min(pi_trainer_old / pi_sampler, cap) on every reply token (1 where the trainer
-    sampled it: local generation), and their mean and the fraction the cap bit over the tokens another process
-    sampled (over every rank's with `global_sum`); no statistics when there are none."""
+    """Truncated importance weights min(pi_trainer_old / pi_sampler, cap) on every reply token (1 where the sampler
+    reported no log-probs), and their mean and the fraction the cap bit over the tokens that came with the
+    sampler's log-probs (vLLM's, or local generation's own; over every rank's with `global_sum`); no statistics
+    when there are none."""
     weight_sum, capped, count = 0.0, 0.0, 0.0
     for sequence in sequences:
         if sequence.sampler_logprobs is None:

@@ -1,24 +1,32 @@
 """Replies from the training model itself: a decode loop that serves each request as soon as it comes.
 
-A coroutine on the rollout's event loop runs decode steps over a running batch: on an accelerator
-it launches each step's kernels itself and waits for the device in a thread (the loop steps envs
-meanwhile, and no second Python thread contends for the GIL); on CPU the whole step runs in a
-thread. A request (an episode's prompt for its next turn) joins at the next step: its new tokens are
-prefilled, from its episode's kept keys/values where they match, and its row is appended to the
-batch; a row leaves when it samples an end-of-sequence id, reaches `max_new_tokens` or (with
-`stop_at_closing_fence`) closes a fenced block, and its keys/values are kept for the episode's next turn. So an episode waiting on its opponent's search
-holds up no other episode's reply (`generation.local_batching: continuous`). `wave` keeps the old
-barrier for comparison: a batch starts only when every live episode has asked and runs until its
-last row ends.
+A coroutine on the rollout's event loop runs decode steps over a running batch: on an accelerator it launches
+each step's kernels itself and waits for the device in a thread (the loop steps envs meanwhile, and no second
+Python thread contends for the GIL); on CPU the whole step runs in a thread. A step copies everything it needs
+from the host (new tokens, masks, positions, the draws' keys) before its first kernel: a copy from the host
+after a launch would wait for the launched work. A request (an episode's prompt for its next turn) joins at the
+next step: its new tokens are prefilled, from its episode's kept keys/values where they match, and its row is
+appended to the batch; a row leaves when it samples an end-of-sequence id, reaches `max_new_tokens` or (with
+`stop_at_closing_fence`) closes a fenced block, and its keys/values are kept for the episode's next turn (up to
+`generation.kv_cache_budget` tokens in all, the least recently used dropped first). Out of memory in a step puts
+its rows back with their replies so far and halves the rows a step may run. So an episode waiting on its
+opponent's search holds up no other episode's reply (`generation.local_batching: continuous`). `wave` keeps the
+old barrier for comparison: a batch starts only when every live episode has asked and runs until its last row
+ends.
 
 Rows sit right-aligned in one padded batch ([left padding | row's tokens], an attention mask hides
 the padding; positions are each row's own). Draws come from `sampling.sample_tokens`, keyed by the
 request's seed and the token's index, so a request gets the same tokens whatever it is batched
-with: a seeded run repeats itself, except where two tokens' scores tie within the float noise that
-a different batch width adds (~1e-6 on CPU). A rollout switches the model to eval mode once and,
+with, in float32 on CPU: a seeded run repeats itself, except where two tokens' scores tie within the
+float noise that a different batch width adds (~1e-6). In bf16 on a GPU batch width, padding, kernel
+choice and the timing of joins move logits by ~1e-2, so near-ties flip: the draws are the same in
+distribution, not token for token. A rollout switches the model to eval mode once and,
 unless the model is 4-bit, runs it with the LoRA adapter added into a copy of each adapted weight
 (`generation.fold_adapter`): one matmul per adapted layer instead of three, which is most of the
-kernel launches of a decode step; the trained weights are never touched.
+kernel launches of a decode step; the trained weights are never touched. Only float32 weights are folded: in
+bfloat16 W + ΔW rounds to W's 8-bit mantissa and a small ΔW is mostly lost (bench/fold_gap.py measured the
+sampler's log-prob gap several times larger folded), so there the adapter path runs. Each reply token comes with
+its log-prob under the distribution it was drawn from, which the trainer compares with its own scores.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +47,7 @@ from ppo_affine.config import GenerationConfig
 from ppo_affine.seeds import derive_seed
 from ppo_affine.generation import Generation, closes_fence, eos_token_ids
 from ppo_affine.policy import kv_cache_keyword
-from ppo_affine.sampling import sample_tokens
+from ppo_affine.sampling import draw_keys, sample_tokens
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +78,18 @@ class EpisodeCache:
     ids: list[int]
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [heads, len(ids), dim]
 
+    def bytes_per_token(self) -> float:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers) / len(self.ids)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """What the device can still allocate: CUDA's free memory, or the machine's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
 
 @dataclass
 class Request:
@@ -77,7 +98,14 @@ class Request:
     seed: int
     future: asyncio.Future
     reply: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # each reply token's, from the distribution it was drawn from
     arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def fed(self) -> list[int]:
+        """The tokens a prefill feeds: the prompt, and the reply so far of a row that rejoins after running out
+        of memory (its last token sampled, not yet fed)."""
+        return self.prompt + self.reply
 
     def resolve(self, result: Generation | BaseException) -> None:
         if self.future.done():
@@ -96,6 +124,7 @@ class Running:
     mask: torch.Tensor  # [rows, width] 1 where a column holds the row's token
     positions: torch.Tensor  # [rows] position of the token each row feeds next
     next_tokens: torch.Tensor  # [rows] the token each row feeds next (its last sampled one)
+    next_logprobs: torch.Tensor  # [rows] float64: that token's log-prob where it was sampled
     # [rows, 1, 1, width]: the mask as the attention adds it (0 on the row's columns, -inf on padding); kept from
     # one decode step to the next, None after the batch's rows or columns changed (see decode_bias_dtype)
     bias: torch.Tensor | None = None
@@ -103,6 +132,36 @@ class Running:
     @property
     def width(self) -> int:
         return self.mask.shape[1]
+
+
+@dataclass
+class StagedDecode:
+    """What a decode step needs from the host, on the device before the step's first kernel."""
+    ones: torch.Tensor  # [rows, 1] the mask's new column
+    cache_position: torch.Tensor  # [1]
+    keys: torch.Tensor  # [rows] the draws' keys
+
+
+@dataclass
+class StagedPrefill:
+    """What the joining rows' prefill needs from the host, on the device before the step's first kernel: their
+    padded new tokens, positions and mask ([left padding | kept prefix | left padding | new tokens]), and the
+    prefixes shared by fresh rows, each run once before the prefill (`shared`: the rows, the prefix's ids, and
+    those ids on the device [1, n])."""
+    requests: list[Request]
+    reuse: list[int]  # leading prompt tokens each row takes from a kept or shared cache
+    kept: list[EpisodeCache | None]  # each row's kept cache, held here so that no eviction takes it mid-step
+    input_ids: torch.Tensor  # [rows, new width]
+    positions: torch.Tensor  # [rows, new width]
+    mask: torch.Tensor  # [rows, cached width + new width]
+    cache_position: torch.Tensor  # [new width]
+    next_positions: torch.Tensor  # [rows]
+    keys: torch.Tensor  # [rows]
+    shared: list[tuple[list[int], list[int], torch.Tensor]]
+
+    @property
+    def cached_width(self) -> int:
+        return max(self.reuse)
 
 
 class FoldedAdapter:
@@ -130,25 +189,40 @@ class FoldedAdapter:
                 return None
         return layers
 
+    @staticmethod
+    def keeps_the_delta(layers: list) -> bool:
+        """Whether W + ΔW held in the weights' dtype keeps ΔW: float32 does (to float noise); bfloat16 rounds away
+        most of a small delta (a LoRA B of 1e-4 keeps ~26 % of it), float16 a good part."""
+        return all(layer.get_base_layer().weight.dtype == torch.float32 for layer in layers)
+
     def __enter__(self) -> "FoldedAdapter":
         layers = self.foldable_layers(self.model)
         if layers is None:
             raise ValueError("the adapter cannot be folded here")
-        with torch.no_grad():
-            for layer in layers:
-                base = layer.get_base_layer()
-                merged = base.weight.detach().clone()
-                for name in layer.active_adapters:
-                    if name in layer.lora_A:
-                        merged += layer.get_delta_weight(name).to(merged.dtype)
-                self.swapped.append((base, base.weight.data))
-                base.weight.data = merged
-        self._adapter_off = self.model.disable_adapter()
-        self._adapter_off.__enter__()
+        try:
+            with torch.no_grad():
+                for layer in layers:
+                    base = layer.get_base_layer()
+                    merged = base.weight.detach().clone()
+                    for name in layer.active_adapters:
+                        if name in layer.lora_A:
+                            merged += layer.get_delta_weight(name).to(merged.dtype)
+                    self.swapped.append((base, base.weight.data))
+                    base.weight.data = merged
+            self._adapter_off = self.model.disable_adapter()
+            self._adapter_off.__enter__()
+        except BaseException:  # a half-folded model would add the delta twice once the adapter path is back on
+            self._restore_weights()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self._adapter_off.__exit__(*exc)
+        try:
+            self._adapter_off.__exit__(*exc)
+        finally:
+            self._restore_weights()
+
+    def _restore_weights(self) -> None:
         for base, original in self.swapped:
             base.weight.data = original
         self.swapped.clear()
@@ -171,9 +245,14 @@ class LocalGenerator:
         self.continuous = gen_cfg.local_batching == "continuous"
         self._cache_name = kv_cache_keyword()
         self._bias_dtype = decode_bias_dtype(policy.model)
+        self._vocab = policy.model.config.get_text_config().vocab_size  # the logits' width
         self.live_episodes = 0
         self._pending: list[Request] = []
-        self._caches: dict[int, EpisodeCache] = {}
+        self._caches: OrderedDict[int, EpisodeCache] = OrderedDict()  # least recently used first
+        self.cache_budget = gen_cfg.kv_cache_budget  # tokens; None until the first kept cache sets the default
+        self.evicted_caches = 0
+        self.row_cap: int | None = None  # the most rows a step runs, set after running out of memory
+        self.out_of_memory_retries = 0
         self._running: Running | None = None
         self._work: asyncio.Event | None = None  # set when something may let a step start
         self._engine: asyncio.Task | None = None
@@ -183,6 +262,7 @@ class LocalGenerator:
         self.prompt_tokens = 0
         self.forward_calls = 0  # prefill and decode steps: what a GPU would run as kernels
         self._step_seconds = 0.005  # a moving average of a step's time
+        self._said_why_unfolded = False
 
     # ------------------------------------------------------------------ the episodes' side
     def episode_started(self) -> None:
@@ -212,13 +292,26 @@ class LocalGenerator:
         self._caches.clear()
         with contextlib.ExitStack() as held:
             held.enter_context(self.policy.evaluating())
-            if self.cfg.fold_adapter and FoldedAdapter.foldable_layers(self.policy.model) is not None:
+            if self.folds_adapter():
                 held.enter_context(FoldedAdapter(self.policy.model))
             try:
                 yield
             finally:
                 await self._stop_engine()
                 self._caches.clear()
+
+    def folds_adapter(self) -> bool:
+        """Whether rollouts fold the adapter: asked for, foldable, and in weights that keep the delta."""
+        layers = FoldedAdapter.foldable_layers(self.policy.model)
+        if not self.cfg.fold_adapter or layers is None:
+            return False
+        if not FoldedAdapter.keeps_the_delta(layers):
+            if not self._said_why_unfolded:
+                self._said_why_unfolded = True
+                log.info("generation.fold_adapter: the adapter path runs (the weights are %s, in which W + ΔW loses "
+                         "most of a small ΔW)", layers[0].get_base_layer().weight.dtype)
+            return False
+        return True
 
     async def close(self) -> None:
         await self._stop_engine()
@@ -265,9 +358,11 @@ class LocalGenerator:
             await self._work.wait()
 
     def _joining(self) -> list[Request]:
-        """The requests that join this step, in episode order (see JOIN_WAIT_STEPS)."""
+        """The requests that join this step, in episode order (see JOIN_WAIT_STEPS), as many as `row_cap` lets
+        in (the earliest first)."""
         if not self._pending:
             return []
+        running_rows = len(self._running.requests) if self._running is not None else 0
         if self._running is None:
             due = self.continuous or len(self._pending) >= self.live_episodes
         else:
@@ -276,8 +371,11 @@ class LocalGenerator:
                                        or waited >= JOIN_WAIT_STEPS * self._step_seconds)
         if not due:
             return []
-        joining, self._pending = sorted(self._pending, key=lambda r: r.key), []
-        return joining
+        room = len(self._pending) if self.row_cap is None else self.row_cap - running_rows
+        if room <= 0:
+            return []
+        joining, self._pending = self._pending[:room], self._pending[room:]
+        return sorted(joining, key=lambda r: r.key)
 
     async def _serve(self) -> None:
         while True:
@@ -299,12 +397,38 @@ class LocalGenerator:
                 self._finish_step(values)
             except asyncio.CancelledError:
                 raise
+            except torch.OutOfMemoryError as exc:
+                self._in_flight = None
+                self._recover_from_running_out_of_memory(joining, exc)
             except Exception as exc:  # the failure goes to every request in the step; the loop goes on
                 log.warning("local generation failed: %s", exc)
                 for request in joining + (self._running.requests if self._running else []):
                     request.resolve(exc)
                 self._running = None
             self._step_seconds = 0.8 * self._step_seconds + 0.2 * (time.monotonic() - started)
+
+    def _recover_from_running_out_of_memory(self, joining: list[Request], exc: BaseException) -> None:
+        """Out of memory in a step: the kept caches are dropped and the budget for them halved, the step's rows
+        go back to waiting with their replies so far, and at most half of them decode at once from now on (each
+        rejoins with a prefill of its prompt and reply, drawing the tokens it would have drawn). A step of one row
+        that runs out of memory fails that row's request."""
+        rows = (self._running.requests if self._running is not None else []) + joining
+        self._running = None
+        held = sum(len(kept.ids) for kept in self._caches.values())
+        self._caches.clear()
+        if held and self.cache_budget is not None:
+            self.cache_budget = min(self.cache_budget, held // 2)
+        if len(rows) <= 1:
+            log.warning("local generation ran out of memory on a single row: %s", exc)
+            for request in rows:
+                request.resolve(exc)
+            return
+        self.row_cap = len(rows) // 2
+        self.out_of_memory_retries += 1
+        log.warning("local generation ran out of memory with %d rows: the kept caches are dropped (budget %s "
+                    "tokens) and at most %d rows decode at once from now on", len(rows), self.cache_budget,
+                    self.row_cap)
+        self._pending = sorted(rows, key=lambda r: r.key) + self._pending
 
     def launches_inline(self) -> bool:
         """Whether a step's forward call only launches work on an accelerator (it then runs on the event loop,
@@ -315,75 +439,106 @@ class LocalGenerator:
         with torch.no_grad():
             return self._device_values(self._launch_step(joining))
 
-    def _device_values(self, tokens: torch.Tensor) -> list[int]:
-        """The sampled ids on the host: waits for the device to finish the step (bench/ stands in its time here)."""
-        return tokens.tolist()
+    def _device_values(self, sampled: torch.Tensor) -> list[list[float]]:
+        """The sampled ids and their log-probs on the host, [[ids], [log-probs]]: waits for the device to finish the
+        step (bench/ stands in its time here)."""
+        return sampled.tolist()
 
-    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """The next token of each row (bench/ replaces this with a scripted player)."""
-        return sample_tokens(logits, [r.seed for r in requests], [len(r.reply) for r in requests],
-                             self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+    def _choose(self, logits: torch.Tensor, requests: list[Request], keys: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next token of each row and its log-prob, drawn with the staged `keys` (bench/ replaces this with a
+        scripted player)."""
+        return sample_tokens(logits, keys, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+
+    def _draw_keys(self, requests: list[Request], device: torch.device) -> torch.Tensor:
+        """Each row's draw is keyed by its request's seed and the index of the token it samples next."""
+        return draw_keys([r.seed for r in requests], [len(r.reply) for r in requests], self._vocab, device)
 
     def _launch_step(self, joining: list[Request]) -> torch.Tensor:
         """A decode step of the running rows (each feeds its last sampled token), and a prefill of the joining
         rows (the prompt tokens their episode's kept cache lacks), which then join the running batch; returns
-        the next token of every running row, still on the device. Joining rows get a forward call of their own:
-        in one padded batch their new columns would be padding for every other row until it ends."""
-        if self._running is not None:
-            self._decode_step()
-        if joining:
-            self._merge(self._prefill(joining))
-        return self._running.next_tokens
+        the next token of every running row and its log-prob, [2, rows] float64 (one copy to the host, ids exact
+        below 2**53), still on the device. Joining rows get a forward call of their own: in one padded batch
+        their new columns would be padding for every other row until it ends.
 
-    def _forward(self, input_ids, mask, positions, cache, cached_width: int):
+        Everything both calls need from the host is staged first: a copy from the host waits for the kernels
+        queued before it (PyTorch synchronises the stream), so one made after the first launch would hold the
+        event loop until the device had run the forward (tests/test_generation.py records the order on CPU)."""
+        decode = self._stage_decode() if self._running is not None else None
+        prefill = self._stage_prefill(joining) if joining else None
+        if decode is not None:
+            self._decode_step(decode)
+        if prefill is not None:
+            self._merge(self._prefill(prefill))
+        return torch.stack([self._running.next_tokens.double(), self._running.next_logprobs])
+
+    def _forward(self, input_ids, mask, positions, cache, cache_position: torch.Tensor):
         self.forward_calls += 1
-        device = self.policy.device
-        cache_position = torch.arange(cached_width, cached_width + input_ids.shape[1], device=device)
         out = self.policy.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                                 cache_position=cache_position, use_cache=True, logits_to_keep=1,
                                 **{self._cache_name: cache})
         return out.logits[:, -1], getattr(out, self._cache_name)
 
-    def _decode_step(self) -> None:
+    def _stage_decode(self) -> StagedDecode:
         running = self._running
-        ones = torch.ones((len(running.requests), 1), dtype=torch.long, device=running.mask.device)
-        mask = torch.cat([running.mask, ones], dim=1)
+        device = running.mask.device
+        return StagedDecode(ones=torch.ones((len(running.requests), 1), dtype=torch.long, device=device),
+                            cache_position=torch.arange(running.width, running.width + 1, device=device),
+                            keys=self._draw_keys(running.requests, device))
+
+    def _decode_step(self, staged: StagedDecode) -> None:
+        running = self._running
+        mask = torch.cat([running.mask, staged.ones], dim=1)
         attention = mask
         if self._bias_dtype is not None:
             if running.bias is None:  # -inf, as SDPA's own conversion of a boolean mask, so the scores are the same
-                running.bias = torch.zeros(running.mask.shape, dtype=self._bias_dtype, device=mask.device)
+                running.bias = running.mask.new_zeros(running.mask.shape, dtype=self._bias_dtype)
                 running.bias.masked_fill_(running.mask == 0, float("-inf"))
                 running.bias = running.bias[:, None, None, :]
-            running.bias = attention = torch.cat([running.bias, running.bias.new_zeros(ones.shape)[:, None, None]],
+            running.bias = attention = torch.cat([running.bias, running.bias.new_zeros(staged.ones.shape)[:, None, None]],
                                                  dim=-1)
         logits, running.cache = self._forward(running.next_tokens[:, None], attention, running.positions[:, None],
-                                              running.cache, running.width)
+                                              running.cache, staged.cache_position)
         running.mask, running.positions = mask, running.positions + 1
-        running.next_tokens = self._choose(logits, running.requests)
+        running.next_tokens, running.next_logprobs = self._choose(logits, running.requests, staged.keys)
 
-    def _prefill(self, joining: list[Request]) -> Running:
-        """The joining rows' forward call: [left padding | kept prefix | left padding | new prompt tokens]."""
+    def _stage_prefill(self, joining: list[Request]) -> StagedPrefill:
+        """The joining rows' inputs, built on the host and copied to the device in one go each."""
         device = self.policy.device
-        reuse = self._reused_lengths(joining)
+        reuse, kept, shared = self._reused_lengths(joining)
         cached_width = max(reuse)
-        new_width = max(len(r.prompt) - n for r, n in zip(joining, reuse))
+        new_width = max(len(r.fed) - n for r, n in zip(joining, reuse))
         width = cached_width + new_width
         input_ids = torch.full((len(joining), new_width), self.tokenizer.pad_token_id, dtype=torch.long)
         positions = torch.zeros((len(joining), new_width), dtype=torch.long)
         mask = torch.zeros((len(joining), width), dtype=torch.long)
         for row, (request, n) in enumerate(zip(joining, reuse)):
-            fresh = len(request.prompt) - n
-            input_ids[row, new_width - fresh:] = torch.tensor(request.prompt[n:], dtype=torch.long)
-            positions[row, new_width - fresh:] = torch.arange(n, len(request.prompt))
+            fed = request.fed
+            fresh = len(fed) - n
+            input_ids[row, new_width - fresh:] = torch.tensor(fed[n:], dtype=torch.long)
+            positions[row, new_width - fresh:] = torch.arange(n, len(fed))
             mask[row, cached_width - n: cached_width] = 1
             mask[row, width - fresh:] = 1
+        return StagedPrefill(
+            list(joining), reuse, kept, input_ids.to(device), positions.to(device), mask.to(device),
+            cache_position=torch.arange(cached_width, width, device=device),
+            next_positions=torch.tensor([len(r.fed) for r in joining], dtype=torch.long, device=device),
+            keys=self._draw_keys(joining, device),
+            shared=[(rows, prefix, torch.tensor([prefix], device=device)) for rows, prefix in shared])
+
+    def _prefill(self, staged: StagedPrefill) -> Running:
+        """The joining rows' forward call, after the prefixes fresh rows share have run once."""
+        joining, reuse, caches = staged.requests, staged.reuse, list(staged.kept)
+        for rows, prefix, prefix_ids in staged.shared:
+            shared = self._run_shared_prefix([joining[row] for row in rows], prefix, prefix_ids)
+            for row in rows:
+                caches[row] = shared
         self.prompt_tokens += sum(len(r.prompt) for r in joining)
-        self.prefilled_tokens += sum(len(r.prompt) - n for r, n in zip(joining, reuse))
-        cache = self._joining_cache(joining, reuse, cached_width) if cached_width else None
-        mask = mask.to(device)
-        logits, cache = self._forward(input_ids.to(device), mask, positions.to(device), cache, cached_width)
-        next_positions = torch.tensor([len(r.prompt) for r in joining], dtype=torch.long, device=device)
-        return Running(list(joining), cache, mask, next_positions, self._choose(logits, joining))
+        self.prefilled_tokens += sum(len(r.fed) - n for r, n in zip(joining, reuse))
+        cache = self._joining_cache(caches, reuse, staged.cached_width) if staged.cached_width else None
+        logits, cache = self._forward(staged.input_ids, staged.mask, staged.positions, cache, staged.cache_position)
+        return Running(list(joining), cache, staged.mask, staged.next_positions,
+                       *self._choose(logits, joining, staged.keys))
 
     def _merge(self, joining: Running) -> None:
         """Append the joining rows to the running batch, both right-aligned to the wider of the two."""
@@ -397,22 +552,25 @@ class LocalGenerator:
         running.mask = torch.cat([_left_pad(running.mask, width, dim=1), _left_pad(joining.mask, width, dim=1)])
         running.positions = torch.cat([running.positions, joining.positions])
         running.next_tokens = torch.cat([running.next_tokens, joining.next_tokens])
+        running.next_logprobs = torch.cat([running.next_logprobs, joining.next_logprobs])
 
-    def _finish_step(self, tokens: list[int]) -> None:
-        for request, token in zip(self._running.requests, tokens):
-            request.reply.append(token)
+    def _finish_step(self, sampled: list[list[float]]) -> None:
+        tokens, logprobs = sampled
+        for request, token, logprob in zip(self._running.requests, tokens, logprobs):
+            request.reply.append(int(token))
+            request.logprobs.append(logprob)
         self.generated_tokens += len(tokens)
         self._retire_finished()
 
-    def _joining_cache(self, joining: list[Request], reuse: list[int], width: int):
-        """One DynamicCache holding each joining row's reused prefix, right-aligned to `width`."""
+    def _joining_cache(self, caches: list[EpisodeCache | None], reuse: list[int], width: int):
+        """One DynamicCache holding each joining row's reused prefix (from `caches`), right-aligned to `width`."""
         from transformers import DynamicCache
 
-        kept = [(row, self._caches[r.key], n) for row, (r, n) in enumerate(zip(joining, reuse)) if n]
+        kept = [(row, cache, n) for row, (cache, n) in enumerate(zip(caches, reuse)) if n]
         sample = kept[0][1].layers[0][0]
         layers = []
         for layer in range(len(kept[0][1].layers)):
-            keys = sample.new_zeros((len(joining), sample.shape[0], width, sample.shape[2]))
+            keys = sample.new_zeros((len(caches), sample.shape[0], width, sample.shape[2]))
             values = keys.clone()
             for row, cache, n in kept:
                 keys[row, :, width - n:] = cache.layers[layer][0][:, :n]
@@ -437,7 +595,7 @@ class LocalGenerator:
             request = running.requests[row]
             if self.reuse_cache:
                 self._keep_cache(running, row)
-            request.resolve(Generation(list(request.reply)))
+            request.resolve(Generation(list(request.reply), list(request.logprobs)))
         keep = [row for row in range(len(running.requests)) if row not in set(done)]
         if not keep:
             self._running = None
@@ -446,7 +604,7 @@ class LocalGenerator:
         select_cache_rows(running.cache, index)
         running.requests, running.bias = [running.requests[row] for row in keep], None
         running.mask, running.positions = running.mask[index], running.positions[index]
-        running.next_tokens = running.next_tokens[index]
+        running.next_tokens, running.next_logprobs = running.next_tokens[index], running.next_logprobs[index]
         used = running.mask.any(dim=0)
         if int(used.sum()) < used.numel() // 2:  # mostly padding: keep only the columns some row uses
             columns = used.nonzero().squeeze(-1)
@@ -459,41 +617,67 @@ class LocalGenerator:
         columns = running.mask[row].nonzero().squeeze(-1)
         layers = [(layer.keys[row].index_select(1, columns), layer.values[row].index_select(1, columns))
                   for layer in running.cache.layers]
-        self._caches[request.key] = EpisodeCache(ids=request.prompt + request.reply[:-1], layers=layers)
+        self._remember(request.key, EpisodeCache(ids=request.prompt + request.reply[:-1], layers=layers))
 
-    def _reused_lengths(self, requests: list[Request]) -> list[int]:
+    def _remember(self, key: int, cache: EpisodeCache) -> None:
+        """Keep an episode's cache as the most recently used, then drop the least recently used ones past the
+        budget (`generation.kv_cache_budget`); a dropped episode's next turn is prefilled from its tokens."""
+        if self.cache_budget is None:
+            self.cache_budget = int(free_memory_bytes(self.policy.device) / 4 / cache.bytes_per_token())
+            log.info("generation.kv_cache_budget: %d tokens of kept KV caches (a quarter of the free memory)",
+                     self.cache_budget)
+        self._caches[key] = cache
+        self._caches.move_to_end(key)
+        held = sum(len(kept.ids) for kept in self._caches.values())
+        while held > self.cache_budget and self._caches:
+            _, dropped = self._caches.popitem(last=False)
+            held -= len(dropped.ids)
+            self.evicted_caches += 1
+
+    def _reused_lengths(self, requests: list[Request]
+                        ) -> tuple[list[int], list[EpisodeCache | None], list[tuple[list[int], list[int]]]]:
         """How many leading prompt tokens of each request its episode's kept cache already holds (each row keeps
-        at least one token to feed); fresh rows that begin alike get their common prefix prefilled once."""
+        at least one token to feed), those caches, and the prefixes fresh rows that begin alike share: (rows,
+        prefix ids), each to be run once and handed to its rows as their cache (counted in the lengths already)."""
         reuse = []
         caches = [self._caches.get(r.key) if self.reuse_cache else None for r in requests]
         for request, cache in zip(requests, caches):
-            reuse.append(min(prefixes.common_prefix(cache.ids, request.prompt), len(request.prompt) - 1)
+            if cache is not None:
+                self._caches.move_to_end(request.key)  # used: the last to be dropped
+        for request, cache in zip(requests, caches):
+            reuse.append(min(prefixes.common_prefix(cache.ids, request.fed), len(request.fed) - 1)
                          if cache else 0)
-        if self.reuse_cache:
-            self._prefill_shared_prefixes(requests, reuse)
-        return reuse
+        shared = self._shared_prefixes(requests, reuse) if self.reuse_cache else []
+        return reuse, caches, shared
 
-    def _prefill_shared_prefixes(self, requests: list[Request], reuse: list[int]) -> None:
+    def _shared_prefixes(self, requests: list[Request], reuse: list[int]) -> list[tuple[list[int], list[int]]]:
         """Rows with no cache of their own whose prompts begin alike (a group's episodes of one task and seed,
-        one game's rules) get their common prefix run once and handed to each of them as its cache; `reuse`
-        is updated in place."""
+        one game's rules): their common prefixes, each with its rows; `reuse` is updated in place."""
         fresh = [row for row, n in enumerate(reuse) if n == 0]
         prompts = [requests[row].prompt for row in fresh]
+        shared_prefixes = []
         for members, shared in prefixes.partition(prompts, prefixes.padded_cost):
             shared = min([shared] + [len(prompts[m]) - 1 for m in members])  # each row keeps a token to feed
             if len(members) < 2 or shared < prefixes.MIN_SHARED_PREFIX:
                 continue
-            prefix = prompts[members[0]][:shared]
-            device = self.policy.device
-            self.forward_calls += 1
-            out = self.policy.model(input_ids=torch.tensor([prefix], device=device), use_cache=True,
-                                    logits_to_keep=1)
-            layers = [(layer.keys[0], layer.values[0]) for layer in getattr(out, self._cache_name).layers]
-            for member in members:
-                row = fresh[member]
-                self._caches[requests[row].key] = EpisodeCache(ids=list(prefix), layers=layers)
+            rows = [fresh[member] for member in members]
+            for row in rows:
                 reuse[row] = shared
-            self.prefilled_tokens += shared  # once; each row's rest is counted with its prefill
+            shared_prefixes.append((rows, prompts[members[0]][:shared]))
+        return shared_prefixes
+
+    def _run_shared_prefix(self, requests: list[Request], prefix: list[int], prefix_ids: torch.Tensor
+                           ) -> EpisodeCache:
+        """One forward call over a prefix the requests share (`prefix_ids`: its ids on the device, [1, n]); its
+        keys/values become each one's cache, and are returned."""
+        self.forward_calls += 1
+        out = self.policy.model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1)
+        layers = [(layer.keys[0], layer.values[0]) for layer in getattr(out, self._cache_name).layers]
+        shared = EpisodeCache(ids=list(prefix), layers=layers)
+        for request in requests:
+            self._remember(request.key, shared)
+        self.prefilled_tokens += len(prefix)  # once; each row's rest is counted with its prefill
+        return shared
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:

@@ -19,7 +19,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -189,12 +191,72 @@ def _convert(gguf: Path, folder: Path, trust_remote_code: bool) -> None:
     (folder / SOURCE_FILE).write_text(json.dumps(source, indent=1) + "\n")
 
 
+# The oldest Linux driver each CUDA major version runs on (NVIDIA's compatibility table): PyPI's torch 2.13 and
+# 2.14 wheels are CUDA 13 builds, so a driver older than 580 leaves CUDA unusable with no error of its own.
+CUDA_MIN_DRIVER = {11: 450, 12: 525, 13: 580}
+NVIDIA_DRIVER_FILE = Path("/proc/driver/nvidia/version")  # present when the NVIDIA kernel driver is loaded
+
+
+@dataclass(frozen=True)
+class CudaFacts:
+    """What decides whether CUDA can run: torch's answer, the CUDA version torch was built for (None: a CPU-only
+    build) and the NVIDIA driver's version (None: no driver, so no GPU to use)."""
+    available: bool
+    torch_cuda: str | None
+    driver: str | None
+
+
+def cuda_facts() -> CudaFacts:
+    driver = None
+    if NVIDIA_DRIVER_FILE.is_file():
+        found = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+(?:\.\d+)*)", NVIDIA_DRIVER_FILE.read_text())
+        driver = found.group(1) if found else "of unknown version"
+    return CudaFacts(torch.cuda.is_available(), torch.version.cuda, driver)
+
+
+def why_not_cuda(facts: CudaFacts) -> str:
+    """Why torch cannot use CUDA here, in words that say what to change."""
+    if facts.driver is None:
+        return "no NVIDIA driver is loaded (no /proc/driver/nvidia/version), so there is no GPU to use"
+    if facts.torch_cuda is None:
+        return (f"this torch ({torch.__version__}) is a CPU-only build; install a CUDA build (README, Training on "
+                "a GPU)")
+    major = int(facts.torch_cuda.split(".")[0])
+    needed = CUDA_MIN_DRIVER.get(major)
+    driver_major = facts.driver.split(".")[0]
+    if needed is not None and driver_major.isdigit() and int(driver_major) < needed:
+        return (f"torch {torch.__version__} is built for CUDA {facts.torch_cuda}, which needs NVIDIA driver >= "
+                f"{needed}, and this machine has {facts.driver}: upgrade the driver or install a torch built for "
+                "an older CUDA")
+    return (f"torch (CUDA {facts.torch_cuda}) found driver {facts.driver} but no usable GPU: check "
+            "CUDA_VISIBLE_DEVICES and nvidia-smi")
+
+
+def choose_device(requested: str, facts: CudaFacts) -> tuple[torch.device, str]:
+    """The device `run.device` means on a machine with these facts, and why, in one line for the log."""
+    if requested == "cpu":
+        return torch.device("cpu"), "run.device is 'cpu'"
+    if facts.available:
+        return torch.device("cuda"), (f"run.device is {requested!r} and CUDA works (torch built for CUDA "
+                                      f"{facts.torch_cuda}, NVIDIA driver {facts.driver})")
+    if requested == "cuda":
+        raise ConfigError(f"run.device is 'cuda' but CUDA is unusable: {why_not_cuda(facts)}. Or set run.device to "
+                          "'auto' or 'cpu'.")
+    return torch.device("cpu"), f"run.device is 'auto' and CUDA is unusable: {why_not_cuda(facts)}"
+
+
+_announced: set[str] = set()  # the programs ask for the device several times; the log says it once
+
+
 def pick_device(requested: str) -> torch.device:
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run.device is 'cuda' but no CUDA GPU is visible. Set run.device to 'auto' or 'cpu'.")
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
+    """The device for `run.device`, logged with the reason; a GPU present but unusable is a warning."""
+    facts = cuda_facts()
+    device, reason = choose_device(requested, facts)
+    if reason not in _announced:
+        _announced.add(reason)
+        gpu_left_unused = requested == "auto" and device.type == "cpu" and facts.driver is not None
+        log.log(logging.WARNING if gpu_left_unused else logging.INFO, "device %s: %s", device.type, reason)
+    return device
 
 
 def _torch_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -5,7 +5,8 @@ step depends on timing. A single random generator drawn over the batch, as `gene
 transformers' continuous-batching manager do, would then give a request different tokens run to
 run. Here every draw is a Gumbel-max draw whose noise is a hash of (request seed, token index,
 vocabulary id): the same request samples the same tokens whatever it was batched with, so a seeded
-run and its resumed copy generate alike. Argmax of (scores / temperature + Gumbel noise) is an
+run and its resumed copy generate alike, as far as the logits are the same (exactly in float32 on CPU;
+in bf16 on a GPU the batch moves them ~1e-2, and tokens whose scores nearly tie can differ). Argmax of (scores / temperature + Gumbel noise) is an
 exact sample of softmax(scores / temperature); top-k and top-p keep the highest-scoring tokens.
 """
 from __future__ import annotations
@@ -78,14 +79,30 @@ def filter_scores(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return scores
 
 
-def sample_tokens(logits: torch.Tensor, seeds: list[int], counters: list[int], temperature: float,
-                  top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """[B] token ids: greedy at temperature 0, else a sample of softmax(filtered logits / temperature). Row b's
-    draw is keyed by (seeds[b], counters[b]); every operation is batched (a decode step's few dozen kernels)."""
+def draw_keys(seeds: list[int], counters: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """[B] int64: the rows' draw keys, copied to `device`, with the vocabulary's keys made there once. The one
+    host-to-device copy a draw needs, for the caller to make before it launches a step's kernels: a copy from
+    the host waits for the kernels queued before it (PyTorch synchronises the stream)."""
+    _vocab_keys(vocab, device)
+    return torch.tensor(row_keys(seeds, counters), dtype=torch.long, device=device)
+
+
+def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B] token ids and [B] float64 log-probs of them under the distribution they were drawn from: greedy at
+    temperature 0 (log-probs of the untempered logits, as the trainer scores them there), else a sample of
+    softmax(filtered logits / temperature). Row b's draw is keyed by keys[b] (`draw_keys`); every operation is
+    batched and on the logits' device (a decode step's few dozen kernels, no copy from the host)."""
     if temperature <= 0:
-        return logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
+        return tokens, _logprobs_of(logits.double(), tokens)
     scores = logits.double() if temperature == 1 else logits.double() / temperature
     scores = filter_scores(scores, top_k, top_p)
-    keys = torch.tensor(row_keys(seeds, counters), dtype=torch.long, device=logits.device)
     # Gumbel-max: argmax(scores + Gumbel noise), the noise written -log(-log u)
-    return (scores - torch.log(-torch.log(uniform_noise(keys, logits.shape[-1])))).argmax(dim=-1)
+    tokens = (scores - torch.log(-torch.log(uniform_noise(keys, logits.shape[-1])))).argmax(dim=-1)
+    return tokens, _logprobs_of(scores, tokens)
+
+
+def _logprobs_of(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B] log softmax(scores)[b, tokens[b]]; filtered tokens' -inf scores drop out of the normaliser."""
+    return scores.gather(-1, tokens[:, None]).squeeze(-1) - scores.logsumexp(dim=-1)

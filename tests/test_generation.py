@@ -5,6 +5,7 @@ import json
 import httpx
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ppo_affine.generation import VLLMGenerator, eos_token_ids
 from ppo_affine.local_generation import LocalGenerator
@@ -261,6 +262,48 @@ def test_a_request_gets_the_same_tokens_alone_or_batched_with_others(tiny_policy
     assert reseeded != batched
 
 
+class JoinsAfter(LocalGenerator):
+    """The real decode loop, where a second request is asked the moment the first has `after` tokens: it joins the
+    running batch at the next step (one running row, one waiting: continuous batching lets it in)."""
+
+    def __init__(self, *args, after: int, joiner: tuple[list[int], int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.after, self.joiner = after, joiner
+        self.joined: asyncio.Task | None = None
+        self.batch_keys: list[list[int]] = []  # the rows of every step's running batch
+
+    def _finish_step(self, tokens):
+        super()._finish_step(tokens)
+        if self._running is not None:
+            self.batch_keys.append([r.key for r in self._running.requests])
+            if self.joined is None and len(self._running.requests[0].reply) == self.after:
+                prompt, seed = self.joiner
+                self.joined = asyncio.get_running_loop().create_task(self.generate(prompt, order_key=1, seed=seed))
+
+
+def test_a_request_joining_a_running_batch_gets_the_tokens_it_gets_alone(tiny_policy):
+    cfg = GenerationConfig(backend="local", max_new_tokens=10, temperature=1.0, reuse_kv_cache=False,
+                           local_batching="continuous")
+    builder = PromptBuilder(tiny_policy.tokenizer, 4096)
+    first, second = (builder.encode([{"role": "user", "content": "go " * n}]) for n in (2, 30))
+    generator = JoinsAfter(tiny_policy, cfg, seed=0, after=3, joiner=(second, 12))
+    generator.eos_ids = set()  # both replies run to max_new_tokens, so the first is still decoding when the second joins
+
+    async def ask():
+        async with generator.rollout(step=0):
+            running = await generator.generate(first, order_key=0, seed=11)
+            joined = await generator.joined
+        return running.token_ids, joined.token_ids
+    running, joined = asyncio.run(ask())
+    assert generator.batch_keys[:3] == [[0], [0], [0]] and [0, 1] in generator.batch_keys  # it joined mid-reply
+    alone = []
+    for prompt, seed in ((first, 11), (second, 12)):
+        solo = LocalGenerator(tiny_policy, cfg, seed=0)
+        solo.eos_ids = set()
+        alone.append(replies(solo, [prompt], seeds=[seed])[0])
+    assert [running, joined] == alone and len(running) == len(joined) == 10
+
+
 def test_the_folded_adapter_gives_the_adapters_logits_and_leaves_the_weights_untouched(tiny_model_dir):
     import torch
 
@@ -288,13 +331,166 @@ def test_the_folded_adapter_gives_the_adapters_logits_and_leaves_the_weights_unt
         assert FoldedAdapter.foldable_layers(policy.model) is None
 
 
+@pytest.mark.parametrize("failing_layer", [1, 5])
+def test_a_fold_that_fails_at_a_layer_puts_every_weight_back_and_keeps_the_adapter_path(tiny_model_dir, monkeypatch,
+                                                                                         failing_layer):
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from ppo_affine.local_generation import FoldedAdapter
+    from ppo_affine.testing.tiny import load_tiny_policy
+
+    policy = load_tiny_policy(tiny_model_dir)
+    with torch.no_grad():
+        for name, parameter in policy.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.5)
+    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+    ids = torch.tensor([[5, 9, 13, 40, 2, 7]])
+    policy.eval()
+    with torch.no_grad():
+        unfolded = policy.model(input_ids=ids).logits
+    delta_weight, folded = LoraLinear.get_delta_weight, []
+
+    def fails_at_the_kth_layer(layer, name):
+        folded.append(layer)
+        if len(folded) == failing_layer:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return delta_weight(layer, name)
+
+    monkeypatch.setattr(LoraLinear, "get_delta_weight", fails_at_the_kth_layer)
+    with pytest.raises(RuntimeError, match="injected"):
+        FoldedAdapter(policy.model).__enter__()
+    assert len(folded) == failing_layer
+    assert all(torch.equal(before[name], p) for name, p in policy.model.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(policy.model(input_ids=ids).logits, unfolded)  # the adapter path is on, nothing added twice
+    monkeypatch.setattr(LoraLinear, "get_delta_weight", delta_weight)
+    with torch.no_grad(), FoldedAdapter(policy.model):  # and a later fold works
+        assert torch.allclose(policy.model(input_ids=ids).logits, unfolded, atol=1e-5)
+
+
+def test_a_fold_whose_adapter_switch_fails_puts_every_weight_back(tiny_model_dir, monkeypatch):
+    from ppo_affine.local_generation import FoldedAdapter
+    from ppo_affine.testing.tiny import load_tiny_policy
+
+    policy = load_tiny_policy(tiny_model_dir)
+    with torch.no_grad():
+        for name, parameter in policy.model.named_parameters():
+            if "lora_B" in name:  # a delta that changes the weights it is folded into
+                parameter.normal_(0.0, 0.5)
+    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+
+    def switch_fails():
+        raise RuntimeError("switch failed (injected)")
+
+    monkeypatch.setattr(policy.model, "disable_adapter", switch_fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        FoldedAdapter(policy.model).__enter__()
+    assert all(torch.equal(before[name], p) for name, p in policy.model.named_parameters())
+
+
+def test_local_generation_folds_float32_weights_and_keeps_the_adapter_path_for_bfloat16(tiny_model_dir, caplog):
+    from ppo_affine.testing.tiny import load_tiny_policy
+
+    cfg = GenerationConfig(backend="local")
+    policy = load_tiny_policy(tiny_model_dir)
+    assert LocalGenerator(policy, cfg, seed=0).folds_adapter()
+    assert not LocalGenerator(policy, cfg.model_copy(update={"fold_adapter": False}), seed=0).folds_adapter()
+    policy.model.to(torch.bfloat16)
+    generator = LocalGenerator(policy, cfg, seed=0)
+    with caplog.at_level("INFO", logger="ppo_affine.local_generation"):
+        assert not generator.folds_adapter() and not generator.folds_adapter()
+    assert caplog.text.count("generation.fold_adapter: the adapter path runs (the weights are torch.bfloat16") == 1
+
+
+# ---------------------------------------------------------------------- no copy from the host after a launch
+class CopiesAndModelOps(TorchFunctionMode):
+    """Records in order every tensor made or moved with an explicit device ("copy") and every operation inside the
+    model's forward ("model"). On a GPU a copy from the host after a launch waits for the launched kernels."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.events: list[tuple[str, str]] = []
+        self.depth = 0  # > 0 inside the model's forward
+        self.hooks = [model.register_forward_pre_hook(lambda *_: self._enter()),
+                      model.register_forward_hook(lambda *_: self._leave())]
+
+    def _enter(self):
+        self.depth += 1
+
+    def _leave(self):
+        self.depth -= 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        result = func(*args, **kwargs)
+        if self.depth:
+            self.events.append(("model", name))
+        elif kwargs.get("device") is not None or (name in ("to", "cuda") and any(
+                isinstance(a, (torch.device, str, torch.Tensor)) for a in args[1:])):
+            # an empty tensor carries nothing (a cache layer's first keys): PyTorch copies no zero-element tensor
+            if not (isinstance(result, torch.Tensor) and result.numel() == 0):
+                self.events.append(("copy", name))
+        return result
+
+
+class RecordsEachStep(JoinsAfter):
+    """The real decode loop (a second request joining mid-reply, with a kept cache and shared prefixes in play),
+    each step's launch recorded in the thread it runs in."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps: list[dict] = []
+
+    def _compute_step(self, joining):
+        recorder = CopiesAndModelOps(self.policy.model)
+        decoding = self._running is not None
+        try:
+            with torch.no_grad(), recorder:
+                sampled = self._launch_step(joining)
+        finally:
+            for hook in recorder.hooks:
+                hook.remove()
+        self.steps.append({"decode": decoding, "joining": len(joining), "events": recorder.events})
+        return self._device_values(sampled)
+
+
+def test_no_step_copies_from_the_host_after_its_first_model_operation(tiny_policy):
+    cfg = GenerationConfig(backend="local", max_new_tokens=6, temperature=1.0, reuse_kv_cache=True,
+                           local_batching="continuous")
+    builder = PromptBuilder(tiny_policy.tokenizer, 4096)
+    rules = "Rules: " + "play well " * 20
+    first = builder.encode([{"role": "user", "content": "go"}])
+    joiners = [builder.encode([{"role": "user", "content": rules + end}]) for end in ("a", "b")]
+    generator = RecordsEachStep(tiny_policy, cfg, seed=0, after=2, joiner=(joiners[0], 12))
+    generator.eos_ids = set()
+
+    async def ask():
+        async with generator.rollout(step=0):
+            await generator.generate(first, order_key=0, seed=11)
+            await generator.joined
+            # two fresh rows beginning alike join together: their shared prefix runs once, in the step
+            await asyncio.gather(*(generator.generate(p, order_key=2 + i, seed=i) for i, p in enumerate(joiners)))
+    asyncio.run(ask())
+    kinds = {(step["decode"], step["joining"] > 0) for step in generator.steps}
+    assert kinds == {(False, True), (True, False), (True, True)}  # prefill alone, decode alone, decode + prefill
+    assert generator.forward_calls > len(generator.steps) + 1  # joins ran prefills beside decodes, and a shared prefix
+    for step in generator.steps:
+        events = step["events"]
+        first_model_op = next(i for i, (kind, _) in enumerate(events) if kind == "model")
+        late = [name for kind, name in events[first_model_op:] if kind == "copy"]
+        assert late == [], (step["decode"], step["joining"], late)
+        assert any(kind == "copy" for kind, _ in events[:first_model_op])  # the staged copies were seen
+
+
 # ---------------------------------------------------------------------- stopping at the closing fence
 class FencedReplies(LocalGenerator):
     """The real decode loop, replying with a fenced answer and then a loop that never ends by itself."""
 
-    def _choose(self, logits, requests):
+    def _choose(self, logits, requests, keys):
         script = self.tokenizer.encode("```\n7\n```" + " and again" * 40, add_special_tokens=False)
-        return torch.tensor([script[len(r.reply)] for r in requests], device=logits.device)
+        return torch.tensor([script[len(r.reply)] for r in requests], device=logits.device), torch.zeros(len(requests))
 
 
 @pytest.mark.parametrize("stop", [True, False])
@@ -351,12 +547,12 @@ class LogitsKept(LocalGenerator):
         if not bias:
             self._bias_dtype = None
 
-    def _choose(self, logits, requests):
+    def _choose(self, logits, requests, keys):
         self.logits.append(logits.detach().clone())
-        return super()._choose(logits, requests)
+        return super()._choose(logits, requests, keys)
 
-    def _decode_step(self):
-        super()._decode_step()
+    def _decode_step(self, staged):
+        super()._decode_step(staged)
         bias = self._running.bias
         if bias is not None and bool(torch.isinf(bias).any()):
             self.padded_steps += 1  # a step whose mask hid some row's padding
@@ -408,12 +604,12 @@ class LeavingOneByOne(LogitsKept):
         super().__init__(*args, **kwargs)
         self.stops, self.widths = stops, []
 
-    def _choose(self, logits, requests):
+    def _choose(self, logits, requests, keys):
         self.logits.append(logits.detach().clone())
         self.widths.append(self._running.width if self._running is not None else None)
         eos = self.tokenizer.eos_token_id
-        return torch.tensor([eos if len(r.reply) + 1 >= self.stops[r.key] else int(row.argmax())
-                             for r, row in zip(requests, logits)], device=logits.device)
+        tokens = [eos if len(r.reply) + 1 >= self.stops[r.key] else int(row.argmax()) for r, row in zip(requests, logits)]
+        return torch.tensor(tokens, device=logits.device), torch.zeros(len(requests))
 
 
 def test_the_additive_mask_follows_rows_that_leave_and_columns_that_are_cut(tiny_policy):
@@ -437,3 +633,101 @@ def test_the_additive_mask_follows_rows_that_leave_and_columns_that_are_cut(tiny
     assert len(with_bias.logits) == len(with_2d.logits)
     for kept, plain in zip(with_bias.logits, with_2d.logits):
         assert torch.allclose(kept, plain, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------- memory: the KV budget, out of memory
+class KeepsTrack(LocalGenerator):
+    """The real decode loop, noting the tokens of kept caches after every cache it keeps."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.held: list[int] = []
+
+    def _remember(self, key, cache):
+        super()._remember(key, cache)
+        self.held.append(sum(len(kept.ids) for kept in self._caches.values()))
+
+
+def played_with(policy, generator_class, **settings):
+    cfg = GenerationConfig(backend="local", max_new_tokens=5, max_concurrent_episodes=3, temperature=1.0, **settings)
+    generator = generator_class(policy, cfg, seed=0)
+    runner = RolloutRunner({"game": ("openspiel", CountingEnv())}, generator, PromptBuilder(policy.tokenizer, 4096),
+                           cfg)
+    episodes = asyncio.run(runner.run(_tasks(5), step=0))
+    return [[t.response_ids for t in e.turns] for e in episodes], generator
+
+
+def test_kept_caches_past_the_budget_drop_the_least_recently_used_and_change_no_token(tiny_policy):
+    unbounded, plenty = played_with(tiny_policy, KeepsTrack, kv_cache_budget=10**9)
+    bounded, tight = played_with(tiny_policy, KeepsTrack, kv_cache_budget=60)
+    assert bounded == unbounded
+    assert plenty.evicted_caches == 0 and max(plenty.held) == 176  # kept unbounded: up to 176 tokens
+    assert tight.evicted_caches > 0 and max(tight.held) <= 60
+    assert tight.prefilled_tokens > plenty.prefilled_tokens  # a dropped episode's next turn is prefilled again
+
+
+def test_the_default_budget_is_a_quarter_of_the_free_memory_in_tokens_of_the_models_cache(tiny_policy, monkeypatch):
+    from ppo_affine import local_generation
+
+    generator = LocalGenerator(tiny_policy, GenerationConfig(backend="local"), seed=0)
+    layer = (torch.zeros(2, 10, 8), torch.zeros(2, 10, 8))  # 2 heads x 8 dims, keys and values: 128 bytes a token
+    cache = local_generation.EpisodeCache(ids=list(range(10)), layers=[layer, layer])  # 2 layers: 256 bytes a token
+    monkeypatch.setattr(local_generation, "free_memory_bytes", lambda device: 4 * 256 * 1000)
+    generator._remember(0, cache)
+    assert generator.cache_budget == 1000
+
+
+class RunsOutOfMemoryAbove(LocalGenerator):
+    """The real decode loop on a device that holds at most `rows` rows: a bigger forward call runs out of memory.
+    Two more requests join the first two once these have two tokens each."""
+
+    def __init__(self, *args, rows: int, later: list[list[int]], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rows, self.later, self.asked = rows, later, []
+
+    def _forward(self, input_ids, *args):
+        if input_ids.shape[0] > self.rows:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return super()._forward(input_ids, *args)
+
+    def _finish_step(self, sampled):
+        super()._finish_step(sampled)
+        if not self.asked and self._running is not None and len(self._running.requests[0].reply) == 2:
+            loop = asyncio.get_running_loop()
+            self.asked = [loop.create_task(self.generate(p, order_key=2 + i, seed=20 + i))
+                          for i, p in enumerate(self.later)]
+
+
+def test_running_out_of_memory_mid_reply_halves_the_batch_and_every_reply_is_the_one_it_would_have_been(
+        tiny_policy, caplog):
+    cfg = GenerationConfig(backend="local", max_new_tokens=6, temperature=1.0, reuse_kv_cache=False)
+    builder = PromptBuilder(tiny_policy.tokenizer, 4096)
+    prompts = [builder.encode([{"role": "user", "content": "go " * n}]) for n in (1, 3, 5, 7)]
+
+    def replies_of(generator):
+        generator.eos_ids = set()  # every reply runs to max_new_tokens
+
+        async def ask():
+            async with generator.rollout(step=0):
+                first = await asyncio.gather(*(generator.generate(p, order_key=i, seed=10 + i)
+                                               for i, p in enumerate(prompts[:2])))
+                later = await asyncio.gather(*generator.asked)
+            return [g.token_ids for g in first + later]
+        return asyncio.run(ask())
+
+    plenty = replies_of(RunsOutOfMemoryAbove(tiny_policy, cfg, seed=0, rows=8, later=prompts[2:]))
+    short = RunsOutOfMemoryAbove(tiny_policy, cfg, seed=0, rows=2, later=prompts[2:])
+    with caplog.at_level("WARNING", logger="ppo_affine.local_generation"):
+        squeezed = replies_of(short)
+    # the 4-row decode step failed with two tokens of the first replies drawn; each row rejoined with its reply so far
+    assert squeezed == plenty and all(len(reply) == 6 for reply in squeezed)
+    assert short.row_cap == 2 and short.out_of_memory_retries == 1
+    assert "ran out of memory with 4 rows" in caplog.text and "at most 2 rows decode at once" in caplog.text
+
+
+def test_running_out_of_memory_on_a_single_row_fails_its_request(tiny_policy):
+    cfg = GenerationConfig(backend="local", max_new_tokens=4, reuse_kv_cache=False)
+    generator = RunsOutOfMemoryAbove(tiny_policy, cfg, seed=0, rows=0, later=[])
+    prompt = PromptBuilder(tiny_policy.tokenizer, 4096).encode([{"role": "user", "content": "go"}])
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        replies(generator, [prompt])

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ppo_affine import model_files
-from ppo_affine.model_files import SOURCE_FILE, converted_folder, model_source
-from ppo_affine.config import LoraConfig, ModelConfig
+from ppo_affine.model_files import SOURCE_FILE, CudaFacts, choose_device, converted_folder, model_source
+from ppo_affine.config import ConfigError, LoraConfig, ModelConfig
 
 
 def test_a_gguf_is_converted_once_and_again_only_when_the_file_changes(tmp_path, monkeypatch):
@@ -127,3 +127,59 @@ def test_4bit_quantises_a_gguf_model_from_its_converted_folder(tmp_path, monkeyp
     [(path, kwargs)] = calls
     assert path == str(converted_folder(tmp_path / "m.gguf", tmp_path / "cache")) and "gguf_file" not in kwargs
     assert kwargs["quantization_config"].load_in_4bit and kwargs["quantization_config"].bnb_4bit_quant_type == "nf4"
+
+
+def test_auto_picks_cuda_when_it_works_and_says_with_which_build_and_driver():
+    device, reason = choose_device("auto", CudaFacts(True, "13.0", "580.65.06"))
+    assert device.type == "cuda"
+    assert reason == "run.device is 'auto' and CUDA works (torch built for CUDA 13.0, NVIDIA driver 580.65.06)"
+
+
+def test_auto_on_a_machine_without_a_gpu_driver_picks_the_cpu_and_says_why():
+    device, reason = choose_device("auto", CudaFacts(False, None, None))
+    assert device.type == "cpu"
+    assert reason == ("run.device is 'auto' and CUDA is unusable: no NVIDIA driver is loaded (no "
+                      "/proc/driver/nvidia/version), so there is no GPU to use")
+
+
+def test_auto_names_a_driver_too_old_for_the_cuda_13_wheels(caplog, monkeypatch):
+    facts = CudaFacts(False, "13.0", "570.124.06")
+    monkeypatch.setattr(model_files, "cuda_facts", lambda: facts)
+    assert model_files.pick_device("auto").type == "cpu"
+    record, = [r for r in caplog.records if r.name == "ppo_affine.model_files"]
+    assert record.levelname == "WARNING"  # a GPU is there and goes unused
+    assert "built for CUDA 13.0, which needs NVIDIA driver >= 580, and this machine has 570.124.06" in record.message
+
+
+def test_auto_names_a_cpu_only_torch_on_a_gpu_machine():
+    _, reason = choose_device("auto", CudaFacts(False, None, "580.65.06"))
+    assert "is a CPU-only build; install a CUDA build" in reason
+
+
+def test_auto_with_a_driver_new_enough_but_no_usable_gpu_points_at_the_visible_devices():
+    _, reason = choose_device("auto", CudaFacts(False, "12.8", "580.65.06"))
+    assert reason.endswith("found driver 580.65.06 but no usable GPU: check CUDA_VISIBLE_DEVICES and nvidia-smi")
+
+
+def test_cuda_requested_but_unusable_is_a_config_error_with_the_reason():
+    with pytest.raises(ConfigError, match=r"run.device is 'cuda' but CUDA is unusable: torch .* needs NVIDIA driver "
+                                          r">= 525, and this machine has 470.1"):
+        choose_device("cuda", CudaFacts(False, "12.4", "470.1"))
+
+
+def test_the_device_choice_is_logged_once_however_often_a_program_asks(caplog, monkeypatch):
+    monkeypatch.setattr(model_files, "cuda_facts", lambda: CudaFacts(False, None, None))
+    monkeypatch.setattr(model_files, "_announced", set())
+    caplog.set_level("INFO", logger="ppo_affine.model_files")
+    model_files.pick_device("auto")
+    model_files.pick_device("auto")
+    assert caplog.text.count("device cpu: run.device is 'auto'") == 1
+
+
+def test_the_driver_version_is_read_from_the_proprietary_and_the_open_kernel_modules(tmp_path, monkeypatch):
+    version_file = tmp_path / "version"
+    monkeypatch.setattr(model_files, "NVIDIA_DRIVER_FILE", version_file)
+    version_file.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n")
+    assert model_files.cuda_facts().driver == "535.104.05"
+    version_file.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build\n")
+    assert model_files.cuda_facts().driver == "580.65.06"

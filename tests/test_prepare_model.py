@@ -1,6 +1,10 @@
 """prepare_model.py: the base weights' folder and the vLLM commands that serve them as the trainer expects
 (full precision here: a 4-bit base is served dequantised, tests/test_quantized.py)."""
+import pytest
+
 import prepare_model
+from ppo_affine.config import ConfigError, load_config
+from ppo_affine.vllm_server import vllm_lora_rank
 
 
 def test_a_local_model_is_served_from_its_folder_with_the_configured_context_and_rank(tiny_model_dir, capsys):
@@ -28,3 +32,23 @@ def test_output_copies_the_folder_and_serves_the_copy(tiny_model_dir, tmp_path, 
     assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in tiny_model_dir.iterdir())
     printed = capsys.readouterr().out
     assert f"base weights: {copy.resolve()}\n" in printed and f"--served-model-name {tiny_model_dir}" in printed
+
+
+def test_the_printed_max_lora_rank_is_the_next_rank_vllm_accepts(tiny_model_dir, capsys):
+    assert prepare_model.main(["--set", f"model.name_or_path={tiny_model_dir}", "--set", "model.use_4bit=false",
+                               "--set", "lora.r=12"]) == 0
+    assert "--max-lora-rank 16 --max-model-len" in capsys.readouterr().out  # vLLM refuses 12 and starts with 16
+
+
+@pytest.mark.parametrize("rank, served", [(1, 1), (2, 8), (8, 8), (12, 16), (33, 64), (257, 320), (321, 512),
+                                          (512, 512)])
+def test_a_lora_rank_is_served_with_the_smallest_max_lora_rank_vllm_accepts_that_holds_it(rank, served):
+    assert vllm_lora_rank(rank) == served
+
+
+def test_a_lora_rank_above_512_is_refused_for_vllm_naming_the_field():
+    with pytest.raises(ConfigError, match=r"lora.r=513: vLLM serves LoRA adapters of rank at most 512"):
+        vllm_lora_rank(513)
+    with pytest.raises(ConfigError, match=r"lora.r=600: vLLM serves LoRA adapters of rank at most 512"):
+        load_config(overrides=["train.lora.r=600", "train.generation.backend=vllm"])
+    assert load_config(overrides=["train.lora.r=600", "train.generation.backend=local"]).train.lora.r == 600

@@ -22,7 +22,7 @@ from ppo_affine.envs.trace_env import (
     normalize_output,
     score_prediction,
 )
-from ppo_affine.envs.trace_programs import generate_program
+from ppo_affine.envs.trace_programs import generate_program, repeats_a_held_out_program
 
 LIMITS = SandboxLimits(memory_bytes=512 << 20, max_processes=16)
 # A variable bound only in a branch that never runs: injected prints that pick `extra` crash.
@@ -334,10 +334,13 @@ def test_skip_degenerate_gives_up_with_a_clear_error():
     asyncio.run(main())
 
 
-def test_embedded_skip_stays_inside_the_difficulty_level():
+def test_embedded_skip_stays_inside_the_difficulty_level_and_its_held_out_or_training_ids():
     assert next_task_id(1_000_021, "embedded") == 1_000_022
-    assert next_task_id(999_999, "embedded") == 0
-    assert next_task_id(2_999_999, "embedded") == 2_000_000
+    assert next_task_id(999_999, "embedded") == 10_000  # a training id wraps to the level's first training id
+    assert next_task_id(2_999_999, "embedded") == 2_010_000
+    assert next_task_id(3_009_999, "embedded") == 3_000_000  # a held-out id wraps inside the held-out ids
+    # 3_010_003's program is held-out task 3_004_534's ("text = 'radar'"): a training skip passes over it
+    assert next_task_id(3_010_002, "embedded") == 3_010_004
     assert next_task_id(41, "hf") == 42
 
     async def main():
@@ -480,3 +483,9 @@ def test_a_trace_step_reports_line_credit_beside_the_exact_score():
     lines = len(truth.splitlines())
     assert result["reward"] == 0.0 and result["info"]["score"] == 0.0
     assert result["info"]["line_credit"] == pytest.approx((lines - 1) / lines)
+
+
+def test_a_training_task_whose_program_is_a_held_out_tasks_is_recognised():
+    assert generate_program(3_010_003).source == generate_program(3_004_534).source == "text = 'radar'\nprint(text)\n"
+    assert repeats_a_held_out_program(3_010_003)
+    assert not repeats_a_held_out_program(3_010_004) and not repeats_a_held_out_program(3_004_534)  # held out itself

@@ -8,7 +8,7 @@ from ppo_affine.config import ConfigError, load_config
 from ppo_affine.envs.sandbox import SandboxLimits, run_python
 from ppo_affine.envs.tasks import TRACE_HELD_OUT, trace_level_of
 from ppo_affine.envs.trace_env import build_prompt, inject_debug_prints, score_prediction
-from ppo_affine.envs.trace_programs import generate_program
+from ppo_affine.envs.trace_programs import generate_program, repeats_a_held_out_program
 from ppo_affine.warm_start import trace_teacher
 from ppo_affine.warm_start.sft import read_records
 
@@ -18,6 +18,11 @@ def test_task_ids_cycle_the_levels_above_the_held_out_tasks_and_never_repeat():
     assert [trace_level_of(t) for t in ids] == [0, 1] * 20
     assert len(set(ids)) == 40 and all(t % 1_000_000 >= TRACE_HELD_OUT for t in ids)
     assert ids == trace_teacher.trace_task_ids([0, 1], 40, seed=7) != trace_teacher.trace_task_ids([0, 1], 40, seed=8)
+
+
+def test_task_ids_pass_over_the_held_out_tasks_programs_under_other_ids():
+    ids = trace_teacher.trace_task_ids([0], 400, seed=7)  # the trace bench's SFT set is 400 tasks
+    assert len(ids) == 400 and not any(repeats_a_held_out_program(t) for t in ids)
 
 
 def test_every_records_reply_is_the_programs_real_stdout_in_the_envs_prompt_and_format():
@@ -39,6 +44,14 @@ def test_a_held_out_trace_task_is_refused_as_training_data(tmp_path):
               "messages": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "```\n1\n```"}]}
     (tmp_path / "data.jsonl").write_text(json.dumps(record) + "\n")
     with pytest.raises(ConfigError, match="trace task 3000005 is a held-out task"):
+        read_records(tmp_path / "data.jsonl")
+
+
+def test_a_trace_task_repeating_a_held_out_program_is_refused_as_training_data(tmp_path):
+    record = {"env": "trace", "task_id": 3_010_003, "seed": 1, "game": "trace",  # held-out 3_004_534's program
+              "messages": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "```\nradar\n```"}]}
+    (tmp_path / "data.jsonl").write_text(json.dumps(record) + "\n")
+    with pytest.raises(ConfigError, match="trace task 3010003's program is a held-out task's program"):
         read_records(tmp_path / "data.jsonl")
 
 

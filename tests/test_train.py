@@ -212,6 +212,20 @@ def test_the_sampler_correction_the_gpu_config_turns_on_passes_silently_to_local
     assert caplog.text == ""
 
 
+@pytest.mark.slow
+def test_local_generation_logs_its_sampling_gap_and_the_correction_weighs_its_tokens(tiny_model_dir, tmp_path):
+    """The local sampler (the adapter folded into float32 copies) reports each token's log-prob: the gap to the
+    trainer's scores is float noise, every importance weight about 1."""
+    code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2", "--set", "ppo.learning_rate=1e-2",
+                                    "--set", "ppo.sampler_correction=true", "--set", "generation.temperature=0.7"))
+    assert code == 0
+    records = metrics(tmp_path / "t")
+    assert len(records) == 2
+    for record in records:
+        assert 0.0 <= record["local/logprob_gap"] < 1e-4 and "vllm/logprob_gap" not in record
+        assert record["tis/weight_mean"] == pytest.approx(1.0, abs=1e-4) and record["tis/clip_fraction"] == 0.0
+
+
 def served_adapters(url: str) -> list[str]:
     import httpx
 

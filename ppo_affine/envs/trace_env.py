@@ -30,8 +30,8 @@ from typing import Any
 
 from ppo_affine.envs.base import StepResult, step_result
 from ppo_affine.envs.sandbox import RunResult, SandboxLimits, require_isolation, run_python_async
-from ppo_affine.envs.tasks import TRACE_LEVEL_STRIDE, TRACE_LEVELS
-from ppo_affine.envs.trace_programs import generate_program
+from ppo_affine.envs.tasks import TRACE_HELD_OUT, TRACE_LEVEL_STRIDE, TRACE_LEVELS, is_held_out_trace_task
+from ppo_affine.envs.trace_programs import generate_program, repeats_a_held_out_program
 
 SOURCES = ("embedded", "hf")
 MAX_INJECTIONS = 6
@@ -230,11 +230,19 @@ def ground_truth_of(run: RunResult) -> tuple[str, str | None]:
 
 def next_task_id(task_id: int, source: str) -> int:
     """The task that replaces a degenerate one: the next row (hf), or the next id of the same
-    difficulty level, wrapping around inside the level's block of ids (embedded)."""
+    difficulty level (embedded), wrapping around inside the level's held-out ids for a held-out task and inside
+    its training ids for a training task, where it also passes over the held-out tasks' programs."""
     if source == "hf":
         return task_id + 1
     block_start = task_id - task_id % TRACE_LEVEL_STRIDE
-    return block_start + (task_id - block_start + 1) % TRACE_LEVEL_STRIDE
+    held_out = is_held_out_trace_task(task_id)
+    low, high = ((block_start, block_start + TRACE_HELD_OUT) if held_out
+                 else (block_start + TRACE_HELD_OUT, block_start + TRACE_LEVEL_STRIDE))
+    candidate = task_id
+    while True:
+        candidate = low + (candidate - low + 1) % (high - low)
+        if held_out or not repeats_a_held_out_program(candidate):
+            return candidate
 
 
 # ---------------------------------------------------------------- episodes

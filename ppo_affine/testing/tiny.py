@@ -35,17 +35,26 @@ def make_tokenizer(pre_tokenizer=None):
     return tokenizer
 
 
-def make_tiny_model_dir(folder: Path, seed: int = 0) -> Path:
-    """Save a 2-layer Llama (hidden 32) and its tokenizer to `folder`; load it with from_pretrained."""
+# SmolLM2-135M's shape (its config.json) but the tiny tokenizer's vocabulary: what the prepared GPU check runs,
+# built where it runs, since the real weights do not fit one device call
+SMOLLM2_SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                 "num_key_value_heads": 3, "rope_theta": 100000.0, "tie_word_embeddings": True,
+                 "initializer_range": 0.041666666666666664}
+TINY_SHAPE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "tie_word_embeddings": False,
+              "initializer_range": 0.3}  # wide enough that LoRA can move the logits
+
+
+def make_tiny_model_dir(folder: Path, seed: int = 0, shape: dict | None = None) -> Path:
+    """Save a Llama of `shape` (default TINY_SHAPE: 2 layers, hidden 32) with random weights and its tokenizer to
+    `folder`; load it with from_pretrained."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = make_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-        tie_word_embeddings=False, initializer_range=0.3,  # wide enough that LoRA can move the logits
+        vocab_size=len(tokenizer), max_position_embeddings=8192, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **(shape or TINY_SHAPE),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

@@ -31,10 +31,14 @@ def refuse_evaluation_game(record: dict[str, Any], where: str) -> None:
     """A ConfigError when `record` is a game on an evaluation seed (the validators' or bench/learning.py's
     held-out ones): SFT or DAgger on it would train on the deals and opponent moves the results are judged on."""
     from ppo_affine.envs.tasks import game_name_of, is_evaluation_seed, is_held_out_trace_task
+    from ppo_affine.envs.trace_programs import repeats_a_held_out_program
 
     task_id, seed = record.get("task_id"), record.get("seed")
     if record.get("env") == "trace" and isinstance(task_id, int) and is_held_out_trace_task(task_id):
         raise ConfigError(f"{where}: trace task {task_id} is a held-out task (evaluate.py's and the benches'); "
+                          "training on it would train on the test.")
+    if record.get("env") == "trace" and isinstance(task_id, int) and repeats_a_held_out_program(task_id):
+        raise ConfigError(f"{where}: trace task {task_id}'s program is a held-out task's program under another id; "
                           "training on it would train on the test.")
     if record.get("env", "openspiel") != "openspiel" or not isinstance(task_id, int) or not isinstance(seed, int):
         return

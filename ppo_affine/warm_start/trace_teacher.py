@@ -3,8 +3,9 @@
 The env runs a task's program (debug prints injected) in its sandbox to score replies; that stdout is the
 perfect reply. A record here is the env's own prompt, then that stdout in a fenced block, the form the env
 scores (its answer cleaning takes the first fenced block) and the form a reply that stops at its closing fence
-has. Tasks are drawn above each level's held-out ids (`tasks.trace_training_range`) from seeds of their own, so
-no record is a task evaluation judges on. Degenerate tasks (an empty, crashing or timed-out program) are swapped
+has. Tasks are drawn above each level's held-out ids (`tasks.trace_training_range`) from seeds of their own, and
+a task whose program is a held-out task's under another id is passed over, so no record is a task evaluation
+judges on. Degenerate tasks (an empty, crashing or timed-out program) are swapped
 for the next id, as the env does in training.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 from typing import Any
 
 from ppo_affine.envs.tasks import trace_training_range
+from ppo_affine.envs.trace_programs import repeats_a_held_out_program
 from ppo_affine.seeds import derive_seed
 
 TEACHER = "interpreter"
@@ -24,7 +26,8 @@ def teacher_reply(ground_truth: str) -> str:
 
 
 def trace_task_ids(levels: list[int], count: int, seed: int) -> list[int]:
-    """`count` distinct task ids cycling through `levels`, each uniform over its level's training ids."""
+    """`count` distinct task ids cycling through `levels`, each uniform over its level's training ids whose
+    program no held-out task has."""
     chosen: list[int] = []
     taken: set[int] = set()
     draw = 0
@@ -33,7 +36,7 @@ def trace_task_ids(levels: list[int], count: int, seed: int) -> list[int]:
         low, high = trace_training_range(level)
         task_id = low + derive_seed(seed, "sft-trace", level, draw) % (high - low)
         draw += 1
-        if task_id not in taken:
+        if task_id not in taken and not repeats_a_held_out_program(task_id):
             taken.add(task_id)
             chosen.append(task_id)
     return chosen
