@@ -12,6 +12,9 @@
 #   bash bench/gpu_rows.sh measure   # call 2 (carry .gpu/b), while the machine is warm: the benches
 #   bash bench/gpu_rows.sh check     # one call (carry .whl): bench/gpu_check.py, one JSON ($OUT/gpu_check.json);
 #                                    # CHECK_DEVICE=cpu CHECK_SHAPE=tiny runs it at CI size (tests/test_bench_gpu_check.py)
+#   bash bench/gpu_rows.sh admitted  # one call (carry .whl): one PPO step of Qwen3-32B (NF4) and Qwen3.6-35B-A3B (bf16)
+#                                    # built from their configs in GPU memory: time and peak against the memory plan
+#                                    # (bench/random_model_step.py; $OUT/admitted.json, one line each)
 #
 # Results go to $OUT (the device tool's folder), one JSON file per bench and the whole log.
 set -u
@@ -74,6 +77,18 @@ check() {
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     timeout 450 python3 -m bench.gpu_check --device "${CHECK_DEVICE:-cuda}" --shape "${CHECK_SHAPE:-smollm2}" \
         --json "$OUT/gpu_check.json" 2>&1 | grep -v "Loading weights\|Writing model shards" | tail -60
+}
+
+admitted() {
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || exit 1
+    fi
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    timeout 280 python3 -m bench.random_model_step --model qwen3-32b --4bit --device cuda 2>&1 \
+        | grep -v "Loading weights" | tail -3 | tee -a "$OUT/admitted.json"
+    timeout 280 python3 -m bench.random_model_step --model qwen3.6-35b-a3b --device cuda 2>&1 \
+        | grep -v "Loading weights" | tail -3 | tee -a "$OUT/admitted.json"
 }
 
 "$@" 2>&1 | tee -a "$OUT/log.txt"

@@ -58,7 +58,7 @@ def quantise_linears(model, compute_dtype: torch.dtype) -> None:
                                           compute_dtype=compute_dtype, quant_type="nf4", compress_statistics=True,
                                           device="meta")
             device = child.weight.device
-            quantised.weight = bnb.nn.Params4bit(child.weight.data.to("cpu"), requires_grad=False, quant_type="nf4",
+            quantised.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
                                                  compress_statistics=True).to(device)
             if child.bias is not None:
                 quantised.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
