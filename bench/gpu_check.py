@@ -40,7 +40,7 @@ from ppo_affine.envs.tasks import Task, game_task_id
 from ppo_affine.local_generation import LocalGenerator
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import RolloutRunner
-from ppo_affine.testing.tiny import SMOLLM2_SHAPE, TINY_SHAPE, make_tiny_model_dir
+from ppo_affine.testing.tiny import SMOLLM2_SHAPE, TINY_SHAPE, activate_adapter, make_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"smollm2": SMOLLM2_SHAPE, "tiny": TINY_SHAPE}
@@ -92,10 +92,7 @@ def decode_loop(folder: Path, device: str, episodes: int, max_new_tokens: int) -
     torch.manual_seed(0)
     model = ModelConfig(name_or_path=str(folder), use_4bit=False, dtype="bfloat16", gradient_checkpointing=False)
     policy = load_policy(model, LoraConfig(), torch.device(device))
-    with torch.no_grad():  # an adapter that moves the logits a little, as early in training
-        for name, parameter in policy.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 1e-3)
+    activate_adapter(policy.model, 1e-3)  # an adapter that moves the logits a little, as early in training
     cfg = GenerationConfig(backend="local", max_concurrent_episodes=episodes, max_new_tokens=max_new_tokens,
                            temperature=1.0)
     generator = SyncChecked(policy, cfg, seed=0)

@@ -24,7 +24,7 @@ from ppo_affine.config import LoraConfig, load_config
 from ppo_affine.model_files import load_dequantised_base, load_tokenizer, pick_device
 from ppo_affine.policy import load_policy
 from ppo_affine.prompts import PromptBuilder
-from ppo_affine.testing.tiny import make_tiny_architecture_dir
+from ppo_affine.testing.tiny import activate_adapter, make_tiny_architecture_dir
 
 TINY = ("qwen3", "qwen3_5_moe")
 
@@ -42,10 +42,7 @@ def gaps(name: str, scale: float, work: Path) -> dict:
     model_cfg = config.train.model
     torch.manual_seed(0)
     policy = load_policy(model_cfg, LoraConfig(), pick_device("cpu"))
-    with torch.no_grad():
-        for parameter_name, parameter in policy.model.named_parameters():
-            if "lora_B" in parameter_name:
-                parameter.normal_(0.0, scale)
+    activate_adapter(policy.model, scale)
     checkpoint = work / f"{name}-{scale}"
     policy.save(checkpoint)
     del policy

@@ -1,6 +1,5 @@
 """The architectures the validators admit (Qwen3 dense, Qwen3.6's hybrid linear-attention MoE) and qwen3_moe, shrunk:
 what each adapts, which optimisations stay exact or are switched off, and every path of the trainer on them."""
-import asyncio
 import json
 import logging
 from pathlib import Path
@@ -18,7 +17,7 @@ from ppo_affine.config import GenerationConfig, LoraConfig, ModelConfig
 from ppo_affine.local_generation import LocalGenerator
 from ppo_affine.policy import load_policy
 from ppo_affine.prompts import PromptBuilder
-from ppo_affine.testing.tiny import TINY_ARCHITECTURES, make_tiny_architecture_dir
+from ppo_affine.testing.tiny import TINY_ARCHITECTURES, activate_adapter, make_tiny_architecture_dir
 from test_generation import play, replies
 from test_train import metrics, tiny_args
 
@@ -31,7 +30,7 @@ def arch_dirs(tmp_path_factory) -> dict[str, Path]:
     return {name: make_tiny_architecture_dir(root / name, name) for name in TINY_ARCHITECTURES}
 
 
-def policy_of(folder: Path, **lora) -> "Policy":  # noqa: F821
+def policy_of(folder: Path, **lora):
     torch.manual_seed(0)
     model = ModelConfig(name_or_path=str(folder), use_4bit=False, dtype="float32", gradient_checkpointing=False)
     return load_policy(model, LoraConfig(**lora), torch.device("cpu"))
@@ -180,10 +179,7 @@ def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
 
 def active_adapter(folder: Path, out: Path, **lora) -> Path:
     policy = policy_of(folder, **lora)
-    with torch.no_grad():
-        for name, parameter in policy.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 0.1)
+    activate_adapter(policy.model, 0.1)
     policy.save(out)
     return out / "adapter"
 
@@ -239,10 +235,7 @@ def test_after_a_4bit_run_the_merge_lands_on_the_model_that_was_trained(arch_dir
     model_cfg = ModelConfig(name_or_path=str(base), use_4bit=True, dtype="float32", gradient_checkpointing=False)
     torch.manual_seed(0)
     policy = load_policy(model_cfg, LoraConfig(), torch.device("cpu"))
-    with torch.no_grad():
-        for name, parameter in policy.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 0.01)
+    activate_adapter(policy.model, 0.01)
     policy.save(tmp_path / "ckpt")
     sets = [f"model.name_or_path={base}", "model.use_4bit=true", "model.dtype=float32", "run.device=cpu"]
     args = ["--adapter", str(tmp_path / "ckpt" / "adapter"), "--dtype", "float32"]

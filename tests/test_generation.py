@@ -308,13 +308,10 @@ def test_the_folded_adapter_gives_the_adapters_logits_and_leaves_the_weights_unt
     import torch
 
     from ppo_affine.local_generation import FoldedAdapter
-    from ppo_affine.testing.tiny import load_tiny_policy
+    from ppo_affine.testing.tiny import activate_adapter, load_tiny_policy
 
     policy = load_tiny_policy(tiny_model_dir)
-    with torch.no_grad():
-        for name, parameter in policy.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 0.5)
+    activate_adapter(policy.model, 0.5)
     before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
     ids = torch.tensor([[5, 9, 13, 40, 2, 7]])
     policy.eval()
@@ -337,13 +334,10 @@ def test_a_fold_that_fails_at_a_layer_puts_every_weight_back_and_keeps_the_adapt
     from peft.tuners.lora import Linear as LoraLinear
 
     from ppo_affine.local_generation import FoldedAdapter
-    from ppo_affine.testing.tiny import load_tiny_policy
+    from ppo_affine.testing.tiny import activate_adapter, load_tiny_policy
 
     policy = load_tiny_policy(tiny_model_dir)
-    with torch.no_grad():
-        for name, parameter in policy.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 0.5)
+    activate_adapter(policy.model, 0.5)
     before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
     ids = torch.tensor([[5, 9, 13, 40, 2, 7]])
     policy.eval()
@@ -371,13 +365,10 @@ def test_a_fold_that_fails_at_a_layer_puts_every_weight_back_and_keeps_the_adapt
 
 def test_a_fold_whose_adapter_switch_fails_puts_every_weight_back(tiny_model_dir, monkeypatch):
     from ppo_affine.local_generation import FoldedAdapter
-    from ppo_affine.testing.tiny import load_tiny_policy
+    from ppo_affine.testing.tiny import activate_adapter, load_tiny_policy
 
     policy = load_tiny_policy(tiny_model_dir)
-    with torch.no_grad():
-        for name, parameter in policy.model.named_parameters():
-            if "lora_B" in name:  # a delta that changes the weights it is folded into
-                parameter.normal_(0.0, 0.5)
+    activate_adapter(policy.model, 0.5)  # a delta that changes the weights it is folded into
     before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
 
     def switch_fails():

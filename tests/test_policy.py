@@ -10,6 +10,7 @@ from ppo_affine.batching import build_sequences
 from ppo_affine.experience import score_sequences
 from ppo_affine.policy import adapter_weights_digest, load_policy, resolve_lora_targets
 from ppo_affine.rollout import Episode, Turn
+from ppo_affine.testing.tiny import activate_adapter
 from ppo_affine.update import UpdateSettings, UpdateState, build_optimizer, ppo_update
 from ppo_affine.config import ConfigError, LoraConfig, ModelConfig, PPOConfig
 
@@ -92,10 +93,7 @@ def test_rows_with_a_common_prefix_score_and_train_as_if_run_whole(tiny_policy, 
 
     ids, mask = _rows_sharing_a_prefix(tiny_policy)
     assert policy_module.common_prefix_length(ids) > prefixes.MIN_SHARED_PREFIX
-    with torch.no_grad():
-        for name, parameter in tiny_policy.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 0.3)  # an adapter that matters, so its gradients through the prefix do
+    activate_adapter(tiny_policy, 0.3)  # an adapter that matters, so its gradients through the prefix do
     for module in tiny_policy.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0  # as in PPO (ppo.disable_dropout): two passes must see the same network

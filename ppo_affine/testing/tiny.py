@@ -79,15 +79,20 @@ def load_tiny_policy(model_dir: Path, device: str = "cpu"):
     return load_policy(model_cfg, LoraConfig(), torch.device(device))
 
 
-def save_checkpoint_with_active_adapter(model_dir: Path, folder: Path) -> Path:
-    """A checkpoint folder (adapter/ + value_head.pt) whose LoRA B matrices are non-zero, so the adapter matters."""
+def activate_adapter(model, std: float) -> None:
+    """Draw every LoRA B matrix from N(0, std): a fresh adapter's B is zero, so it would change nothing."""
     import torch
 
-    policy = load_tiny_policy(model_dir)
     with torch.no_grad():
-        for name, parameter in policy.model.named_parameters():
+        for name, parameter in model.named_parameters():
             if "lora_B" in name:
-                parameter.normal_(0.0, 0.5)
+                parameter.normal_(0.0, std)
+
+
+def save_checkpoint_with_active_adapter(model_dir: Path, folder: Path) -> Path:
+    """A checkpoint folder (adapter/ + value_head.pt) whose LoRA B matrices are non-zero, so the adapter matters."""
+    policy = load_tiny_policy(model_dir)
+    activate_adapter(policy.model, 0.5)
     policy.save(folder)
     return folder
 
