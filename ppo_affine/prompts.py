@@ -288,6 +288,11 @@ class TokenHistory:
     """One episode's token sequences: each turn's prompt continues the current sequence when the
     template allows it, else starts a new one. `sequences[i]` ends with the last reply added to it.
 
+    A new sequence keeps the sampled ids of the history it still shows unchanged: where the render starts with
+    the text up to an earlier reply (latest first; e.g. the client stored the last reply whitespace-stripped, but
+    the replies before it as sampled), it is that sequence's ids up to that reply + the rest tokenised, as the
+    endpoint for evaluate() envs splices a call onto an earlier one (endpoint.py), so both give the same ids.
+
     `continue_sequences=False` renders every prompt afresh from the messages, the way an OpenAI chat
     server does (evaluation plays the validators' conversation; training keeps the sampled ids)."""
 
@@ -301,6 +306,8 @@ class TokenHistory:
         self._eos_text = ""  # the reply's final EOS as text, which the template writes after the reply
         self._reply = ""  # the last reply's text
         self._shown: list[dict[str, str]] = []  # the messages the last prompt rendered
+        self._texts: list[str] = []  # each sequence's text (prompt renders + reply texts), as `_rendered` grew
+        self._marks: list[tuple[int, int, int]] = []  # after each reply: (sequence, its ids then, its text then)
 
     def prompt(self, messages: list[dict[str, str]], keep_from: int) -> tuple[list[int], int, int] | None:
         """(prompt ids, sequence index, position of the reply's first token) for the pending turn;
@@ -310,6 +317,9 @@ class TokenHistory:
             continued = self._continue(messages[:first] + messages[first + self._dropped:])
             if continued is not None:
                 return continued
+            resumed = self._resume_from_a_reply(messages)
+            if resumed is not None:
+                return resumed
         # A sequence that outgrew the budget restarts at half of it, so that the turns after it extend it again
         # (keeping their KV cache) instead of each re-fitting and re-tokenising the whole prompt.
         room = self.builder.max_prompt_tokens // 2 if self.continue_sequences else 0
@@ -319,7 +329,27 @@ class TokenHistory:
         ids, self._rendered, self._dropped = fitted
         self._shown = messages[:first] + messages[first + self._dropped:]
         self.sequences.append(list(ids))
+        self._texts.append(self._rendered)
         return ids, len(self.sequences) - 1, len(ids)
+
+    def _resume_from_a_reply(self, messages: list[dict[str, str]]) -> tuple[list[int], int, int] | None:
+        """A new sequence from the latest earlier reply whose text (prompt render + reply + EOS) the render of
+        `messages` extends: its ids up to there + the rest tokenised. Only for a history that grew (no turn dropped,
+        `messages` extend the last prompt's), and only where the result fits the budget; None otherwise."""
+        if self._dropped or len(messages) <= len(self._shown) or messages[:len(self._shown)] != self._shown:
+            return None
+        text = self.builder.render(messages)
+        for sequence, length, end in reversed(self._marks):
+            before = self._texts[sequence][:end]
+            if len(text) > len(before) and text.startswith(before):
+                ids = self.sequences[sequence][:length] + self.builder.tokenize(text[len(before):])
+                if len(ids) > self.builder.max_prompt_tokens:
+                    return None
+                self.sequences.append(ids)
+                self._texts.append(text)
+                self._rendered, self._shown = text, list(messages)
+                return list(ids), len(self.sequences) - 1, len(ids)
+        return None
 
     def _still_dropped(self, messages: list[dict[str, str]], first: int) -> int:
         """The turns the last prompt dropped, when `messages` extend what it showed (the same episode's history,
@@ -341,6 +371,7 @@ class TokenHistory:
             return None
         sequence.extend(glue)
         self._rendered, self._shown = before + text, list(messages)
+        self._texts[-1] = self._rendered
         return list(sequence), len(self.sequences) - 1, len(sequence)
 
     def add_reply(self, reply_ids: list[int], reply_text: str) -> None:
@@ -350,3 +381,5 @@ class TokenHistory:
         self._reply = reply_text
         ends_with_eos = bool(reply_ids) and reply_ids[-1] in self.eos_ids
         self._eos_text = self.builder.token_text(reply_ids[-1]) if ends_with_eos else ""
+        self._texts[-1] = self._rendered + self._eos_text  # what the template writes after the reply: its EOS
+        self._marks.append((len(self.sequences) - 1, len(self.sequences[-1]), len(self._texts[-1])))

@@ -130,7 +130,8 @@ class RolloutRunner:
     every prompt is the chat template rendered afresh over the messages, as an OpenAI chat server
     renders it. Training sends the env what the model wrote and continues each episode's sequence with
     the exact sampled ids while the prompt allows it; under `full` a reply the client would store
-    stripped (reasoning, surrounding whitespace) starts a new sequence, rendered as validators show it."""
+    stripped (reasoning, surrounding whitespace) starts a new sequence, rendered as validators show it, that keeps
+    the sampled ids of the history before that reply (prompts.TokenHistory)."""
 
     def __init__(self, envs: dict[str, tuple[str, Env]], generator, prompt_builder: PromptBuilder,
                  gen_cfg: GenerationConfig, validator_conversation: bool = False, endpoint: ChatEndpoint | None = None,

@@ -266,12 +266,7 @@ class LegalMoves:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replies", [
-    pytest.param("greedy", marks=pytest.mark.xfail(strict=True, reason=(
-        "known, open: a greedy reply of the tiny model opens with whitespace the env's evaluate() strips before it "
-        "re-renders the history, so the endpoint's splice misses and it retokenises the text where the native path "
-        "keeps the sampled ids (issue 82)"))),
-    "legal"])
+@pytest.mark.parametrize("replies", ["greedy", "legal"])
 def test_the_game_env_through_its_evaluate_gives_the_native_paths_ids_and_rewards_call_by_call(tiny_model_dir,
                                                                                                tmp_path, replies):
     """Greedy replies of the tiny model (each game lost to three unusable replies) and legal moves (whole games that

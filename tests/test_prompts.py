@@ -67,6 +67,31 @@ def test_a_template_that_rerenders_history_starts_a_new_sequence(tokenizer):
     assert ids2 == h.builder.encode(second) and "hmm" not in tok.decode(ids2)
 
 
+def test_a_reply_stored_stripped_starts_a_sequence_that_keeps_the_earlier_replies_sampled_ids(tokenizer):
+    """The client stores reply 2 without its leading space: the history no longer extends the sequence, and the new
+    sequence is the old one up to reply 1 (sampled as "x", " ", "5", which re-tokenising "x 5" would not give:
+    "x", " 5") + the rest."""
+    h = history(tokenizer)
+    token, eos = (lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]), tokenizer.eos_token_id
+    sampled = token("x") + token(" ") + token("5") + [eos]
+    assert token("x 5") != sampled[:-1]
+    first = [SYSTEM, {"role": "user", "content": "move 1?"}]
+    ids, _, _ = h.prompt(first, 1)
+    h.add_reply(sampled, "x 5")
+    second = first + [{"role": "assistant", "content": "x 5"}, {"role": "user", "content": "move 2?"}]
+    _, sequence2, _ = h.prompt(second, 3)
+    assert sequence2 == 0
+    h.add_reply(token(" 7") + [eos], " 7")
+    third = second + [{"role": "assistant", "content": "7"}, {"role": "user", "content": "move 3?"}]
+    ids3, sequence3, start3 = h.prompt(third, 5)
+    assert sequence3 == 1 and start3 == len(ids3) and len(h.sequences) == 2
+    assert ids3[:len(ids) + len(sampled)] == ids + sampled  # reply 1 as sampled
+    assert ids3 != h.builder.encode(third) and tokenizer.decode(ids3) == h.builder.render(third)
+    h.add_reply([eos], "")  # the next turn continues the new sequence
+    ids4, sequence4, _ = h.prompt(third + [{"role": "assistant", "content": ""}, {"role": "user", "content": "4?"}], 7)
+    assert sequence4 == 1 and ids4[:len(ids3) + 1] == ids3 + [eos]
+
+
 def test_the_last_strategy_shows_a_fresh_prompt_each_turn(tokenizer):
     h = history(tokenizer)
     h.prompt([SYSTEM, {"role": "user", "content": "state 1"}], 1)
