@@ -472,6 +472,8 @@ class Trainer:
         metrics["totals/episodes"] = self.totals["episodes"]
         metrics["totals/episodes_failed"] = self.totals["episodes_failed"]
         metrics["dist/world_size"] = self.ranks.world_size
+        if isinstance(self.generator, LocalGenerator):  # the KV budget's readings (local/kv_*, held back, retries)
+            metrics.update(self.generator.memory_metrics())
         for name, (_, env) in self.envs.items():
             counts = self.ranks.sum_stats(env.error_counts() if hasattr(env, "error_counts") else {})
             metrics.update({f"env_errors/{name}/{k}": v for k, v in counts.items()})

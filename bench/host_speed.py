@@ -37,6 +37,13 @@ loop as it was (`wave` batching, the adapter unfolded) and as it is (`continuous
 generated tokens/s and nvidia-smi's busy readings (bench/gpu_busy.py):
 
     python -m bench.host_speed --real-model cuda --json host_speed_gpu.json
+
+`--decode-widths` times one decode step of the preset's model against the running batch's width (the padded
+cache's columns), 8 rows each: the median step, and the part of it that appending a column to every layer's
+keys and values costs (transformers' cache concatenates, copying the whole cache each step), so growth from
+rebuilding the padded cache is seen beside the attention's own growth:
+
+    python -m bench.host_speed --decode-widths 128,512,2048 --real-model cpu
 """
 from __future__ import annotations
 
@@ -59,7 +66,7 @@ from ppo_affine.seeds import derive_seed
 from ppo_affine.envs.factory import make_envs
 from ppo_affine.envs.tasks import Task, game_task_id
 from ppo_affine.generation import Generation
-from ppo_affine.local_generation import LocalGenerator
+from ppo_affine.local_generation import FoldedAdapter, LocalGenerator, Request
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import RolloutRunner
 from ppo_affine.testing.scripted import scripted_reply
@@ -365,6 +372,41 @@ def generate_ops_per_token(policy, prompts: list[list[int]], tokens: int) -> int
     return round((count(tokens) - count(1)) / (tokens - 1))
 
 
+def decode_ms_by_width(policy, widths: list[int], rows: int = 8, steps: int = 12) -> dict[str, dict[str, float]]:
+    """Per width: the median decode step of `rows` rows whose prompts fill `width` columns (ms), and the median
+    time of appending one column to every layer's keys and values by concatenation, as the cache does (ms)."""
+    cfg = GenerationConfig(backend="local", max_new_tokens=steps + 2, temperature=1.0, reuse_kv_cache=False)
+    filler = policy.tokenizer("go ", add_special_tokens=False)["input_ids"]
+    device = policy.device
+    result = {}
+    for width in widths:
+        generator = LocalGenerator(policy, cfg, seed=0)
+        prompt = (filler * width)[:width]
+        requests = [Request(row, prompt, seed=row, future=None) for row in range(rows)]
+        with contextlib.ExitStack() as held, torch.no_grad():
+            held.enter_context(policy.evaluating())
+            if generator.folds_adapter():
+                held.enter_context(FoldedAdapter(policy.model))
+            generator._device_values(generator._launch_step(requests))  # the prefill: the batch starts running
+            step_ms, append_ms = [], []
+            for _ in range(steps):
+                started = time.perf_counter()
+                generator._device_values(generator._launch_step([]))
+                step_ms.append(1000 * (time.perf_counter() - started))
+                layers = generator._running.cache.layers
+                started = time.perf_counter()
+                appended = [torch.cat([tensor, tensor[:, :, -1:]], dim=2) for layer in layers
+                            for tensor in (layer.keys, layer.values)]
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                append_ms.append(1000 * (time.perf_counter() - started))
+                del appended
+        result[str(width)] = {"ms_per_step": round(sorted(step_ms)[steps // 2], 3),
+                              "cache_append_ms": round(sorted(append_ms)[steps // 2], 3)}
+        print(width, json.dumps(result[str(width)]), flush=True)
+    return result
+
+
 # ---------------------------------------------------------------------- the run
 def real_policy(preset: str, device: str = "cpu", overrides: list[str] = ()):
     from ppo_affine.policy import load_policy
@@ -404,7 +446,21 @@ def main(argv: list[str] | None = None) -> dict:
                              "after, with nvidia-smi's busy readings")
     parser.add_argument("--max-new-tokens", type=int, default=6, help="with --real-model")
     parser.add_argument("--set", action="append", default=[], help="with --real-model: config overrides")
+    parser.add_argument("--decode-widths", metavar="W,W,...",
+                        help="only time a decode step of 8 rows at these running-batch widths, on --real-model's "
+                             "device (default cpu), the preset's model (--small: the tiny model)")
     args = parser.parse_args(argv)
+    if args.decode_widths:
+        widths = [int(width) for width in args.decode_widths.split(",")]
+        if args.small:
+            policy, name = load_tiny_policy(make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="host-speed-")) / "t")), "tiny"
+        else:
+            policy, name = real_policy(args.preset, args.real_model or "cpu", args.set)
+        result = {"model": name, "device": str(policy.device), "rows": 8,
+                  "decode_ms_by_width": decode_ms_by_width(policy, widths)}
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        return result
     if args.real_model:
         result = real_model_main(args)
         if args.json:

@@ -241,10 +241,12 @@ class GenerationConfig(Strict):
                                          "of a decode step).")
     reuse_kv_cache: bool = Field(True, description="local backend: keep each episode's KV cache between its turns.")
     kv_cache_budget: int | None = Field(
-        None, ge=0, description="local backend: the most tokens of kept episode KV caches (reuse_kv_cache) a rollout "
-        "holds; past it the least recently used episode's cache is dropped and its next turn prefilled again. null "
-        "= a quarter of the device's free memory at the first kept cache (CUDA; on CPU, of the available memory), "
-        "in tokens of this model's cache. 0 keeps none.")
+        None, ge=0, description="local backend: the most tokens of keys/values a rollout holds, the running decode "
+        "batch and the kept episode caches together. A request joins the batch only while the batch with it, at its "
+        "padded width + max_new_tokens, fits (one row always runs); kept caches get what the batch leaves, the least "
+        "recently used dropped first (its episode's next turn is prefilled again). null = half of the device's free "
+        "memory at the first decode step (CUDA, counting blocks PyTorch holds unused; on CPU, the available memory), "
+        "in tokens of this model's cache. 0: one row at a time, no cache kept.")
     local_batching: Literal["continuous", "wave"] = Field(
         "continuous", description="local backend: continuous = a reply request joins the next decode step as soon as "
         "its episode asks; wave = the old barrier, a batch starts when every live episode has asked (for comparison).")

@@ -7,9 +7,12 @@ from the host (new tokens, masks, positions, the draws' keys) before its first k
 after a launch would wait for the launched work. A request (an episode's prompt for its next turn) joins at the
 next step: its new tokens are prefilled, from its episode's kept keys/values where they match, and its row is
 appended to the batch; a row leaves when it samples an end-of-sequence id, reaches `max_new_tokens` or (with
-`stop_at_closing_fence`) closes a fenced block, and its keys/values are kept for the episode's next turn (up to
-`generation.kv_cache_budget` tokens in all, the least recently used dropped first). Out of memory in a step puts
-its rows back with their replies so far and halves the rows a step may run. So an episode waiting on its
+`stop_at_closing_fence`) closes a fenced block, and its keys/values are kept for the episode's next turn.
+`generation.kv_cache_budget` bounds the keys/values a rollout holds, in tokens: a request joins only while the
+running batch it joins fits (its rows × (the longest row + max_new_tokens), the padded cache it may grow to; a
+batch of one row always runs), and kept caches get what the running batch leaves, the least recently used dropped
+first. Out of memory in a step puts its rows back with their replies so far and halves the rows a step may run
+(and the budget). So an episode waiting on its
 opponent's search holds up no other episode's reply (`generation.local_batching: continuous`). `wave` keeps the
 old barrier for comparison: a batch starts only when every live episode has asked and runs until its last row
 ends.
@@ -46,6 +49,7 @@ from ppo_affine.architectures import (append_cache_rows, keep_cache_columns, kv_
 from ppo_affine.config import GenerationConfig
 from ppo_affine.seeds import derive_seed
 from ppo_affine.generation import Generation, closes_fence, eos_token_ids
+from ppo_affine.memory_plan import kv_bytes_per_token
 from ppo_affine.policy import kv_cache_keyword
 from ppo_affine.sampling import draw_keys, sample_tokens
 
@@ -83,9 +87,11 @@ class EpisodeCache:
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """What the device can still allocate: CUDA's free memory, or the machine's available memory."""
+    """What the device can still allocate: CUDA's free memory and the blocks PyTorch holds unused (the last
+    update's activations), or the machine's available memory."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+            torch.cuda.memory_allocated(device)
     import psutil
 
     return psutil.virtual_memory().available
@@ -249,8 +255,15 @@ class LocalGenerator:
         self.live_episodes = 0
         self._pending: list[Request] = []
         self._caches: OrderedDict[int, EpisodeCache] = OrderedDict()  # least recently used first
-        self.cache_budget = gen_cfg.kv_cache_budget  # tokens; None until the first kept cache sets the default
+        self.cache_budget = gen_cfg.kv_cache_budget  # tokens; None until the first step sets the default
+        # what a token of this model's cache takes, and a row's fixed share (linear-attention layers keep a state
+        # per row, not per token) in tokens of it
+        per_token, per_row = kv_bytes_per_token(policy.model.config, self._cache_element_bytes(policy.model))
+        self.cache_bytes_per_token = max(per_token, 1.0)
+        self._row_tokens = int(per_row // self.cache_bytes_per_token)
         self.evicted_caches = 0
+        self.steps_held_back = 0  # steps that left a waiting request out for want of room in the budget
+        self.peak_cache_tokens = 0  # the most tokens the running batch and kept caches held at once
         self.row_cap: int | None = None  # the most rows a step runs, set after running out of memory
         self.out_of_memory_retries = 0
         self._running: Running | None = None
@@ -284,6 +297,33 @@ class LocalGenerator:
         self._pending.append(request)
         self._wake()
         return await request.future
+
+    @staticmethod
+    def _cache_element_bytes(model) -> int:
+        """Bytes of one cached key or value: the hidden states' dtype, the input embeddings' (float32 under 4-bit,
+        where the k-bit preparation keeps activations in float32)."""
+        return model.get_input_embeddings().weight.element_size()
+
+    def budget(self) -> int:
+        """`generation.kv_cache_budget` in tokens; by default half of the device's free memory when first asked (at
+        a rollout's first step, when the update's activations are gone), for the running batch and the kept caches."""
+        if self.cache_budget is None:
+            self.cache_budget = int(free_memory_bytes(self.policy.device) / 2 / self.cache_bytes_per_token)
+            log.info("generation.kv_cache_budget: %d tokens of keys/values (half of the free memory, %.0f bytes a "
+                     "token)", self.cache_budget, self.cache_bytes_per_token)
+        return self.cache_budget
+
+    def memory_metrics(self) -> dict[str, float]:
+        """The budget's readings since the generator was made, for the step's metrics."""
+        return {"local/kv_budget_tokens": float(self.budget()), "local/kv_peak_tokens": float(self.peak_cache_tokens),
+                "local/evicted_caches": float(self.evicted_caches), "local/steps_held_back": float(self.steps_held_back),
+                "local/out_of_memory_retries": float(self.out_of_memory_retries)}
+
+    def _running_tokens(self, rows: int, width: int) -> int:
+        return rows * (width + self._row_tokens)
+
+    def _kept_tokens(self) -> int:
+        return sum(len(kept.ids) for kept in self._caches.values())
 
     @contextlib.asynccontextmanager
     async def rollout(self, step: int):
@@ -358,8 +398,8 @@ class LocalGenerator:
             await self._work.wait()
 
     def _joining(self) -> list[Request]:
-        """The requests that join this step, in episode order (see JOIN_WAIT_STEPS), as many as `row_cap` lets
-        in (the earliest first)."""
+        """The requests that join this step, in episode order (see JOIN_WAIT_STEPS), as many as `row_cap` and the
+        budget let in (the earliest first)."""
         if not self._pending:
             return []
         running_rows = len(self._running.requests) if self._running is not None else 0
@@ -372,10 +412,30 @@ class LocalGenerator:
         if not due:
             return []
         room = len(self._pending) if self.row_cap is None else self.row_cap - running_rows
+        room = min(room, self._room_in_budget())
         if room <= 0:
             return []
         joining, self._pending = self._pending[:room], self._pending[room:]
         return sorted(joining, key=lambda r: r.key)
+
+    def _room_in_budget(self) -> int:
+        """How many of the waiting requests (the earliest first) can join: while the running batch with them, at
+        its padded width + max_new_tokens (the cache it may grow to), fits the budget. The joining rows' width is
+        their prefill's ([kept prefix | new tokens], each part as wide as its widest row; prefixes fresh rows
+        share are not foreseen). A batch with no row takes one whatever its size: it must run."""
+        rows = len(self._running.requests) if self._running is not None else 0
+        width = self._running.width if self._running is not None else 0
+        budget, room, widest_kept, widest_new = self.budget(), 0, 0, 0
+        for request in self._pending:
+            kept = self._caches.get(request.key) if self.reuse_cache else None
+            reuse = min(prefixes.common_prefix(kept.ids, request.fed), len(request.fed) - 1) if kept else 0
+            widest_kept, widest_new = max(widest_kept, reuse), max(widest_new, len(request.fed) - reuse)
+            joined = max(width, widest_kept + widest_new)
+            if rows + room and self._running_tokens(rows + room + 1, joined + self.cfg.max_new_tokens) > budget:
+                self.steps_held_back += 1
+                break
+            room += 1
+        return room
 
     async def _serve(self) -> None:
         while True:
@@ -408,16 +468,17 @@ class LocalGenerator:
             self._step_seconds = 0.8 * self._step_seconds + 0.2 * (time.monotonic() - started)
 
     def _recover_from_running_out_of_memory(self, joining: list[Request], exc: BaseException) -> None:
-        """Out of memory in a step: the kept caches are dropped and the budget for them halved, the step's rows
-        go back to waiting with their replies so far, and at most half of them decode at once from now on (each
-        rejoins with a prefill of its prompt and reply, drawing the tokens it would have drawn). A step of one row
-        that runs out of memory fails that row's request."""
-        rows = (self._running.requests if self._running is not None else []) + joining
+        """Out of memory in a step: the kept caches are dropped, the budget halved to half of what the step held
+        (running batch and kept caches), the step's rows go back to waiting with their replies so far, and at most
+        half of them decode at once from now on (each rejoins with a prefill of its prompt and reply, drawing the
+        tokens it would have drawn). A step of one row that runs out of memory fails that row's request."""
+        running = self._running
+        rows = (running.requests if running is not None else []) + joining
+        held = self._kept_tokens() + (self._running_tokens(len(running.requests), running.width) if running else 0)
         self._running = None
-        held = sum(len(kept.ids) for kept in self._caches.values())
         self._caches.clear()
-        if held and self.cache_budget is not None:
-            self.cache_budget = min(self.cache_budget, held // 2)
+        if held:
+            self.cache_budget = min(self.budget(), held // 2)
         if len(rows) <= 1:
             log.warning("local generation ran out of memory on a single row: %s", exc)
             for request in rows:
@@ -509,6 +570,9 @@ class LocalGenerator:
         cached_width = max(reuse)
         new_width = max(len(r.fed) - n for r, n in zip(joining, reuse))
         width = cached_width + new_width
+        for request in joining:  # the running batch holds these keys/values now; a new cache is kept when it ends
+            self._caches.pop(request.key, None)
+        self._fit_kept_caches(len(joining), width)
         input_ids = torch.full((len(joining), new_width), self.tokenizer.pad_token_id, dtype=torch.long)
         positions = torch.zeros((len(joining), new_width), dtype=torch.long)
         mask = torch.zeros((len(joining), width), dtype=torch.long)
@@ -530,7 +594,7 @@ class LocalGenerator:
         """The joining rows' forward call, after the prefixes fresh rows share have run once."""
         joining, reuse, caches = staged.requests, staged.reuse, list(staged.kept)
         for rows, prefix, prefix_ids in staged.shared:
-            shared = self._run_shared_prefix([joining[row] for row in rows], prefix, prefix_ids)
+            shared = self._run_shared_prefix(prefix, prefix_ids)
             for row in rows:
                 caches[row] = shared
         self.prompt_tokens += sum(len(r.prompt) for r in joining)
@@ -555,6 +619,9 @@ class LocalGenerator:
         running.next_logprobs = torch.cat([running.next_logprobs, joining.next_logprobs])
 
     def _finish_step(self, sampled: list[list[float]]) -> None:
+        running = self._running
+        self.peak_cache_tokens = max(self.peak_cache_tokens, self._kept_tokens() + (
+            self._running_tokens(len(running.requests), running.width) if running is not None else 0))
         tokens, logprobs = sampled
         for request, token, logprob in zip(self._running.requests, tokens, logprobs):
             request.reply.append(int(token))
@@ -620,16 +687,20 @@ class LocalGenerator:
         self._remember(request.key, EpisodeCache(ids=request.prompt + request.reply[:-1], layers=layers))
 
     def _remember(self, key: int, cache: EpisodeCache) -> None:
-        """Keep an episode's cache as the most recently used, then drop the least recently used ones past the
-        budget (`generation.kv_cache_budget`); a dropped episode's next turn is prefilled from its tokens."""
-        if self.cache_budget is None:
-            self.cache_budget = int(free_memory_bytes(self.policy.device) / 4 / cache.bytes_per_token())
-            log.info("generation.kv_cache_budget: %d tokens of kept KV caches (a quarter of the free memory)",
-                     self.cache_budget)
+        """Keep an episode's cache as the most recently used, then drop the least recently used ones past what
+        the running batch leaves of the budget; a dropped episode's next turn is prefilled from its tokens."""
         self._caches[key] = cache
         self._caches.move_to_end(key)
-        held = sum(len(kept.ids) for kept in self._caches.values())
-        while held > self.cache_budget and self._caches:
+        self._fit_kept_caches()
+
+    def _fit_kept_caches(self, joining_rows: int = 0, joining_width: int = 0) -> None:
+        """Drop the least recently used kept caches until they fit in what the running batch (with `joining_rows`
+        more of `joining_width` columns) leaves of the budget."""
+        rows = (len(self._running.requests) if self._running is not None else 0) + joining_rows
+        width = max(self._running.width if self._running is not None else 0, joining_width)
+        room = self.budget() - (self._running_tokens(rows, width) if rows else 0)
+        held = self._kept_tokens()
+        while held > room and self._caches:
             _, dropped = self._caches.popitem(last=False)
             held -= len(dropped.ids)
             self.evicted_caches += 1
@@ -666,18 +737,14 @@ class LocalGenerator:
             shared_prefixes.append((rows, prompts[members[0]][:shared]))
         return shared_prefixes
 
-    def _run_shared_prefix(self, requests: list[Request], prefix: list[int], prefix_ids: torch.Tensor
-                           ) -> EpisodeCache:
-        """One forward call over a prefix the requests share (`prefix_ids`: its ids on the device, [1, n]); its
-        keys/values become each one's cache, and are returned."""
+    def _run_shared_prefix(self, prefix: list[int], prefix_ids: torch.Tensor) -> EpisodeCache:
+        """One forward call over a prefix some joining rows share (`prefix_ids`: its ids on the device, [1, n]); its
+        keys/values are each one's cache for this prefill."""
         self.forward_calls += 1
         out = self.policy.model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1)
         layers = [(layer.keys[0], layer.values[0]) for layer in getattr(out, self._cache_name).layers]
-        shared = EpisodeCache(ids=list(prefix), layers=layers)
-        for request in requests:
-            self._remember(request.key, shared)
         self.prefilled_tokens += len(prefix)  # once; each row's rest is counted with its prefill
-        return shared
+        return EpisodeCache(ids=list(prefix), layers=layers)
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:

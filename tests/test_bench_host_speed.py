@@ -78,3 +78,12 @@ def test_gpu_busy_keeps_nvidia_smis_readings_and_skips_what_is_not_a_number(tmp_
     with GpuBusy() as nothing:
         pass
     assert nothing.summary() is None
+
+
+def test_the_decode_step_is_timed_at_each_running_batch_width(tmp_path):
+    result = host_speed.main(["--small", "--decode-widths", "16,64", "--json", str(tmp_path / "widths.json")])
+    assert result["model"] == "tiny" and result["rows"] == 8
+    assert set(result["decode_ms_by_width"]) == {"16", "64"}
+    for timed in result["decode_ms_by_width"].values():
+        assert timed["ms_per_step"] > 0 and 0 < timed["cache_append_ms"] < timed["ms_per_step"]
+    assert (tmp_path / "widths.json").exists()

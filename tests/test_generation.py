@@ -657,15 +657,55 @@ def test_kept_caches_past_the_budget_drop_the_least_recently_used_and_change_no_
     assert tight.prefilled_tokens > plenty.prefilled_tokens  # a dropped episode's next turn is prefilled again
 
 
-def test_the_default_budget_is_a_quarter_of_the_free_memory_in_tokens_of_the_models_cache(tiny_policy, monkeypatch):
+def test_the_default_budget_is_half_the_free_memory_in_tokens_of_the_models_cache(tiny_policy, monkeypatch):
+    """The tiny model: 2 layers x 2 key/value heads x 8 dims, keys and values in float32 = 256 bytes a token, as
+    the caches it keeps measure."""
     from ppo_affine import local_generation
 
-    generator = LocalGenerator(tiny_policy, GenerationConfig(backend="local"), seed=0)
-    layer = (torch.zeros(2, 10, 8), torch.zeros(2, 10, 8))  # 2 heads x 8 dims, keys and values: 128 bytes a token
-    cache = local_generation.EpisodeCache(ids=list(range(10)), layers=[layer, layer])  # 2 layers: 256 bytes a token
     monkeypatch.setattr(local_generation, "free_memory_bytes", lambda device: 4 * 256 * 1000)
-    generator._remember(0, cache)
-    assert generator.cache_budget == 1000
+    _, generator = played_with(tiny_policy, KeepsTrack)
+    assert generator.cache_bytes_per_token == 256 and generator.cache_budget == 2000
+    assert {kept.bytes_per_token() for kept in generator._caches.values()} <= {256.0}
+
+
+class WatchesTheBatch(KeepsTrack):
+    """The real decode loop, noting each step's rows and what the running batch and kept caches hold."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rows: list[int] = []
+        self.held_at_step: list[int] = []
+
+    def _finish_step(self, sampled):
+        running = self._running
+        self.rows.append(len(running.requests))
+        self.held_at_step.append(self._kept_tokens() + self._running_tokens(len(running.requests), running.width))
+        super()._finish_step(sampled)
+
+
+def test_the_budget_bounds_the_running_batch_and_the_kept_caches_together_and_changes_no_token(tiny_policy):
+    """5 episodes of 3 turns, 3 at once, prompts of ~30 to ~90 tokens, replies up to 5: unbounded, the running batch
+    and the kept caches reach 192 tokens; with a budget of 120 they never pass it (rows wait for room, kept caches
+    are dropped), and every reply is the one it is unbounded."""
+    unbounded, plenty = played_with(tiny_policy, WatchesTheBatch, kv_cache_budget=10**9)
+    bounded, tight = played_with(tiny_policy, WatchesTheBatch, kv_cache_budget=120)
+    assert bounded == unbounded
+    assert max(plenty.held_at_step) == 192 and plenty.steps_held_back == 0 and plenty.evicted_caches == 0
+    assert max(tight.held_at_step) <= 120 and tight.steps_held_back > 0 and tight.evicted_caches > 0
+    assert len(tight.rows) > len(plenty.rows)  # fewer rows a step: more steps
+    assert tight.peak_cache_tokens == max(tight.held_at_step)
+    metrics = tight.memory_metrics()
+    assert metrics["local/kv_budget_tokens"] == 120 and metrics["local/steps_held_back"] == tight.steps_held_back
+
+
+def test_a_row_longer_than_the_budget_still_runs_alone(tiny_policy):
+    cfg = GenerationConfig(backend="local", max_new_tokens=3, temperature=0.0, kv_cache_budget=5)
+    builder = PromptBuilder(tiny_policy.tokenizer, 4096)
+    prompts = [builder.encode([{"role": "user", "content": "go " * n}]) for n in (8, 9)]
+    generator = WatchesTheBatch(tiny_policy, cfg, seed=0)
+    alone = replies(generator, prompts)
+    together = replies(LocalGenerator(tiny_policy, cfg.model_copy(update={"kv_cache_budget": 10**9}), seed=0), prompts)
+    assert alone == together and max(generator.rows) == 1 and all(len(reply) == 3 for reply in alone)
 
 
 class RunsOutOfMemoryAbove(LocalGenerator):
