@@ -18,7 +18,8 @@ What the endpoint does as a chat server would, so that training sees the text va
 - The run's sampling settings win: temperature, top-p/top-k and `generation.max_new_tokens` apply whatever the
   request asks (a difference is logged once per setting and value). A prompt longer than
   `generation.max_prompt_tokens` is answered 400 with the limit named, as vLLM answers a context overflow; a reply
-  that reaches max_new_tokens ends with `finish_reason: "length"`.
+  that reaches max_new_tokens ends with `finish_reason: "length"`. An episode's calls past `generation.max_turns`
+  are answered 400 and the episode is cut off (not trained on, as a native episode that hits the limit).
 - A streamed request gets its reply as server-sent events once it is generated (the generator returns whole
   replies): a role chunk, the reasoning, the content, the tool calls, the finish reason, usage when asked, [DONE].
 - At most `generation.max_concurrent_episodes` calls generate at once.
@@ -76,6 +77,7 @@ class EpisodeCalls:
     url: str
     calls: list[CallRecord] = field(default_factory=list)
     requested: int = 0
+    refused: int = 0  # calls past generation.max_turns, answered 400
 
 
 def endpoint_for(config: Config, generator, prompts: PromptBuilder, model_type: str | None) -> "ChatEndpoint | None":
@@ -247,6 +249,10 @@ class ChatEndpoint:
                           f"However, your request has {len(prompt_ids)} input tokens, more than the trainer's "
                           f"generation.max_prompt_tokens={limit} (which leaves room for generation.max_new_tokens="
                           f"{self.cfg.max_new_tokens}). Please reduce the length of the input messages.")
+        if door.requested >= self.cfg.max_turns:  # a harness that never stops: the episode is cut off, as natively
+            door.refused += 1
+            return _error(400, f"this episode has made {door.requested} model calls, the trainer's limit "
+                          f"(generation.max_turns={self.cfg.max_turns})")
         self._note_sampling(body)
         index = door.requested
         door.requested += 1

@@ -324,6 +324,7 @@ class RolloutRunner:
                               sequence=sequence, start=start, adapter_step=call.adapter_step)
                          for call, (sequence, start) in zip(calls, placements)]
         episode.info = {"evaluate_result": result, "prefix_breaks": breaks, "calls": len(calls)}
+        episode.cut_off = door.refused > 0  # it asked past generation.max_turns
         if fault is not None:
             episode.info["fault"] = fault[0]
             episode.error = f"evaluate() of env {task.env!r} failed: {fault[0]}: {fault[1]}"

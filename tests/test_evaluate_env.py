@@ -74,8 +74,8 @@ def task(task_id: int = 32, seed: int = 5) -> Task:
     return Task(env="quiz", task_id=task_id, seed=seed, opponent=None, stage="s", replay=False)
 
 
-def runner_for(env, tokenizer, replies: list[str], **evaluate_kwargs) -> RolloutRunner:
-    cfg = GenerationConfig(max_new_tokens=64, max_prompt_tokens=2048, max_concurrent_episodes=2)
+def runner_for(env, tokenizer, replies: list[str], max_turns: int = 200, **evaluate_kwargs) -> RolloutRunner:
+    cfg = GenerationConfig(max_new_tokens=64, max_prompt_tokens=2048, max_concurrent_episodes=2, max_turns=max_turns)
     generator = ScriptedGenerator(tokenizer, replies)
     prompts = PromptBuilder(tokenizer, cfg.max_prompt_tokens)
     endpoint = ChatEndpoint(generator, prompts, cfg, HERMES, "tiny", EndpointConfig())
@@ -126,6 +126,15 @@ def test_an_evaluate_that_fails_drops_the_episode_with_its_reason(quiz_url, toke
     [episode] = play(runner_for(env, tokenizer, [TOOL_CALL, "5", "5"], fault=fault), [task()])
     assert episode.info["fault"] == kind
     assert episode.error.startswith(f"evaluate() of env 'quiz' failed: {kind}: ")
+
+
+def test_calls_past_max_turns_are_refused_and_cut_the_episode_off(quiz_url, tokenizer):
+    """The quiz makes 3 calls; with generation.max_turns 2 its third is answered 400, its client raises, and the
+    episode is cut off (dropped from training, as a native episode at the limit) with the 2 calls it made."""
+    env = AffinetesEnv(mode="url", base_url=quiz_url, call_timeout=30, max_retries=0)
+    [episode] = play(runner_for(env, tokenizer, [TOOL_CALL, "It is 5", "5"], max_turns=2), [task()])
+    assert episode.cut_off and episode.info["calls"] == 2 and len(episode.turns) == 2
+    assert episode.error is not None and "max_turns=2" in episode.error
 
 
 def test_a_harness_that_never_calls_the_endpoint_stops_the_run_naming_the_env(quiz_url, tokenizer):
