@@ -263,7 +263,8 @@ class LocalGenerator:
         self._row_tokens = int(per_row // self.cache_bytes_per_token)
         self.evicted_caches = 0
         self.steps_held_back = 0  # steps that left a waiting request out for want of room in the budget
-        self.peak_cache_tokens = 0  # the most tokens the running batch and kept caches held at once
+        self.cache_tokens = 0  # the tokens the running batch and kept caches held at the last step
+        self.peak_cache_tokens = 0  # the most they held at once
         self.row_cap: int | None = None  # the most rows a step runs, set after running out of memory
         self.out_of_memory_retries = 0
         self._running: Running | None = None
@@ -420,22 +421,27 @@ class LocalGenerator:
 
     def _room_in_budget(self) -> int:
         """How many of the waiting requests (the earliest first) can join: while the running batch with them, at
-        its padded width + max_new_tokens (the cache it may grow to), fits the budget. The joining rows' width is
-        their prefill's ([kept prefix | new tokens], each part as wide as its widest row; prefixes fresh rows
-        share are not foreseen). A batch with no row takes one whatever its size: it must run."""
+        its padded width + max_new_tokens (the cache it may grow to), fits the budget. A batch with no row takes
+        one whatever its size: it must run."""
         rows = len(self._running.requests) if self._running is not None else 0
-        width = self._running.width if self._running is not None else 0
-        budget, room, widest_kept, widest_new = self.budget(), 0, 0, 0
+        budget, room = self.budget(), 0
         for request in self._pending:
-            kept = self._caches.get(request.key) if self.reuse_cache else None
-            reuse = min(prefixes.common_prefix(kept.ids, request.fed), len(request.fed) - 1) if kept else 0
-            widest_kept, widest_new = max(widest_kept, reuse), max(widest_new, len(request.fed) - reuse)
-            joined = max(width, widest_kept + widest_new)
+            joined = self._width_with(self._pending[:room + 1])
             if rows + room and self._running_tokens(rows + room + 1, joined + self.cfg.max_new_tokens) > budget:
                 self.steps_held_back += 1
                 break
             room += 1
         return room
+
+    def _width_with(self, joining: list[Request]) -> int:
+        """The running batch's width once `joining` joins it: their prefill's is [kept prefix | new tokens], each
+        part as wide as its widest row (prefixes fresh rows share are not foreseen)."""
+        widest_kept = widest_new = 0
+        for request in joining:
+            kept = self._caches.get(request.key) if self.reuse_cache else None
+            reuse = min(prefixes.common_prefix(kept.ids, request.fed), len(request.fed) - 1) if kept else 0
+            widest_kept, widest_new = max(widest_kept, reuse), max(widest_new, len(request.fed) - reuse)
+        return max(self._running.width if self._running is not None else 0, widest_kept + widest_new)
 
     async def _serve(self) -> None:
         while True:
@@ -444,6 +450,7 @@ class LocalGenerator:
             await asyncio.sleep(0)
             await self._wait_for_work()
             joining = self._joining()
+            self._fit_kept_caches(joining)  # here, on the loop: a CPU step runs in a thread
             started = time.monotonic()
             try:
                 if self.launches_inline():  # launch on the loop; the one wait for the device goes to a thread
@@ -570,9 +577,6 @@ class LocalGenerator:
         cached_width = max(reuse)
         new_width = max(len(r.fed) - n for r, n in zip(joining, reuse))
         width = cached_width + new_width
-        for request in joining:  # the running batch holds these keys/values now; a new cache is kept when it ends
-            self._caches.pop(request.key, None)
-        self._fit_kept_caches(len(joining), width)
         input_ids = torch.full((len(joining), new_width), self.tokenizer.pad_token_id, dtype=torch.long)
         positions = torch.zeros((len(joining), new_width), dtype=torch.long)
         mask = torch.zeros((len(joining), width), dtype=torch.long)
@@ -620,8 +624,10 @@ class LocalGenerator:
 
     def _finish_step(self, sampled: list[list[float]]) -> None:
         running = self._running
-        self.peak_cache_tokens = max(self.peak_cache_tokens, self._kept_tokens() + (
-            self._running_tokens(len(running.requests), running.width) if running is not None else 0))
+        for request in running.requests:  # the batch holds these keys/values now; a new cache is kept at the end
+            self._caches.pop(request.key, None)
+        self.cache_tokens = self._kept_tokens() + self._running_tokens(len(running.requests), running.width)
+        self.peak_cache_tokens = max(self.peak_cache_tokens, self.cache_tokens)
         tokens, logprobs = sampled
         for request, token, logprob in zip(self._running.requests, tokens, logprobs):
             request.reply.append(int(token))
@@ -693,16 +699,17 @@ class LocalGenerator:
         self._caches.move_to_end(key)
         self._fit_kept_caches()
 
-    def _fit_kept_caches(self, joining_rows: int = 0, joining_width: int = 0) -> None:
-        """Drop the least recently used kept caches until they fit in what the running batch (with `joining_rows`
-        more of `joining_width` columns) leaves of the budget."""
-        rows = (len(self._running.requests) if self._running is not None else 0) + joining_rows
-        width = max(self._running.width if self._running is not None else 0, joining_width)
-        room = self.budget() - (self._running_tokens(rows, width) if rows else 0)
+    def _fit_kept_caches(self, joining: list[Request] = ()) -> None:
+        """Drop the least recently used kept caches until they fit in what the running batch, with `joining` in it,
+        leaves of the budget (never a joining row's own: its prefill starts from it, and it is dropped then)."""
+        rows = (len(self._running.requests) if self._running is not None else 0) + len(joining)
+        room = self.budget() - (self._running_tokens(rows, self._width_with(joining)) if rows else 0)
+        spared = {request.key for request in joining}
         held = self._kept_tokens()
-        while held > room and self._caches:
-            _, dropped = self._caches.popitem(last=False)
-            held -= len(dropped.ids)
+        for key in [key for key in self._caches if key not in spared]:  # least recently used first
+            if held <= room:
+                break
+            held -= len(self._caches.pop(key).ids)
             self.evicted_caches += 1
 
     def _reused_lengths(self, requests: list[Request]

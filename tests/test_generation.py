@@ -677,10 +677,9 @@ class WatchesTheBatch(KeepsTrack):
         self.held_at_step: list[int] = []
 
     def _finish_step(self, sampled):
-        running = self._running
-        self.rows.append(len(running.requests))
-        self.held_at_step.append(self._kept_tokens() + self._running_tokens(len(running.requests), running.width))
+        self.rows.append(len(self._running.requests))
         super()._finish_step(sampled)
+        self.held_at_step.append(self.cache_tokens)
 
 
 def test_the_budget_bounds_the_running_batch_and_the_kept_caches_together_and_changes_no_token(tiny_policy):
