@@ -180,6 +180,9 @@ def train_with_resume(folder: Path, device: str, work: Path, use_4bit: bool) -> 
             "last_logprob_gap": records[-1].get("local/logprob_gap") if records else None}
 
 
+VLLM_ROW_S = 150  # what a vLLM row may take on a GPU: a server start (eager) and 2 steps of SmolLM2's shape
+
+
 def vllm_python(given: str | None) -> tuple[str | None, str]:
     """The Python that runs the owned server (`given`, else this one where it imports vLLM) and a line on it."""
     if given:
@@ -224,7 +227,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vllm-python", default=None, help="The Python of a vLLM install that runs the owned "
                         "server's rows (default: this one, where it imports vllm; else the rows are null).")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--deadline-s", type=float, default=None, help="The call's time (gpu_rows.sh: 470 s of its 8 "
+                        "minutes): a vLLM row that would start with less than VLLM_ROW_S left is skipped, null with "
+                        "its reason in vllm_reason (default: no deadline).")
     args = parser.parse_args(argv)
+    began = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     folder = make_tiny_model_dir(work / f"model-{args.shape}", shape=SHAPES[args.shape])
     result: dict = {"device": args.device, "shape": args.shape, "torch": torch.__version__,
@@ -241,6 +248,10 @@ def main(argv: list[str] | None = None) -> dict:
             parts[key] = functools.partial(train_with_owned_server, served, args.device, work, python, async_steps)
     for key, part in parts.items():
         started = time.perf_counter()
+        if key.startswith("vllm_") and args.deadline_s and started - began > args.deadline_s - VLLM_ROW_S:
+            result[key] = None
+            vllm_reason += f"; {key} skipped: {args.deadline_s - (started - began):.0f} s of the call were left"
+            continue
         result[key] = part()
         result[key]["part_seconds"] = time.perf_counter() - started
         print(key, json.dumps(result[key]), flush=True)

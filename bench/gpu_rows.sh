@@ -77,9 +77,9 @@ check() {
             .whl/*.whl || exit 1
     fi
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    # two vLLM server starts are in it: 570 s leaves the device tool's 600 s a call room to hand the JSON back
-    timeout 570 python3 -m bench.gpu_check --device "${CHECK_DEVICE:-cuda}" --shape "${CHECK_SHAPE:-smollm2}" \
-        ${CHECK_VLLM_PYTHON:+--vllm-python "$CHECK_VLLM_PYTHON"} --json "$OUT/gpu_check.json" 2>&1 \
+    # at most 8 minutes: a vLLM row (a server start each) that would not end by 470 s is skipped, and says so
+    timeout 480 python3 -m bench.gpu_check --device "${CHECK_DEVICE:-cuda}" --shape "${CHECK_SHAPE:-smollm2}" \
+        ${CHECK_VLLM_PYTHON:+--vllm-python "$CHECK_VLLM_PYTHON"} --deadline-s 470 --json "$OUT/gpu_check.json" 2>&1 \
         | grep -v "Loading weights\|Writing model shards" | tail -60
 }
 
