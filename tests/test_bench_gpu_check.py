@@ -58,3 +58,22 @@ def test_the_check_mode_writes_one_json_with_every_field_present_and_finite(tmp_
     # overlapped, the second step's replies were sampled during the first update: one adapter behind
     assert result["vllm_overlapped"]["steps_behind"] == [0.0, 1.0]
     assert result["vllm_overlapped"]["logprob_gap"][0] < 1e-2, result["vllm_overlapped"]
+
+
+def test_a_vllm_row_that_could_not_end_before_the_deadline_is_skipped_and_says_so(tmp_path, monkeypatch):
+    """The check's parts stand in for instantly; the clock says 400 s have passed once they ran: with a 470 s
+    deadline and 150 s a vLLM row, both rows are null and vllm_reason names the skip."""
+    from bench import gpu_check
+
+    clock = iter([0.0] + [400.0] * 50)
+    monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(gpu_check, "make_tiny_model_dir", lambda folder, shape: folder)
+    for part in ("decode_loop", "fold_gap", "train_with_resume"):
+        monkeypatch.setattr(gpu_check, part, lambda *args, **kwargs: {})
+    monkeypatch.setattr(gpu_check, "token_trees", lambda device: {})
+    monkeypatch.setattr(gpu_check, "vllm_python", lambda given: ("/a/vllm/python", "the owned server ran"))
+    monkeypatch.setattr(gpu_check, "vllm_model_dir", lambda *args: tmp_path)
+    monkeypatch.setattr(gpu_check, "train_with_owned_server", lambda *args: pytest.fail("a skipped row ran"))
+    result = gpu_check.main(["--device", "cpu", "--deadline-s", "470", "--json", str(tmp_path / "check.json")])
+    assert result["vllm_in_turns"] is None and result["vllm_overlapped"] is None and result["vllm_installed"] == 1
+    assert "vllm_in_turns skipped: 70 s of the call were left" in result["vllm_reason"]
