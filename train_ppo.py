@@ -472,7 +472,7 @@ class Trainer:
         metrics["totals/episodes"] = self.totals["episodes"]
         metrics["totals/episodes_failed"] = self.totals["episodes_failed"]
         metrics["dist/world_size"] = self.ranks.world_size
-        if isinstance(self.generator, LocalGenerator):  # the KV budget's readings (local/kv_*, held back, retries)
+        if isinstance(self.generator, LocalGenerator):  # the KV budget's readings over the rollout (perf/kv_*)
             metrics.update(self.generator.memory_metrics())
         for name, (_, env) in self.envs.items():
             counts = self.ranks.sum_stats(env.error_counts() if hasattr(env, "error_counts") else {})

@@ -124,6 +124,10 @@ class StandInModel(torch.nn.Module):
         self.generation_config = HFGenerationConfig(eos_token_id=eos_id)
         self.config = LlamaConfig(vocab_size=vocab, num_hidden_layers=layers)
 
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        """One float32 number: the dtype of its keys and values (the decode loop sizes its KV budget by it)."""
+        return torch.nn.Embedding(1, 1)
+
     def forward(self, input_ids, cache=None, past_key_values=None, **ignored):
         from transformers import DynamicCache
 

@@ -315,10 +315,12 @@ class LocalGenerator:
         return self.cache_budget
 
     def memory_metrics(self) -> dict[str, float]:
-        """The budget's readings since the generator was made, for the step's metrics."""
-        return {"local/kv_budget_tokens": float(self.budget()), "local/kv_peak_tokens": float(self.peak_cache_tokens),
-                "local/evicted_caches": float(self.evicted_caches), "local/steps_held_back": float(self.steps_held_back),
-                "local/out_of_memory_retries": float(self.out_of_memory_retries)}
+        """The budget's readings over the last rollout, for the step's metrics: under perf/, as they depend on the
+        device's free memory (the default budget), not on what was learned."""
+        return {"perf/kv_budget_tokens": float(self.budget()), "perf/kv_peak_tokens": float(self.peak_cache_tokens),
+                "perf/kv_evicted_caches": float(self.evicted_caches),
+                "perf/kv_steps_held_back": float(self.steps_held_back),
+                "perf/out_of_memory_retries": float(self.out_of_memory_retries)}
 
     def _running_tokens(self, rows: int, width: int) -> int:
         return rows * (width + self._row_tokens)
@@ -331,6 +333,7 @@ class LocalGenerator:
         """One batch of episodes: the model in eval mode (and the adapter folded) from start to end, no kept
         cache outliving its episodes; on exit (also when cancelled) no step is left running on the model."""
         self._caches.clear()
+        self.evicted_caches = self.steps_held_back = self.peak_cache_tokens = self.out_of_memory_retries = 0
         with contextlib.ExitStack() as held:
             held.enter_context(self.policy.evaluating())
             if self.folds_adapter():

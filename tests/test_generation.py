@@ -694,7 +694,7 @@ def test_the_budget_bounds_the_running_batch_and_the_kept_caches_together_and_ch
     assert len(tight.rows) > len(plenty.rows)  # fewer rows a step: more steps
     assert tight.peak_cache_tokens == max(tight.held_at_step)
     metrics = tight.memory_metrics()
-    assert metrics["local/kv_budget_tokens"] == 120 and metrics["local/steps_held_back"] == tight.steps_held_back
+    assert metrics["perf/kv_budget_tokens"] == 120 and metrics["perf/kv_steps_held_back"] == tight.steps_held_back
 
 
 def test_a_row_longer_than_the_budget_still_runs_alone(tiny_policy):

@@ -225,8 +225,8 @@ def test_local_generation_logs_its_sampling_gap_and_the_correction_weighs_its_to
         assert 0.0 <= record["local/logprob_gap"] < 1e-4 and "vllm/logprob_gap" not in record
         assert record["tis/weight_mean"] == pytest.approx(1.0, abs=1e-4) and record["tis/clip_fraction"] == 0.0
         # the KV budget's readings: a default budget from free memory, the batch and caches held within it
-        assert 0 < record["local/kv_peak_tokens"] <= record["local/kv_budget_tokens"]
-        assert record["local/out_of_memory_retries"] == 0 and record["local/evicted_caches"] >= 0
+        assert 0 < record["perf/kv_peak_tokens"] <= record["perf/kv_budget_tokens"]
+        assert record["perf/out_of_memory_retries"] == 0 and record["perf/kv_evicted_caches"] >= 0
 
 
 def served_adapters(url: str) -> list[str]:
