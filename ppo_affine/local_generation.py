@@ -428,8 +428,7 @@ class LocalGenerator:
         one whatever its size: it must run."""
         rows = len(self._running.requests) if self._running is not None else 0
         budget, room = self.budget(), 0
-        for request in self._pending:
-            joined = self._width_with(self._pending[:room + 1])
+        for joined in self._widths_as_they_join(self._pending):
             if rows + room and self._running_tokens(rows + room + 1, joined + self.cfg.max_new_tokens) > budget:
                 self.steps_held_back += 1
                 break
@@ -437,14 +436,21 @@ class LocalGenerator:
         return room
 
     def _width_with(self, joining: list[Request]) -> int:
-        """The running batch's width once `joining` joins it: their prefill's is [kept prefix | new tokens], each
-        part as wide as its widest row (prefixes fresh rows share are not foreseen)."""
+        """The running batch's width once `joining` joins it."""
+        running = self._running.width if self._running is not None else 0
+        return max([running, *self._widths_as_they_join(joining)])
+
+    def _widths_as_they_join(self, requests: list[Request]):
+        """The running batch's width after each of `requests` in turn joins it (one pass: each request's kept
+        prefix is compared once): their prefill is [kept prefix | new tokens], each part as wide as its widest row
+        (prefixes fresh rows share are not foreseen)."""
+        running = self._running.width if self._running is not None else 0
         widest_kept = widest_new = 0
-        for request in joining:
+        for request in requests:
             kept = self._caches.get(request.key) if self.reuse_cache else None
             reuse = min(prefixes.common_prefix(kept.ids, request.fed), len(request.fed) - 1) if kept else 0
             widest_kept, widest_new = max(widest_kept, reuse), max(widest_new, len(request.fed) - reuse)
-        return max(self._running.width if self._running is not None else 0, widest_kept + widest_new)
+            yield max(running, widest_kept + widest_new)
 
     async def _serve(self) -> None:
         while True:
