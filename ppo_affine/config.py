@@ -477,6 +477,35 @@ class EndpointConfig(Strict):
         return self
 
 
+# The validators' numbers (affine-cortex, 2026-07-24: scorer/comparator.py, scheduler/flow.py, anticopy/threshold.py
+# and pairwise.py, database/system_config.json); verdict.py judges a candidate against a champion with them.
+class ValidatorRuleConfig(Strict):
+    margin: float = Field(0.03, ge=0, description="An env is 'dominant' when the candidate's mean exceeds the "
+                          "champion's by more than this (default 0.03).")
+    not_worse_tolerance: float = Field(0.02, ge=0, lt=1, description="An env is 'not worse' when the candidate's "
+                                       "mean is at least the champion's times (1 - this) (default 0.02).")
+    additive_envs: list[str] = Field(
+        default_factory=lambda: ["DISTILL-V2"], description="Envs whose score crosses zero: both their dominant "
+        "margin and their not-worse band are additive_margin, added or subtracted (default ['DISTILL-V2']).")
+    additive_margin: float = Field(0.1, ge=0, description="The additive envs' margin: dominant above champion + "
+                                   "this, not worse from champion - this (default 0.1).")
+    min_dominant_envs: int = Field(1, ge=0, description="Dominant envs a candidate needs, every other env not "
+                                   "worse; 0 = strict Pareto, dominant in every env (default 1).")
+    sampling_counts: dict[str, int] = Field(
+        default_factory=lambda: {"SWE-INFINITE": 200, "DISTILL-V2": 100, "TERMINAL": 300},
+        description="The envs the validators score and the task ids a candidate needs in each (fewer counts as "
+        "worse); an env here that a run did not play makes its verdict 'unknown'; envs not listed need one task "
+        "(default {'SWE-INFINITE': 200, 'DISTILL-V2': 100, 'TERMINAL': 300}).")
+    copy_decision_logprob: float = Field(-0.5, lt=0, description="Copy check: a token is a decision position for "
+                                         "a model when its log-prob there is below this (default -0.5).")
+    copy_threshold: float = Field(0.05, gt=0, description="Copy check: a pooled median |log-prob difference| "
+                                  "below this marks a copy (default 0.05).")
+    copy_min_positions: int = Field(50, ge=1, description="Copy check: positions (the union of both models' "
+                                    "decision positions) below which no verdict is given (default 50).")
+    copy_rollouts_per_env: int = Field(20, ge=1, description="Copy check: the champion's most recent episodes "
+                                       "per env that both models teacher-force (default 20).")
+
+
 class EnvConfig(Strict):
     envs: dict[str, EnvSpec] = Field(
         default_factory=lambda: {"openspiel": EnvSpec(kind="openspiel")},
@@ -489,6 +518,9 @@ class EnvConfig(Strict):
         "list of servers of the same model (e.g. one per GPU): episodes are spread over them."
     )
     vllm_api_key_env: str | None = Field(None, description="Environment variable holding the vLLM API key, if any.")
+    validators: ValidatorRuleConfig = Field(default_factory=ValidatorRuleConfig,
+                                            description="How the validators compare a candidate with the champion "
+                                            "(verdict.py).")
 
     @field_validator("envs")
     @classmethod
