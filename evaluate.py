@@ -52,6 +52,7 @@ from ppo_affine.model_files import served_folder
 from ppo_affine.model_files import load_adapter_model
 from ppo_affine.generation import VLLMError, VLLMGenerator, eos_token_ids
 from ppo_affine.local_generation import LocalGenerator
+from ppo_affine.endpoint import endpoint_for
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.rollout import Episode, RolloutRunner
 from ppo_affine.run_log import console, report_failure, rollout_progress, setup_logging
@@ -164,6 +165,7 @@ def episode_record(episode: Episode, model: str) -> dict[str, Any]:
         outcome = "win" if episode.score > 0.5 else "draw" if episode.score == 0.5 else "loss"
     return {
         "model": model,
+        "env": task.env,
         "game": TRACE if is_trace else game_name_of(task.task_id),
         "task_id": task.task_id,
         "seed": task.seed,
@@ -200,13 +202,14 @@ def local_policy(config: Config, adapter_dir: Path | None):
     return Policy(model, load_tokenizer(cfg.model)).eval()
 
 
-def model_runs(config: Config, adapter_dir: Path | None, compare_base: bool
+def model_runs(config: Config, adapter_dir: Path | None, compare_base: bool, policy=None
                ) -> tuple[Any, Any, list[tuple[str, Callable[[], contextlib.AbstractAsyncContextManager]]]]:
-    """The generator, its tokenizer, and per model label a context in which the generator plays as that model."""
+    """The generator, its tokenizer, and per model label a context in which the generator plays as that model
+    (`policy`: one already loaded for the local backend)."""
     cfg = config.train
     gen_cfg = cfg.generation
     if gen_cfg.backend == "local":
-        policy = local_policy(config, adapter_dir)
+        policy = policy or local_policy(config, adapter_dir)
         tokenizer = policy.tokenizer
         generator = LocalGenerator(policy, gen_cfg, seed=cfg.run.seed)
 
@@ -244,9 +247,11 @@ def model_runs(config: Config, adapter_dir: Path | None, compare_base: bool
 
 # ---------------------------------------------------------------------- the run
 async def evaluate(config: Config, tasks: list[Task], env_specs: dict[str, tuple[str, EnvSpec]],
-                   adapter_dir: Path | None, compare_base: bool, episodes_path: Path | None) -> list[dict[str, Any]]:
-    """Play every task once per model; records in task order, each also appended to `episodes_path`."""
-    generator, tokenizer, runs = model_runs(config, adapter_dir, compare_base)
+                   adapter_dir: Path | None, compare_base: bool, episodes_path: Path | None, policy=None
+                   ) -> list[dict[str, Any]]:
+    """Play every task once per model; records in task order, each also appended to `episodes_path`. `policy`: the
+    model already loaded (local backend); envs of kind `evaluate` call an endpoint served from the generator."""
+    generator, tokenizer, runs = model_runs(config, adapter_dir, compare_base, policy)
     gen_cfg = config.train.generation
     meets_search = any(task.opponent == "mcts" for task in tasks)
     records: list[dict[str, Any]] = []
@@ -259,13 +264,17 @@ async def evaluate(config: Config, tasks: list[Task], env_specs: dict[str, tuple
             env_specs = {kind: (name, shared_opponent_moves(spec, Path(scratch) / "opponent-moves.sqlite"))
                          for kind, (name, spec) in env_specs.items()}
         envs = {}
-        for kind, (name, spec) in env_specs.items():
-            envs[name] = (kind, make_env(spec, seed=config.train.run.seed, meets_search=meets_search))
+        for name, spec in env_specs.values():
+            envs[name] = (spec.kind, make_env(spec, seed=config.train.run.seed, meets_search=meets_search))
             opened.push_async_callback(envs[name][1].close)
         # the validators' conversation: replies stored as their client returns them, every prompt rendered anew
-        runner = RolloutRunner(envs, generator, PromptBuilder(tokenizer, gen_cfg.max_prompt_tokens,
-                                                              config.train.model.chat_template_kwargs), gen_cfg,
-                               validator_conversation=True)
+        prompts = PromptBuilder(tokenizer, gen_cfg.max_prompt_tokens, config.train.model.chat_template_kwargs)
+        endpoint = None
+        if any(spec.kind == "evaluate" for _, spec in env_specs.values()):
+            endpoint = endpoint_for(config, generator, prompts, policy.model.config.model_type if policy else None)
+            opened.push_async_callback(endpoint.close)
+        runner = RolloutRunner(envs, generator, prompts, gen_cfg, validator_conversation=True, endpoint=endpoint,
+                               evaluate_kwargs={name: spec.evaluate_kwargs for name, spec in env_specs.values()})
         sink = opened.enter_context(open(episodes_path, "w")) if episodes_path else None
         if isinstance(generator, VLLMGenerator):
             await generator.check_server()

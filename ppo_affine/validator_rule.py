@@ -73,7 +73,7 @@ def judge_env(env: str, candidate: dict[object, float] | None, champion: dict[ob
     """One env's bucket; `None` for a side that did not play the env at all."""
     required = required_tasks(env, rule)
     if candidate is None and champion is None:
-        return EnvJudgement(env, UNKNOWN, "not run here (the validators score it)", None, None, 0, required,
+        return EnvJudgement(env, UNKNOWN, "not run here; the validators score it", None, None, 0, required,
                             None, None)
     shared = sorted(set(candidate or {}) & set(champion or {}), key=str)
     if not shared:
