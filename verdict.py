@@ -262,7 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-copy-check", action="store_true", help="skip the copy check")
     parser.add_argument("--output-dir", type=Path, help="write episodes-champion.jsonl, episodes-candidate.jsonl and "
                         "summary.json here (default: none: printed only)")
-    add_config_arguments(parser, set_example="validators.margin=0.05")
+    add_config_arguments(parser, set_example="env.validators.margin=0.05")
     return parser.parse_args(argv)
 
 

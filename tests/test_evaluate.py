@@ -71,7 +71,7 @@ def played(turn_errors, score, done=True, kind="openspiel", task_id=200000000, *
 def test_record_of_a_game_lost_to_three_failed_parses():
     record = evaluate.episode_record(played([False, True, True, True], 0.0), "adapter")
     assert record == {
-        "model": "adapter", "game": "leduc_poker", "task_id": 200000000, "seed": 7, "opponent": "random",
+        "model": "adapter", "env": "openspiel", "game": "leduc_poker", "task_id": 200000000, "seed": 7, "opponent": "random",
         "llm_player_id": 1, "score": 0.0, "success": False, "outcome": "loss", "turns": 4, "illegal_moves": 3,
         "parse_failed_game": True, "generated_tokens": 8, "error": None, "scored_by": "in_process",
         "conversation": [],

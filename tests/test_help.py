@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 
-PROGRAMS = ["train_ppo", "evaluate", "sft_warmstart", "merge", "visualize", "prepare_model"]
+PROGRAMS = ["train_ppo", "evaluate", "sft_warmstart", "merge", "visualize", "prepare_model", "verdict"]
 
 
 class Captured(Exception):

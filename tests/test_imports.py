@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-PROGRAMS = ["train_ppo", "evaluate", "sft_warmstart", "merge", "prepare_model", "visualize", "curriculum", "utils"]
+PROGRAMS = ["train_ppo", "evaluate", "sft_warmstart", "merge", "prepare_model", "visualize", "curriculum", "utils",
+            "verdict"]
 ENGINE = """
 import importlib, pkgutil
 import ppo_affine
