@@ -85,11 +85,10 @@ def load_local_policy(model: ModelUnderTest):
     return evaluate.local_policy(model.config, model.adapter_dir)
 
 
-def unload(policy) -> None:
-    """Free a model before the next one loads (two large models never sit side by side)."""
+def free_memory() -> None:
+    """Return a dropped model's memory before the next one loads (two large models never sit side by side)."""
     import torch
 
-    del policy
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -157,7 +156,7 @@ def play_episodes(model: ModelUnderTest, plans: list[EnvPlan], policy, episodes_
 
 
 # How one model is scored on a group of envs while it is loaded: (model, plans, its local policy or None, an
-# episodes file to write or None) -> records, each with model, env, task_id, seed, score, error. An env scored without
+# output file of its own to write or None) -> records, each with model, env, task_id, seed, score, error. An env scored without
 # episodes (DISTILL-V2's teacher-forced cells) is a runner here and its name in RUNNER_OF_ENV: `--env NAME=IDS` then
 # hands it the ids.
 EnvRunner = Callable[[ModelUnderTest, list[EnvPlan], Any, Path | None], list[dict[str, Any]]]
@@ -166,7 +165,7 @@ RUNNER_OF_ENV: dict[str, str] = {}  # env name -> RUNNERS key, for envs that are
 
 
 # ---------------------------------------------------------------------- one model's turn
-@dataclass
+@dataclass(frozen=True)
 class Rollout:
     """One of the champion's episodes as the copy check teacher-forces it."""
     key: str
@@ -183,7 +182,7 @@ def run_model(model: ModelUnderTest, plans: list[EnvPlan], rollouts: list[Rollou
     policy = load_local_policy(model) if model.config.train.generation.backend == "local" else None
     records: list[dict[str, Any]] = []
     for runner in dict.fromkeys(plan.runner for plan in plans):
-        path = output_dir / f"episodes-{model.label}.jsonl" if output_dir else None
+        path = output_dir / f"{runner}-{model.label}.jsonl" if output_dir else None
         records += RUNNERS[runner](model, [p for p in plans if p.runner == runner], policy, path)
     logprobs: dict[str, list[float]] = {}
     if copy_check:
@@ -193,21 +192,22 @@ def run_model(model: ModelUnderTest, plans: list[EnvPlan], rollouts: list[Rollou
                                          model.config.train.model.chat_template_kwargs,
                                          model.config.env.validators.copy_rollouts_per_env)
         logprobs = {r.key: teacher_forced_logprobs(policy, r.token_ids, r.assistant_mask) for r in rollouts}
-    if policy is not None:
-        unload(policy)
+    del policy
+    free_memory()
     return records, rollouts, logprobs
 
 
 def champion_rollouts(records: list[dict[str, Any]], tokenizer, chat_template_kwargs: dict, per_env: int
                       ) -> list[Rollout]:
-    """The last `per_env` finished episodes of each env with an assistant turn, rendered and tokenised."""
+    """Per env the `per_env` finished episodes with the highest task ids (the validators' "most recent": their task
+    ids grow over time) that hold an assistant turn, rendered and tokenised."""
     by_env: dict[str, list[dict[str, Any]]] = {}
     for record in records:
         if not record.get("error") and any(m.get("role") == "assistant" for m in record.get("conversation") or []):
             by_env.setdefault(record.get("env") or record["game"], []).append(record)
     rollouts = []
     for env, chosen in by_env.items():
-        for record in chosen[-per_env:]:
+        for record in sorted(chosen, key=lambda r: r["task_id"], reverse=True)[:per_env]:
             ids, mask = assistant_tokens(tokenizer, record["conversation"], chat_template_kwargs)
             if any(mask):
                 rollouts.append(Rollout(f"{env}#{record['task_id']}#{record['seed']}", env, ids, mask))
