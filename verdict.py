@@ -73,12 +73,24 @@ def model_under_test(args: argparse.Namespace, label: str, source: str) -> Model
     if not path.is_dir():
         raise ConfigError(f"--{label}: {source} is not a folder; give 'base', a checkpoint or adapter folder, or a "
                           "merged model folder (merge.py's output).")
-    if (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():  # a whole model
+    if is_merged_model(path):
         merged = [f"model.name_or_path={path}", "model.gguf_file=null", "model.gguf_package=null"]
         config, _ = config_for_adapter(args, None, evaluate.VALIDATOR_SETTINGS, [*flags, *merged])
         return ModelUnderTest(label, source, config, None)
     config, adapter_dir = config_for_adapter(args, path, evaluate.VALIDATOR_SETTINGS, flags, adapter_only=True)
     return ModelUnderTest(label, source, config, adapter_dir)
+
+
+def is_merged_model(path: Path) -> bool:
+    """A whole model's folder (merge.py's output): a transformers config.json beside no adapter. A checkpoint also
+    holds a config.json (the run's configuration), with no `model_type` in it."""
+    config = path / "config.json"
+    if not config.is_file() or (path / "adapter_config.json").is_file() or (path / "adapter").is_dir():
+        return False
+    try:
+        return "model_type" in json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
 
 
 def load_local_policy(model: ModelUnderTest):

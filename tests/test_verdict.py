@@ -112,3 +112,12 @@ def test_a_plugged_in_runner_scores_its_env_while_each_model_is_loaded(tiny_mode
 def test_bad_options_exit_2_with_one_clear_message(tiny_model_dir, changed, extra, message, capsys):
     assert verdict.main(tiny_args(tiny_model_dir, "--candidate", str(changed), *extra)) == 2
     assert message in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_checkpoint_with_its_run_configuration_is_not_taken_for_a_merged_model(tiny_model_dir, changed, tmp_path):
+    checkpoint = tmp_path / "checkpoint-3"
+    (checkpoint / "adapter").mkdir(parents=True)
+    (checkpoint / "config.json").write_text('{"train": {}, "env": {}, "curriculum": {}}')  # what train_ppo saves
+    assert verdict.is_merged_model(tiny_model_dir) is True
+    assert verdict.is_merged_model(checkpoint) is False
+    assert verdict.is_merged_model(changed) is False
