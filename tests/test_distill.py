@@ -308,17 +308,22 @@ def test_evaluate_prints_and_writes_the_score_of_an_adapter_and_its_base(tiny_mo
 
 
 def test_evaluate_through_the_server_scores_as_in_process(tiny_model_dir, small_cells, fake_vllm, tmp_path):
+    """The adapter loaded into the (fake) vLLM server and the base on it score as the trainer's model does."""
     import evaluate
     from test_evaluate import tiny_args
 
+    from ppo_affine.testing.tiny import save_checkpoint_with_active_adapter
+
+    checkpoint = save_checkpoint_with_active_adapter(tiny_model_dir, tmp_path / "run" / "checkpoint-1")
     local, served = tmp_path / "local", tmp_path / "served"
-    assert evaluate.main(tiny_args(tiny_model_dir, "--base-only", "--distill-cells", str(small_cells),
-                                   "--output-dir", str(local))) == 0
-    assert evaluate.main(tiny_args(tiny_model_dir, "--base-only", "--distill-cells", str(small_cells),
-                                   "--output-dir", str(served), "--set", "generation.backend=vllm",
-                                   "--set", f"env.vllm_url={fake_vllm}")) == 0
-    assert distill_summary(served)["base"]["score"] == pytest.approx(distill_summary(local)["base"]["score"],
-                                                                      abs=1e-5)
+    common = ("--checkpoint", str(checkpoint), "--compare-base", "--distill-cells", str(small_cells))
+    assert evaluate.main(tiny_args(tiny_model_dir, *common, "--output-dir", str(local))) == 0
+    assert evaluate.main(tiny_args(tiny_model_dir, *common, "--output-dir", str(served),
+                                   "--set", "generation.backend=vllm", "--set", f"env.vllm_url={fake_vllm}")) == 0
+    for label in ("adapter", "base"):
+        assert distill_summary(served)[label]["score"] == pytest.approx(distill_summary(local)[label]["score"],
+                                                                        abs=1e-5)
+    assert distill_summary(served)["adapter"]["score"] != distill_summary(served)["base"]["score"]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -359,3 +364,13 @@ def test_a_real_vllm_server_scores_as_the_trainers_model(small_cells, tmp_path):
     assert served["score"] == pytest.approx(local["score"], abs=1e-3)
     for task_idx, cell in local["per_cell"].items():
         assert served["per_cell"][task_idx]["score"] == pytest.approx(cell["score"], abs=1e-3)
+
+
+def test_a_cell_whose_trajectory_does_not_decode_is_skipped(tmp_path, caplog):
+    """The env keeps such a row past its harness filter and then fails the whole cell; here the cell is left out."""
+    good = golden_cells()[4]
+    broken = {**good, "task_idx": 9, "rows": [*good["rows"], {"reward": 0.0, "extra_compressed": "not zstd"}]}
+    folder = write_cells(tmp_path, [good, broken])
+    with caplog.at_level(logging.WARNING, logger="ppo_affine.distill.cells"):
+        assert [c.task_idx for c in read_cells(folder)] == [4]
+    assert "cell 9 skipped" in caplog.text

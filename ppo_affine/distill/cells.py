@@ -122,7 +122,10 @@ def cell_from_table(table, task_idx: int) -> Cell:
     kept = [row for row in rows if not is_harness_failure(harness_breakdown(row["extra_compressed"]) or {})]
     rollouts = []
     for row in kept:
-        trajectory = Trajectory.model_validate(decompress_json(row["extra_compressed"]))
+        try:
+            trajectory = Trajectory.model_validate(decompress_json(row["extra_compressed"]))
+        except Exception as exc:  # noqa: BLE001 - zstd, JSON or schema: the env fails the cell on any of them
+            raise ValueError(f"rollout {row['rollout_id']}'s trajectory does not decode: {exc}") from None
         rollouts.append(Rollout(
             rollout_id=str(row["rollout_id"]), sample_idx=int(row["sample_idx"]), status=str(row["status"]),
             reward=None if row["reward"] is None else float(row["reward"]), messages=tuple(trajectory.messages),
