@@ -374,3 +374,11 @@ def test_a_cell_whose_trajectory_does_not_decode_is_skipped(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="ppo_affine.distill.cells"):
         assert [c.task_idx for c in read_cells(folder)] == [4]
     assert "cell 9 skipped" in caplog.text
+
+
+def test_a_bucket_without_a_manifest_is_listed_by_its_metadata(served_folder, tmp_path):
+    folder, url = served_folder
+    (folder / "manifest.jsonl").unlink()
+    (folder / "metadata.json").write_text(json.dumps({"version": 1, "tasks": {"staged_up_to": 3,
+                                                                              "completed_up_to": 2}}))
+    assert [c.task_idx for c in read_cells(url, cache_dir=tmp_path / "cache")] == [0, 1]  # the public ones

@@ -6,8 +6,9 @@ immutable parquet shard per cell:
     {base}/manifest.jsonl                  one JSON object a line: task_idx, env_name, task_id, teacher_name, ...
     {base}/tasks/{task_idx:08d}.parquet    one row per rollout; the trajectory is zstd-compressed JSON
 
-`base` is an HTTP(S) URL (each shard downloaded once into a cache folder: shards never change) or a local folder
-with the same layout (a folder without a manifest: every shard under tasks/). A shard that is missing or cannot be
+`base` is an HTTP(S) URL (each shard downloaded once into a cache folder: shards never change; a bucket without a
+manifest lists its cells in metadata.json) or a local folder with the same layout (a folder without a manifest:
+every shard under tasks/). A shard that is missing or cannot be
 read is skipped with one warning line; so is a cell whose trajectories do not decode (the env fails the whole cell
 then). The rollouts the env drops as harness failures are dropped here the same way, before anything else.
 """
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 PUBLIC_BUCKET = "https://pub-f6e8aaa82d31450daad5b16e3ca040b1.r2.dev"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ppo-affine" / "distill-v2"
 MANIFEST = "manifest.jsonl"
+METADATA = "metadata.json"  # {"tasks": {"completed_up_to": N, ...}}: the cheap index the env itself reads
 # A grader whose `docker exec` met a dead sandbox reports the daemon's error as its test output: the reward of such
 # a rollout says nothing about the trajectory, so the env drops it (when no test ran) before the z-scores.
 DAEMON_ERROR_MARKER = "Error response from daemon"
@@ -164,8 +166,19 @@ class _Source:
             path = self.folder / MANIFEST
             return path.read_text() if path.is_file() else None
         response = httpx.get(f"{self.source}/{MANIFEST}", timeout=self.timeout_s, follow_redirects=True)
+        if response.status_code == 404:
+            return None
         response.raise_for_status()
         return response.text
+
+    def published_count(self) -> int:
+        """A bucket without a manifest: its metadata.json says how many cells are public (`completed_up_to`, else
+        the publisher's `staged_up_to` or `total`); their task indices are 0 .. count - 1."""
+        response = httpx.get(f"{self.source}/{METADATA}", timeout=self.timeout_s, follow_redirects=True)
+        response.raise_for_status()
+        tasks = response.json().get("tasks") or {}
+        staged = tasks.get("staged_up_to") if tasks.get("staged_up_to") is not None else tasks.get("total", 0)
+        return int(tasks.get("completed_up_to", staged))
 
     def shard_path(self, task_idx: int) -> Path:
         """The shard's local file, downloaded into the cache first when the source is a URL."""
@@ -182,6 +195,8 @@ class _Source:
 
     def listed_task_indices(self) -> list[int]:
         text = self.manifest_text()
+        if text is None and self.remote:
+            return list(range(self.published_count()))
         if text is None:
             return sorted(int(p.stem) for p in (self.folder / "tasks").glob("*.parquet") if p.stem.isdigit())
         entries = [json.loads(line) for line in text.splitlines() if line.strip()]
