@@ -382,3 +382,17 @@ def test_a_bucket_without_a_manifest_is_listed_by_its_metadata(served_folder, tm
     (folder / "metadata.json").write_text(json.dumps({"version": 1, "tasks": {"staged_up_to": 3,
                                                                               "completed_up_to": 2}}))
     assert [c.task_idx for c in read_cells(url, cache_dir=tmp_path / "cache")] == [0, 1]  # the public ones
+
+
+def test_a_server_that_refuses_a_rendering_stops_with_one_line(tiny_model_dir, small_cells, fake_vllm, tmp_path,
+                                                               capsys):
+    """The fake server holds 32 768 tokens, as its --max-model-len says; a 40 000-token rendering is refused."""
+    import evaluate
+    from test_evaluate import tiny_args
+
+    cells = write_cells(tmp_path / "cells", golden_cells()[5:])
+    assert evaluate.main(tiny_args(tiny_model_dir, "--base-only", "--distill-cells", str(cells),
+                                   "--distill-max-seq-len", "40000", "--set", "generation.backend=vllm",
+                                   "--set", f"env.vllm_url={fake_vllm}")) == 1
+    err = capsys.readouterr().err
+    assert "teacher forcing 40000 tokens" in err and "--max-model-len" in err and "Traceback" not in err

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 from ppo_affine.distill.cells import Cell
 from ppo_affine.distill.render import MAX_SEQ_LEN, Rendered, render_rollout
 from ppo_affine.distill.score import advantages, loss_nll, mean_over_cells, softmax_advantage
+from ppo_affine.generation import VLLMError
 
 # ids -> the log-prob of each token given the ones before it (None where nothing was computed: the first token)
 TokenLogprobs = Callable[[Rendered], list[float | None]]
@@ -119,8 +120,14 @@ def server_logprobs(url: str, model: str, api_key: str | None = None, timeout_s:
         # max_tokens and logprobs 1, not 0: SGLang refuses 0 for either; the generated token lies past the prompt
         payload = {"model": model, "prompt": rendered.input_ids, "max_tokens": 1, "echo": True, "logprobs": 1,
                    "temperature": 0}
-        response = httpx.post(f"{url.rstrip('/')}/completions", json=payload, headers=headers, timeout=timeout_s)
-        response.raise_for_status()
+        try:
+            response = httpx.post(f"{url.rstrip('/')}/completions", json=payload, headers=headers, timeout=timeout_s)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            detail = exc.response.text[:300] if isinstance(exc, httpx.HTTPStatusError) else str(exc)
+            raise VLLMError(f"teacher forcing {len(rendered.input_ids)} tokens at {url} failed ({type(exc).__name__}: "
+                            f"{detail}); a DISTILL-V2 rendering can be as long as max_seq_len, which the server's "
+                            "--max-model-len must hold") from None
         return response.json()["choices"][0]["logprobs"]["token_logprobs"][:len(rendered.input_ids)]
 
     return logprobs_of

@@ -125,6 +125,9 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
         prompt = body["prompt"]
         if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             raise HTTPException(400, "this test server takes one prompt as a list of token ids")
+        if len(prompt) + int(body.get("max_tokens", 16)) > max_model_len:  # as vLLM refuses it
+            raise HTTPException(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                                f"requested {len(prompt) + int(body.get('max_tokens', 16))} tokens.")
         temperature = float(body.get("temperature", 1.0))
         generator = torch.Generator().manual_seed(int(body.get("seed") or 0))
 
