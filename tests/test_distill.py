@@ -366,14 +366,15 @@ def test_a_real_vllm_server_scores_as_the_trainers_model(small_cells, tmp_path):
         assert served["per_cell"][task_idx]["score"] == pytest.approx(cell["score"], abs=1e-3)
 
 
-def test_a_cell_whose_trajectory_does_not_decode_is_skipped(tmp_path, caplog):
+def test_a_cell_whose_trajectory_or_status_does_not_decode_is_skipped(tmp_path, caplog):
     """The env keeps such a row past its harness filter and then fails the whole cell; here the cell is left out."""
     good = golden_cells()[4]
     broken = {**good, "task_idx": 9, "rows": [*good["rows"], {"reward": 0.0, "extra_compressed": "not zstd"}]}
-    folder = write_cells(tmp_path, [good, broken])
+    unknown_status = {**good, "task_idx": 10, "rows": [{**good["rows"][0], "status": "lost"}]}
+    folder = write_cells(tmp_path, [good, broken, unknown_status])
     with caplog.at_level(logging.WARNING, logger="ppo_affine.distill.cells"):
         assert [c.task_idx for c in read_cells(folder)] == [4]
-    assert "cell 9 skipped" in caplog.text
+    assert "cell 9 skipped" in caplog.text and "cell 10 skipped" in caplog.text and "'lost'" in caplog.text
 
 
 def test_a_bucket_without_a_manifest_is_listed_by_its_metadata(served_folder, tmp_path):

@@ -39,6 +39,10 @@ METADATA = "metadata.json"  # {"tasks": {"completed_up_to": N, ...}}: the cheap 
 DAEMON_ERROR_MARKER = "Error response from daemon"
 
 
+# every rollout is scored whatever its status; the env only refuses a status it does not know
+STATUSES = {"ok", "parse_failed", "truncated", "env_error", "teacher_error"}
+
+
 def shard_key(task_idx: int) -> str:
     return f"tasks/{task_idx:08d}.parquet"
 
@@ -77,7 +81,7 @@ class Trajectory(_Frozen):
 class Rollout:
     rollout_id: str
     sample_idx: int
-    status: str  # ok / parse_failed / truncated / env_error / teacher_error (scored alike by the env)
+    status: str  # one of STATUSES
     reward: float | None  # None: no advantage (0), but the rollout is still scored
     messages: tuple[Message, ...]
     reward_breakdown: dict[str, Any]
@@ -124,6 +128,8 @@ def cell_from_table(table, task_idx: int) -> Cell:
     kept = [row for row in rows if not is_harness_failure(harness_breakdown(row["extra_compressed"]) or {})]
     rollouts = []
     for row in kept:
+        if row["status"] not in STATUSES:  # the env's enum refuses it, failing the cell
+            raise ValueError(f"rollout {row['rollout_id']} has status {row['status']!r}, not one of {sorted(STATUSES)}")
         try:
             trajectory = Trajectory.model_validate(decompress_json(row["extra_compressed"]))
         except Exception as exc:  # noqa: BLE001 - zstd, JSON or schema: the env fails the cell on any of them
