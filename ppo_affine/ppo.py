@@ -203,25 +203,30 @@ def group_advantages(
     return advantages.to(returns.dtype)
 
 
-def softmax_advantage_score(nll_per_token: torch.Tensor, advantages: torch.Tensor, tau_floor: float = 0.0
-                            ) -> torch.Tensor:
-    """DISTILL-V2's cell score S = sum_i softmax(-c / tau)_i * a_i, [N], [N] -> scalar.
+def softmax_advantage_preference(nll_per_token: torch.Tensor, tau_floor: float = 0.0) -> torch.Tensor:
+    """DISTILL-V2's preference over a cell's rollouts, p = softmax(-c / tau), [N] -> [N] float64.
 
-    c is each rollout's mean NLL per loss token, a its within-cell advantage, tau the population std of the c's. S is
-    scale-free in c, so tau is differentiated through: held constant it would reward spreading the c's apart (making
-    weak rollouts unlikely) rather than ranking them. No spread (one rollout, equal c's) is no preference: uniform p,
-    S = mean(a). `tau_floor` > 0 keeps tau off 0 for training; the env's own score uses 0.
+    c is each rollout's mean NLL per loss token, tau the population std of the c's, differentiated through: the
+    score is scale-free in c, and holding tau constant would reward spreading the c's apart (making weak rollouts
+    unlikely) rather than ranking them. No spread (one rollout, equal c's) is no preference: uniform p.
+    `tau_floor` > 0 keeps tau off 0 for training; the env's own score uses 0.
     """
     c = nll_per_token.double()
-    a = advantages.to(c)
     variance = ((c - c.mean()) ** 2).mean()
     if tau_floor > 0:
         tau = variance.clamp(min=tau_floor**2).sqrt()
     elif variance.item() <= 0:
-        return a.mean() + 0 * c.sum()  # uniform; keeps the graph, with a zero gradient
+        return torch.full_like(c, 1 / c.numel()) + 0 * c  # uniform; keeps the graph, with a zero gradient
     else:
         tau = variance.sqrt()
-    return (torch.softmax(-c / tau, dim=0) * a).sum()
+    return torch.softmax(-c / tau, dim=0)
+
+
+def softmax_advantage_score(nll_per_token: torch.Tensor, advantages: torch.Tensor, tau_floor: float = 0.0
+                            ) -> torch.Tensor:
+    """DISTILL-V2's cell score S = sum_i p_i * a_i (p: `softmax_advantage_preference`, a: within-cell advantages)."""
+    preference = softmax_advantage_preference(nll_per_token, tau_floor)
+    return (preference * advantages.to(preference)).sum()
 
 
 def softmax_advantage_gradient(nll_per_token: torch.Tensor, advantages: torch.Tensor, tau_floor: float = 0.0

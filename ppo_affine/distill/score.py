@@ -8,11 +8,13 @@ model with no preference. Over cells: the mean with a 95 % t interval.
 """
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
+from ppo_affine.ppo import softmax_advantage_preference
 from ppo_affine.report import mean_interval
 
 
@@ -50,17 +52,7 @@ def softmax_advantage(nll_sums: Sequence[float], token_counts: Sequence[int],
     if not nll_sums:
         return CellScore(0.0, 0.0, [])
     per_token = [total / max(count, 1) for total, count in zip(nll_sums, token_counts)]
-    n = len(per_token)
-    mean = sum(per_token) / n
-    tau = math.sqrt(sum((c - mean) ** 2 for c in per_token) / n)
-    if tau <= 0.0:
-        preference = [1.0 / n] * n
-    else:
-        logits = [-c / tau for c in per_token]
-        top = max(logits)
-        weights = [math.exp(v - top) for v in logits]
-        total = sum(weights)
-        preference = [w / total for w in weights]
+    preference = softmax_advantage_preference(torch.tensor(per_token, dtype=torch.float64)).tolist()
     score = sum(p * a for p, a in zip(preference, cell_advantages))
     win_rate = sum(p for p, a in zip(preference, cell_advantages) if a > 0.0)
     return CellScore(score=score, win_rate=win_rate, preference=preference)
