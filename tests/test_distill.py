@@ -5,6 +5,7 @@ golden.json names the commit; tools/record_distill_goldens.py recorded them): th
 ids and loss mask, and the scores from a stand-in model's log-probs (`fake_token_logprobs`). Our reader, renderer and
 arithmetic must reproduce them; the model paths (the trainer's Policy, a server's echo) must feed them the log-probs
 the model gives."""
+import contextlib
 import hashlib
 import http.server
 import json
@@ -24,6 +25,9 @@ from ppo_affine.distill.cells import read_cells
 from ppo_affine.distill.evaluation import policy_logprobs, score_cells, score_cells_through_server, score_with
 from ppo_affine.distill.render import keep_head_tail, message_pieces, render_rollout
 from ppo_affine.distill.score import advantages, loss_nll, mean_over_cells, softmax_advantage
+from ppo_affine.distill.training import accumulate_cell_gradients, nll_per_token
+from ppo_affine.ppo import softmax_advantage_score
+from ppo_affine.testing.tiny import activate_adapter
 from ppo_affine.testing.distill_cells import GOLDEN_CASES, fake_token_logprobs, golden_cells, write_cells
 
 DATA = Path(__file__).resolve().parent / "data" / "distill_v2"
@@ -397,3 +401,68 @@ def test_a_server_that_refuses_a_rendering_stops_with_one_line(tiny_model_dir, s
                                    "--set", f"env.vllm_url={fake_vllm}")) == 1
     err = capsys.readouterr().err
     assert "teacher forcing 40000 tokens" in err and "--max-model-len" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------- training toward the score
+@contextlib.contextmanager
+def restored_adapter(policy):
+    """The tiny policy is shared by the module's tests: put its weights and gradients back afterwards."""
+    saved = {name: p.detach().clone() for name, p in policy.named_parameters() if p.requires_grad}
+    try:
+        yield [p for name, p in policy.named_parameters() if p.requires_grad and "lora_" in name]  # not the value head
+    finally:
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if name in saved:
+                    p.copy_(saved[name])
+                    p.grad = None
+
+
+def test_cell_gradients_equal_autograd_through_the_whole_cells(tiny_policy, cells):
+    chosen = [cells[0], cells[2]]
+    with tiny_policy.evaluating(), restored_adapter(tiny_policy) as trainable:
+        activate_adapter(tiny_policy.model, 0.05)
+        step = accumulate_cell_gradients(tiny_policy, chosen, weight=0.5, max_seq_len=256, tau_floor=0.0)
+        two_pass = [p.grad.clone() for p in trainable]
+        for p in trainable:
+            p.grad = None
+        whole = []
+        for cell in chosen:  # every rollout's graph at once, the score's formula through autograd
+            rendered = [render_rollout(r.messages, tiny_policy.tokenizer, True, 256) for r in cell.rollouts]
+            nll = torch.stack([nll_per_token(tiny_policy, r) for r in rendered])
+            whole.append(softmax_advantage_score(nll, torch.tensor(advantages([r.reward for r in cell.rollouts]))))
+        (-0.5 * torch.stack(whole).mean()).backward()
+        for mine, expected in zip(two_pass, (p.grad for p in trainable)):
+            torch.testing.assert_close(mine, expected.to(mine.dtype), atol=1e-7, rtol=1e-4)
+        assert max(g.abs().max().item() for g in two_pass) > 1e-6  # a real gradient
+    assert step.cells == 2 and step.cells_without_signal == 0
+    assert step.score == pytest.approx(torch.stack(whole).mean().item(), abs=1e-6)
+
+
+def test_steps_on_cells_raise_their_score_and_silent_cells_add_nothing(tiny_policy, cells):
+    with tiny_policy.evaluating(), restored_adapter(tiny_policy) as trainable:
+        activate_adapter(tiny_policy.model, 0.05)
+        optimizer = torch.optim.SGD(trainable, lr=0.5)
+        scores = []
+        for _ in range(4):
+            optimizer.zero_grad()
+            scores.append(accumulate_cell_gradients(tiny_policy, [cells[0]], max_seq_len=256).score)
+            optimizer.step()
+        assert scores[-1] > scores[0] + 0.05, scores
+        optimizer.zero_grad()
+        silent = accumulate_cell_gradients(tiny_policy, [cells[3], cells[4]], max_seq_len=256)
+        assert silent.cells_without_signal == 2 and silent.score == 0.0
+        assert all(p.grad is None or not p.grad.any() for p in trainable)
+
+
+def test_cells_refuse_to_train_with_dropout_on(tiny_policy, cells):
+    was_training = tiny_policy.training
+    tiny_policy.train()
+    try:
+        if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in tiny_policy.modules()):
+            with pytest.raises(ValueError, match="dropout off"):
+                accumulate_cell_gradients(tiny_policy, [cells[0]], max_seq_len=256)
+        else:
+            pytest.fail("the tiny policy's LoRA has dropout (LoraConfig's default 0.05); this test needs it")
+    finally:
+        tiny_policy.train(was_training)
