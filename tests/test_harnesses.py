@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import logging
 import os
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from ppo_affine.endpoint import pack_calls
+from ppo_affine.reply_parsers import REPLY_FORMATS
 from test_endpoint import endpoint_of, tokenizer  # noqa: F401  (fixture)
 
 HARNESS_ENV = Path(__file__).parent / "harness_env"
@@ -31,12 +33,20 @@ needs_miniswe = pytest.mark.skipif(MINISWE_PYTHON is None, reason="set MINISWE_T
 needs_codex = pytest.mark.skipif(CODEX_BIN is None, reason="set CODEX_TEST_BIN to codex 0.94.0 (.ci/run does)")
 
 
-def harness_env():
-    """tests/harness_env/env.py, imported to be called in process."""
-    spec = importlib.util.spec_from_file_location("harness_env", HARNESS_ENV / "env.py")
+def harness_module(name: str):
+    """tests/harness_env/<name>.py, imported to be called in process."""
+    spec = importlib.util.spec_from_file_location(f"harness_{name}", HARNESS_ENV / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def harness_env():
+    return harness_module("env")
+
+
+def provider_context_overflow(message) -> bool:
+    return harness_module("run_outcome").provider_context_overflow(message)
 
 
 def play(endpoint, monkeypatch, **evaluate_kwargs):
@@ -61,6 +71,27 @@ def play(endpoint, monkeypatch, **evaluate_kwargs):
 
 def bash(command: str, thought: str = "THOUGHT: next step.") -> str:
     return f"{thought}\n\n```bash\n{command}\n```"
+
+
+def tool_call(name: str, arguments: dict) -> str:
+    """A Hermes tool call, as a Qwen3 model writes it (the endpoint parses it into `tool_calls`)."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def shell(command: str) -> str:
+    return tool_call("shell", {"command": ["bash", "-lc", command]})
+
+
+def recording(endpoint):
+    """The request bodies the endpoint is sent, in order."""
+    bodies, chat = [], endpoint.chat
+
+    async def chat_and_record(door, body):
+        bodies.append(body)
+        return await chat(door, body)
+
+    endpoint.chat = chat_and_record
+    return bodies
 
 
 # ---------------------------------------------------------------------- installed as pinned
@@ -122,4 +153,101 @@ def test_a_prompt_over_the_limit_ends_the_mini_swe_agent_run_at_once_with_the_40
     endpoint = endpoint_of(tokenizer, [bash("seq 1 3000"), bash("ls")], max_prompt_tokens=2_500)
     result, calls = play(endpoint, monkeypatch, task_id=0, agent="miniswe", max_iterations=50)
     assert (result["score"], result["extra"]["exit_status"], len(calls)) == (0.0, None, 1)
-    assert "maximum context length" in result["extra"]["harness_error"]
+    # litellm reads the 400's message as a context overflow: a model failure, scored 0 (not dropped)
+    assert result["extra"]["harness_error"].startswith("ContextWindowExceededError")
+    assert (result["extra"]["outcome"], "error" in result) == ("model_failure", False)
+
+
+# ---------------------------------------------------------------------- codex app-server
+@needs_codex
+def test_codex_is_the_pinned_0_94_0():
+    command = ["node", CODEX_BIN, "--version"] if CODEX_BIN.endswith(".js") else [CODEX_BIN, "--version"]
+    version = subprocess.run(command, capture_output=True, text=True)
+    assert version.returncode == 0, f"CODEX_TEST_BIN={CODEX_BIN} does not run: {version.stderr}"
+    assert version.stdout.split() == ["codex-cli", "0.94.0"]
+
+
+CODEX_TOOLS = {"shell", "update_plan"}  # among what codex 0.94.0 offers over wire_api chat
+
+
+@needs_codex
+def test_codex_fixes_the_bug_with_streamed_tool_calls_through_a_malformed_call_and_a_long_output(tokenizer,
+                                                                                                 monkeypatch):
+    replies = [
+        shell("cat calc.py"),
+        tool_call("shell", {"cmd": "ls"}),  # no `command`: codex answers with its own error, as the tool's output
+        shell("seq 1 40000"),  # codex cuts it itself before it is sent
+        shell("sed -i 's/a - b/a + b/' calc.py"),
+        "Fixed: add returns a + b.",  # no tool call: codex's final answer, the end of its turn
+        "never asked for",
+    ]
+    endpoint = endpoint_of(tokenizer, replies, reply_format=REPLY_FORMATS["qwen3"], max_prompt_tokens=200_000)
+    bodies = recording(endpoint)
+    result, calls = play(endpoint, monkeypatch, task_id=0, agent="codex")
+
+    assert result["score"] == 1.0, result
+    assert (result["extra"]["exit_status"], result["extra"]["outcome"]) == ("completed", "completed")
+    assert "-    return a - b\n+    return a + b" in result["extra"]["patch"]
+    assert len(calls) == 5 and endpoint.generator.replies == ["never asked for"]
+    # what codex sends: model, messages, stream and tools, and nothing else (no max_tokens, no tool_choice)
+    assert all(set(body) == {"model", "messages", "stream", "tools"} and body["stream"] is True for body in bodies)
+    assert CODEX_TOOLS <= {tool["function"]["name"] for tool in bodies[0]["tools"]}
+    system, *first_turn = bodies[0]["messages"]
+    assert system["role"] == "system" and len(system["content"]) > 10_000  # codex's own instructions
+    assert [m["role"] for m in first_turn] == ["developer", "user", "user", "user"]
+    # the tool calls came back as codex's history: content null + tool_calls, then the tool's JSON output
+    call_turn, output_turn = bodies[1]["messages"][-2:]
+    assert call_turn["content"] is None and call_turn["tool_calls"][0]["function"]["name"] == "shell"
+    assert json.loads(output_turn["content"])["output"] == "def add(a, b):\n    return a - b\n"
+    refusal = "failed to parse function arguments: missing field `command`"
+    assert bodies[2]["messages"][-1]["content"].startswith(refusal)
+    # codex cut the long output itself (in the middle of an escape: the "JSON" it sends is not valid JSON)
+    assert bodies[3]["messages"][-1]["content"].startswith('{"output":"Total output lines: 40000\\n')
+    assert len(bodies[3]["messages"][-1]["content"]) < len("".join(f"{n}\n" for n in range(1, 40_001)))
+    assert [call.finish_reason for call in calls] == ["tool_calls"] * 4 + ["stop"]
+    # codex re-sends its whole history each call, and it renders as an extension: one sequence, no break
+    sequences, placements, breaks = pack_calls(calls)
+    assert (len(sequences), breaks) == (1, 0)
+    assert all(tokenizer.decode(call.prompt_ids) == call.render for call in calls)
+
+
+@needs_codex
+def test_codex_reads_a_reply_cut_at_the_cap_as_a_context_overflow_and_fails_the_turn(tokenizer, monkeypatch):
+    """Why the agent preset's reply cap must be the room left in the model's context: codex sends no max_tokens,
+    and `finish_reason: "length"` ends its run as "ran out of room in the model's context window" (scored 0)."""
+    endpoint = endpoint_of(tokenizer, ["I will read the file and then " * 20], eos_at_end=False,
+                           reply_format=REPLY_FORMATS["qwen3"], max_new_tokens=16, max_prompt_tokens=200_000)
+    result, calls = play(endpoint, monkeypatch, task_id=0, agent="codex")
+    assert [call.finish_reason for call in calls] == ["length"]
+    extra = result["extra"]
+    assert (result["score"], extra["exit_status"], extra["outcome"], "error" in result) == (
+        0.0, "failed", "model_failure", False)
+    assert json.loads(extra["harness_error"])["codexErrorInfo"] == "contextWindowExceeded"
+
+
+@needs_codex
+def test_a_prompt_over_the_limit_fails_the_codex_turn_with_the_endpoints_400_body(tokenizer, monkeypatch):
+    """SWE-INFINITE scores it 0 (model failure) only when the 400's body reads as a context overflow (a
+    `context_length_exceeded` code, or SGLang's own message); any other 400 is an infrastructure failure: no score."""
+    endpoint = endpoint_of(tokenizer, [shell("seq 1 40000"), "done"], reply_format=REPLY_FORMATS["qwen3"],
+                           max_prompt_tokens=20_000)
+    result, calls = play(endpoint, monkeypatch, task_id=0, agent="codex")
+    assert len(calls) == 1 and endpoint.generator.replies == ["done"]  # the second call was refused
+    extra = result["extra"]
+    reported = json.loads(extra["harness_error"])
+    body = json.loads(reported["message"])  # the endpoint's 400 body, as codex received it
+    assert (body["error"]["code"], body["error"]["type"], extra["exit_status"]) == (400, "BadRequestError", "failed")
+    overflow = provider_context_overflow(reported["message"])
+    assert (extra["outcome"], "error" in result) == (("model_failure", False) if overflow else ("infra_failure", True))
+
+
+def test_what_reads_as_a_context_overflow_to_swe_infinite():
+    sglang = "Input length (40100 tokens) exceeds the maximum allowed length (32768 tokens). Use a shorter input " \
+             "or enable --allow-auto-truncate."
+    assert provider_context_overflow(json.dumps({"error": {"message": sglang, "type": "BadRequestError",
+                                                           "code": 400}}))
+    assert provider_context_overflow(json.dumps({"error": {"message": "too long", "code": "context_length_exceeded"}}))
+    vllm = "This model's maximum context length is 4096 tokens."
+    assert not provider_context_overflow(json.dumps({"error": {"message": vllm, "type": "BadRequestError",
+                                                               "code": 400}}))
+    assert not provider_context_overflow("stream disconnected before completion")

@@ -30,15 +30,15 @@ class CodexTurn:
     error: str | None = None  # a JSON-RPC error, an early exit or the timeout
     stderr: str = ""
 
-    def error_messages(self) -> list[str]:
-        """What codex reported as errors (the `error` notifications and a failed turn's error)."""
+    def errors(self) -> list[dict]:
+        """The errors codex reported ({message, codexErrorInfo, ...}): `error` notifications, a failed turn's."""
         found = []
         for event in self.events:
             params = event.get("params") or {}
-            if event.get("method") == "error":
-                found.append(json.dumps(params.get("error") or params)[:500])
-            elif event.get("method") == "turn/completed" and (params.get("turn") or {}).get("error"):
-                found.append(json.dumps(params["turn"]["error"])[:500])
+            if event.get("method") == "error" and isinstance(params.get("error"), dict):
+                found.append(params["error"])
+            elif event.get("method") == "turn/completed" and isinstance((params.get("turn") or {}).get("error"), dict):
+                found.append(params["turn"]["error"])
         return found
 
 
@@ -56,8 +56,11 @@ def codex_command(codex: str) -> list[str]:
     return ["node", codex, "app-server"] if codex.endswith(".js") else [codex, "app-server"]
 
 
-def in_bubblewrap(command: list[str], writable: list[Path], cwd: Path) -> list[str]:
-    jail = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+def in_bubblewrap(command: list[str], readable: Path, writable: list[Path], cwd: Path) -> list[str]:
+    """`command` in bubblewrap: the system read-only with a private /tmp, `readable` (codex's package, which may
+    live under /tmp) read-only, `writable` writable."""
+    jail = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+            "--ro-bind", str(readable), str(readable)]
     for folder in writable:
         jail += ["--bind", str(folder), str(folder)]
     return [*jail, "--chdir", str(cwd), "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
@@ -68,8 +71,10 @@ def run_codex_turn(codex: str, codex_home: Path, repo: Path, model: str, prompt:
                    timeout: float) -> CodexTurn:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(codex_home), "CODEX_HOME": str(codex_home),
            "CODEX_API_KEY": api_key or "EMPTY", "RUST_LOG": "warn"}
-    process = subprocess.Popen(in_bubblewrap(codex_command(codex), [repo, codex_home], repo), stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
+    package = Path(codex).resolve().parent.parent  # bin/codex.js's package, or the binary's platform folder
+    command = in_bubblewrap(codex_command(codex), package, [repo, codex_home], repo)
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, bufsize=1, env=env)
     lines: queue.Queue[str | None] = queue.Queue()
     stderr: list[str] = []
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout] + [lines.put(None)],

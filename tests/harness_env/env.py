@@ -5,7 +5,8 @@ SWE-INFINITE configures them) against the model's OpenAI-compatible endpoint on 
 Where the harnesses are: MINISWE_PYTHON, the Python of a virtual environment with mini-swe-agent 1.x (the
 harness's pinned clients never enter the caller's); CODEX_BIN, the codex 0.94.0 binary or the npm package's
 bin/codex.js. What a run scores, as SWE-INFINITE scores it: miniswe, 1 only when the agent submitted and the tests
-pass (a run that never submits scores 0); codex, 1 when its turn completed with a change and the tests pass.
+pass (a run that never submits scores 0); codex, 1 when its turn completed with a change and the tests pass. A run
+that failed for another reason than the model (run_outcome.py) is returned as an `error`: not scored.
 """
 import asyncio
 import json
@@ -18,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import repo_task  # noqa: E402
+from run_outcome import INFRA_FAILURE, codex_outcome, miniswe_outcome  # noqa: E402
 from codex_run import run_codex_turn, write_codex_home  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -43,8 +45,9 @@ class Actor:
                 outcome = await asyncio.to_thread(self._codex, task, repo, work, model, base_url, api_key, timeout)
             else:
                 return {"task_name": f"harness:{agent}", "score": 0.0, "error": f"unknown agent {agent!r}"}
-            if "error" in outcome:
-                return {"task_name": f"harness:{agent}:{task.name}", "score": 0.0, **outcome}
+            if "error" in outcome or outcome["outcome"] == INFRA_FAILURE:  # not scored, as SWE-INFINITE does
+                return {"task_name": f"harness:{agent}:{task.name}", "score": 0.0,
+                        "error": outcome.get("error") or f"{agent}: {outcome['harness_error']}", "extra": outcome}
             passed = outcome.pop("finished") and repo_task.tests_pass(task, repo)
             return {"task_name": f"harness:{agent}:{task.name}", "score": 1.0 if passed else 0.0, "success": passed,
                     "extra": outcome}
@@ -60,13 +63,14 @@ class Actor:
         python = os.environ["MINISWE_PYTHON"]
         process = subprocess.run([python, str(HERE / "miniswe_run.py"), str(work / "spec.json"),
                                   str(work / "result.json")], capture_output=True, text=True, timeout=timeout,
-                                 env={**os.environ, "MSWEA_SILENT_STARTUP": "1", "MSWEA_COST_TRACKING": "ignore_errors"})
+                                 env={**os.environ, "MSWEA_SILENT_STARTUP": "1"})
         if not (work / "result.json").exists():  # the harness itself broke: not the model's fault, no score
             return {"error": f"mini-swe-agent exited {process.returncode}: {process.stderr[-2000:]}"}
         result = json.loads((work / "result.json").read_text())
         return {"finished": result["exit_status"] == "Submitted", "exit_status": result["exit_status"],
-                "harness_error": result["error"], "model_calls": result["model_calls"],
-                "patch": result["submission"], "conversation": result["conversation"]}
+                "outcome": miniswe_outcome(result["error"]), "harness_error": result["error"],
+                "model_calls": result["model_calls"], "patch": result["submission"],
+                "conversation": result["conversation"]}
 
     @staticmethod
     def _codex(task, repo, work, model, base_url, api_key, timeout) -> dict:
@@ -75,7 +79,9 @@ class Actor:
         if turn.error is not None:
             return {"error": f"codex: {turn.error}; stderr: {turn.stderr[-1500:]}"}
         patch = repo_task.diff_of(repo)
+        errors = turn.errors()
         return {"finished": turn.status == "completed" and bool(patch), "exit_status": turn.status,
-                "harness_error": "; ".join(turn.error_messages()) or None, "patch": patch,
+                "outcome": codex_outcome(turn.status, errors),
+                "harness_error": json.dumps(errors[-1]) if errors else None, "patch": patch,
                 "conversation": [event["params"].get("item") for event in turn.events
                                  if event.get("method") == "item/completed"]}
