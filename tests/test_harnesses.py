@@ -13,15 +13,23 @@ import importlib.util
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
+
+import httpx
 
 import pytest
 
+import train_ppo
 from ppo_affine.endpoint import pack_calls
 from ppo_affine.reply_parsers import REPLY_FORMATS
 from test_endpoint import endpoint_of, tokenizer  # noqa: F401  (fixture)
+from test_evaluate_env import tools_model_dir  # noqa: F401  (fixture)
+from test_train import metrics, tiny_args
 
 HARNESS_ENV = Path(__file__).parent / "harness_env"
 MINISWE_PYTHON = os.environ.get("MINISWE_TEST_PYTHON")
@@ -252,3 +260,77 @@ def test_what_reads_as_a_context_overflow_to_swe_infinite():
     assert not provider_context_overflow(json.dumps({"error": {"message": vllm, "type": "BadRequestError",
                                                                "code": 400}}))
     assert not provider_context_overflow("stream disconnected before completion")
+
+
+# ---------------------------------------------------------------------- tiny-model PPO runs through each harness
+@contextmanager
+def harness_server(log_path: Path):
+    """tests/harness_env behind affinetes' template server on 127.0.0.1, told where the harnesses are."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "MINISWE_PYTHON": MINISWE_PYTHON or "", "CODEX_BIN": CODEX_BIN or ""}
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", "uvicorn", "serve:app", "--app-dir", str(HARNESS_ENV),
+                                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+                                   stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers(f"{url}/health"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the harness env server did not start:\n{log_path.read_text()}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def two_ppo_steps(model_dir: Path, out: Path, url: str, evaluate_kwargs: dict, *sets: str) -> list[dict]:
+    env = {"swe": {"kind": "evaluate", "mode": "url", "url": url, "timeout": 600, "evaluate_kwargs": evaluate_kwargs}}
+    stages = [{"name": "s", "min_episodes": 1000, "tasks": [{"env": "swe", "task_id_ranges": [[0, 2]]}]}]
+    args = tiny_args(model_dir, out, "--max-steps", "2", "--set", f"env.envs={json.dumps(env)}",
+                     "--set", f"curriculum.stages={json.dumps(stages)}", "--set", "generation.max_new_tokens=6",
+                     "--set", "generation.max_turns=10", *[arg for s in sets for arg in ("--set", s)])
+    assert train_ppo.main(args) == 0
+    return metrics(out / "t")
+
+
+@pytest.mark.slow
+@needs_miniswe
+def test_two_ppo_steps_of_a_tiny_model_through_mini_swe_agent(tools_model_dir, tmp_path):
+    """The tiny model never writes one bash block: each episode is 5 calls (the step limit), a format error after
+    each, never submitted, score 0; one sequence per episode, all of it trained on."""
+    with harness_server(tmp_path / "server.log") as url:
+        records = two_ppo_steps(tools_model_dir, tmp_path, url, {"agent": "miniswe", "max_iterations": 5})
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert (record["env/episodes"], record["env/episodes_failed"], record["env/episodes_cut_off"]) == (4, 0, 0)
+        assert (record["evaluate/calls"], record["evaluate/prefix_breaks"], record["env/turns_mean"]) == (20, 0, 5)
+        assert record["env/score_mean"] == 0.0
+        assert "policy/loss" in record and record["update/epochs_run"] >= 1 and record["update/skipped_total"] == 0
+
+
+@pytest.mark.slow
+@needs_codex
+def test_two_ppo_steps_of_a_tiny_model_through_codex(tools_model_dir, tmp_path):
+    """The tiny model never writes a tool call: codex takes its first reply as the final answer, one call an
+    episode, no change, score 0. The prompt limit is raised for codex's long instructions (15 234 tokens of the
+    tiny tokenizer); one update epoch, as each sequence is that long."""
+    with harness_server(tmp_path / "server.log") as url:
+        records = two_ppo_steps(tools_model_dir, tmp_path, url, {"agent": "codex"},
+                                "generation.max_prompt_tokens=24000", "ppo.ppo_epochs=1")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert (record["env/episodes"], record["env/episodes_failed"], record["env/episodes_cut_off"]) == (4, 0, 0)
+        assert (record["evaluate/calls"], record["evaluate/prefix_breaks"], record["env/turns_mean"]) == (4, 0, 1)
+        assert record["env/score_mean"] == 0.0
+        assert "policy/loss" in record and record["update/epochs_run"] >= 1 and record["update/skipped_total"] == 0
