@@ -262,6 +262,19 @@ def test_what_reads_as_a_context_overflow_to_swe_infinite():
     assert not provider_context_overflow("stream disconnected before completion")
 
 
+@pytest.mark.parametrize("model_preset", ["qwen3-32b", "qwen3.6-35b-a3b"])
+def test_the_agent_presets_reply_cap_is_the_room_a_32k_context_leaves(model_preset):
+    """Neither harness sends max_tokens and codex reads `length` as a context overflow: with `--preset agent` after
+    the model's, a prompt of up to 28 672 tokens and its reply fill 32 768 tokens, and its own run folder."""
+    from ppo_affine.config import load_config
+
+    train = load_config(presets=[model_preset, "agent"]).train
+    generation = train.generation
+    assert (generation.max_prompt_tokens, generation.max_new_tokens) == (28_672, 4_096)
+    assert generation.max_prompt_tokens + generation.max_new_tokens == 32_768
+    assert (generation.max_turns, generation.request_timeout, train.run.name) == (100, 3600.0, "agent")
+
+
 # ---------------------------------------------------------------------- tiny-model PPO runs through each harness
 @contextmanager
 def harness_server(log_path: Path):
