@@ -25,6 +25,14 @@ from codex_run import run_codex_turn, write_codex_home  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
+def harness_path(variable: str) -> str:
+    """Where a harness is, from the server's environment; a clear error when it was not told."""
+    path = os.environ.get(variable)
+    if not path:
+        raise RuntimeError(f"{variable} is not set: start this env's server with it (see this file's docstring)")
+    return path
+
+
 def codex_prompt(task) -> str:
     return (f"You are fixing a bug in the repository in the current directory.\n\n## Issue\n\n{task.statement}\n\n"
             "## Instructions\n\n- Change only source files; do not edit the tests.\n"
@@ -60,7 +68,7 @@ class Actor:
                 "api_key": api_key or "EMPTY", "temperature": temperature, "seed": seed,
                 "step_limit": max_iterations}
         (work / "spec.json").write_text(json.dumps(spec))
-        python = os.environ["MINISWE_PYTHON"]
+        python = harness_path("MINISWE_PYTHON")
         process = subprocess.run([python, str(HERE / "miniswe_run.py"), str(work / "spec.json"),
                                   str(work / "result.json")], capture_output=True, text=True, timeout=timeout,
                                  env={**os.environ, "MSWEA_SILENT_STARTUP": "1"})
@@ -75,7 +83,7 @@ class Actor:
     @staticmethod
     def _codex(task, repo, work, model, base_url, api_key, timeout) -> dict:
         home = write_codex_home(work / "codex-home", model, base_url)
-        turn = run_codex_turn(os.environ["CODEX_BIN"], home, repo, model, codex_prompt(task), api_key, timeout)
+        turn = run_codex_turn(harness_path("CODEX_BIN"), home, repo, model, codex_prompt(task), api_key, timeout)
         if turn.error is not None:
             return {"error": f"codex: {turn.error}; stderr: {turn.stderr[-1500:]}"}
         patch = repo_task.diff_of(repo)
