@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-
 import pytest
 
 import train_ppo

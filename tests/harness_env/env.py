@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import repo_task  # noqa: E402
-from run_outcome import INFRA_FAILURE, codex_outcome, miniswe_outcome  # noqa: E402
 from codex_run import run_codex_turn, write_codex_home  # noqa: E402
+from run_outcome import INFRA_FAILURE, codex_outcome, miniswe_outcome  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
