@@ -19,10 +19,17 @@ With `--compare-base` the base replays the MCTS opponent's moves that the adapte
 wherever its game repeats one (ppo_affine/envs/opponent_moves.py: the same moves, searched only where
 the games differ). `--set env.envs.openspiel.opponent_moves=FILE` keeps that record across runs.
 
+`--distill-cells URL|DIR` scores DISTILL-V2 instead of playing games (ppo_affine/distill/): the published
+teacher cells under a base URL (the public bucket's address is in docs/evaluate.md) or a local folder, each
+rollout rendered and teacher-forced as the env does, by the trainer's model in process (generation.backend=local)
+or through the vLLM server; the cell scores, their mean and its 95 % interval go to summary.json.
+
 Run:  python evaluate.py --preset cpu --base-only --games leduc_poker,liars_dice --episodes 10 --opponent random
       python evaluate.py --checkpoint runs/r/checkpoints/checkpoint-500 --games goofspiel,leduc_poker \\
           --episodes 50 --compare-base --output-dir eval/r-500
       python evaluate.py --preset cpu --checkpoint CKPT --games leduc_poker --env-evaluate http://127.0.0.1:8765
+      python evaluate.py --checkpoint CKPT --compare-base --distill-cells DISTILL_V2_URL --distill-limit 100 \\
+          --output-dir eval/distill
 """
 from __future__ import annotations
 
@@ -39,9 +46,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+import httpx
 from rich.console import Console
 
 from ppo_affine import env_evaluate
+from ppo_affine.distill.cells import DEFAULT_CACHE_DIR
+from ppo_affine.distill.render import MAX_SEQ_LEN
 from ppo_affine import report
 from ppo_affine.envs.tasks import Task
 from ppo_affine.envs.factory import make_env
@@ -338,6 +348,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--env-timeout", type=float, default=env_evaluate.VALIDATOR_TIMEOUT_S, metavar="SECONDS",
                         help="with --env-evaluate: seconds the env may take per game (default %(default)g, "
                         "the validators')")
+    parser.add_argument("--distill-cells", metavar="URL|DIR",
+                        help="score DISTILL-V2 on the teacher cells at this base URL (shards cached in "
+                        "--distill-cache-dir) or in this local folder, instead of playing games (default: none)")
+    parser.add_argument("--distill-limit", type=int, metavar="N",
+                        help="with --distill-cells: the first N cells of the manifest (default: all)")
+    parser.add_argument("--distill-cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
+                        help="with --distill-cells URL: where downloaded shards are kept")
+    parser.add_argument("--distill-max-seq-len", type=int, default=MAX_SEQ_LEN,
+                        help="with --distill-cells: tokens a rendered rollout keeps (head and tail), the env's "
+                        "default; a smaller value saves memory but no longer scores as the env does")
     add_config_arguments(parser, set_example="generation.backend=local")
     return parser.parse_args(argv)
 
@@ -401,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         # the checkpoint's adapter and configuration are all evaluate reads of it (a bad trainer state only warns)
         config, adapter_dir = config_for_adapter(args, args.checkpoint, defaults=VALIDATOR_SETTINGS,
                                                  flags=flag_overrides(args), adapter_only=True)
+        if args.distill_cells:
+            return distill_main(args, config, adapter_dir)
+        check_no_distill_options(args)
         tasks, env_specs = plan(args, config)
         episodes_path = None
         if args.output_dir:
@@ -425,6 +448,87 @@ def main(argv: list[str] | None = None) -> int:
         return report_failure("Stopped", exc, 1)
     print_results(args, records)
     return 0
+
+
+# ---------------------------------------------------------------------- DISTILL-V2
+def check_no_distill_options(args: argparse.Namespace) -> None:
+    if (args.distill_limit is not None or args.distill_cache_dir != DEFAULT_CACHE_DIR
+            or args.distill_max_seq_len != MAX_SEQ_LEN):
+        raise ConfigError("--distill-limit, --distill-cache-dir and --distill-max-seq-len apply to --distill-cells.")
+
+
+def check_distill_options(args: argparse.Namespace) -> None:
+    if args.games or args.task_ids or args.env_evaluate or args.episodes is not None:
+        raise ConfigError("--distill-cells scores teacher cells, not games: leave out --games, --task-ids, "
+                          "--episodes and --env-evaluate.")
+    if args.compare_base and args.base_only:
+        raise ConfigError("--compare-base compares an adapter with its base; it needs --checkpoint, not --base-only.")
+    if args.distill_limit is not None and args.distill_limit < 1:
+        raise ConfigError(f"--distill-limit must be at least 1, got {args.distill_limit}.")
+    if args.distill_max_seq_len < 2:
+        raise ConfigError(f"--distill-max-seq-len must be at least 2, got {args.distill_max_seq_len}.")
+
+
+def distill_main(args: argparse.Namespace, config: Config, adapter_dir: Path | None) -> int:
+    """--distill-cells: read the cells, score each model on them, print and write the scores."""
+    from ppo_affine.distill.cells import read_cells
+
+    check_distill_options(args)
+    if args.output_dir:
+        probe_writable(args.output_dir, "--output-dir")
+    try:
+        cells = read_cells(args.distill_cells, args.distill_cache_dir, limit=args.distill_limit)
+    except (OSError, httpx.HTTPError, ValueError) as exc:
+        raise ConfigError(f"--distill-cells {args.distill_cells}: cannot read the cells ({exc})") from None
+    if not cells:
+        raise ConfigError(f"--distill-cells {args.distill_cells}: no cell could be read (see the lines above).")
+    with server_log_folder(args.output_dir) as log_dir, owned_server(config, log_dir) as config:
+        scores = asyncio.run(distill_scores(config, cells, adapter_dir, args.compare_base, args.distill_max_seq_len))
+    document = {"settings": {"checkpoint": str(args.checkpoint) if args.checkpoint else None,
+                             "base_model": config.train.model.name_or_path,
+                             "backend": config.train.generation.backend, "distill_cells": args.distill_cells,
+                             "distill_limit": args.distill_limit},
+        "distill_v2": {label: score.summary() for label, score in scores.items()}}
+    if args.output_dir:
+        with writing("the summary", args.output_dir / "summary.json"):
+            (args.output_dir / "summary.json").write_text(json.dumps(document, indent=1) + "\n")
+    for label, score in scores.items():
+        interval = f" [{score.ci95[0]:+.3f}, {score.ci95[1]:+.3f}]" if score.ci95 else ""
+        console.print(f"DISTILL-V2 {label}: {score.mean:+.3f}{interval} over {len(score.cells)} cells "
+                      f"(softmax_advantage; 0 = no preference)", highlight=False)
+    if args.output_dir:
+        console.print(f"wrote {args.output_dir / 'summary.json'}", highlight=False)
+    return 0
+
+
+async def distill_scores(config: Config, cells, adapter_dir: Path | None, compare_base: bool,
+                         max_seq_len: int) -> dict[str, Any]:
+    """label -> DistillScore for the adapter (if any) and the base (alone, or with --compare-base)."""
+    from ppo_affine.distill.evaluation import score_cells, score_cells_through_server
+
+    labels = ["base"] if adapter_dir is None else ["adapter"] + (["base"] if compare_base else [])
+    scores = {}
+    if config.train.generation.backend == "local":
+        policy = local_policy(config, adapter_dir)
+        for label in labels:
+            with rollout_progress(len(cells), f"{label}: DISTILL-V2 cells") as advance, \
+                    (policy.base() if label == "base" else contextlib.nullcontext()):
+                scores[label] = score_cells(cells, policy, max_seq_len=max_seq_len, on_cell=lambda _: advance())
+        return scores
+    generator, tokenizer, runs = model_runs(config, adapter_dir, compare_base)
+    api_key = os.environ.get(config.env.vllm_api_key_env) if config.env.vllm_api_key_env else None
+    try:
+        await generator.check_server()
+        for label, playing_as in runs:
+            async with playing_as():
+                served = generator.active_adapter or generator.base_model
+                with rollout_progress(len(cells), f"{label}: DISTILL-V2 cells") as advance:
+                    scores[label] = await asyncio.to_thread(
+                        score_cells_through_server, cells, tokenizer, generator.base_url, served, api_key,
+                        max_seq_len=max_seq_len, on_cell=lambda _: advance())
+    finally:
+        await generator.close()
+    return scores
 
 
 @contextlib.contextmanager

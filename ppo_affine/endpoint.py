@@ -16,7 +16,8 @@ What the endpoint does as a chat server would, so that training sees the text va
 - The reply is split into `reasoning_content` / `content` / `tool_calls` by the model family's parsers
   (reply_parsers.py).
 - The run's sampling settings win: temperature, top-p/top-k and `generation.max_new_tokens` apply whatever the
-  request asks (a difference is logged once per setting and value). A prompt longer than
+  request asks (a difference is logged once per setting and value); any other field the endpoint does not read
+  (`seed`: each call's seed derives from the episode's) is named in the log once. A prompt longer than
   `generation.max_prompt_tokens` is answered 400 with the limit named, as vLLM answers a context overflow; a reply
   that reaches max_new_tokens ends with `finish_reason: "length"`. An episode's calls past `generation.max_turns`
   are answered 400 and the episode is cut off (not trained on, as a native episode that hits the limit).
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                    "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+# what the endpoint reads from a request besides SAMPLING_FIELDS; any other field is named in the log, once
+READ_FIELDS = {"model", "messages", "prompt", "tools", "stream", "stream_options", "chat_template_kwargs", "n"}
 SHUTDOWN_GRACE_S = 2  # a harness still streaming when the run ends is cut off after this
 
 
@@ -281,6 +284,11 @@ class ChatEndpoint:
             self._warned.add((requested, value))
             log.warning("an evaluate() harness asked for %s=%s; the run's generation.%s=%s applies", requested, value,
                         ours, run_value)
+        for ignored in sorted(set(body) - READ_FIELDS - set(SAMPLING_FIELDS)):
+            if (ignored, None) not in self._warned:
+                self._warned.add((ignored, None))
+                log.warning("an evaluate() harness sent '%s', which this endpoint does not support: ignored (first "
+                            "value: %s)", ignored, json.dumps(body[ignored])[:200])
 
     # ------------------------------------------------------------------ HTTP
     def _build_app(self) -> FastAPI:

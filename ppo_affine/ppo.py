@@ -203,6 +203,45 @@ def group_advantages(
     return advantages.to(returns.dtype)
 
 
+def softmax_advantage_preference(nll_per_token: torch.Tensor, tau_floor: float = 0.0) -> torch.Tensor:
+    """DISTILL-V2's preference over a cell's rollouts, p = softmax(-c / tau), [N] -> [N] float64.
+
+    c is each rollout's mean NLL per loss token, tau the population std of the c's, differentiated through: the
+    score is scale-free in c, and holding tau constant would reward spreading the c's apart (making weak rollouts
+    unlikely) rather than ranking them. No spread (one rollout, equal c's) is no preference: uniform p.
+    `tau_floor` > 0 keeps tau off 0 for training; the env's own score uses 0.
+    """
+    c = nll_per_token.double()
+    variance = ((c - c.mean()) ** 2).mean()
+    if tau_floor > 0:
+        tau = variance.clamp(min=tau_floor**2).sqrt()
+    elif variance.item() <= 0:
+        return torch.full_like(c, 1 / c.numel()) + 0 * c  # uniform; keeps the graph, with a zero gradient
+    else:
+        tau = variance.sqrt()
+    return torch.softmax(-c / tau, dim=0)
+
+
+def softmax_advantage_score(nll_per_token: torch.Tensor, advantages: torch.Tensor, tau_floor: float = 0.0
+                            ) -> torch.Tensor:
+    """DISTILL-V2's cell score S = sum_i p_i * a_i (p: `softmax_advantage_preference`, a: within-cell advantages)."""
+    preference = softmax_advantage_preference(nll_per_token, tau_floor)
+    return (preference * advantages.to(preference)).sum()
+
+
+def softmax_advantage_gradient(nll_per_token: torch.Tensor, advantages: torch.Tensor, tau_floor: float = 0.0
+                               ) -> tuple[float, torch.Tensor]:
+    """The cell score and dS/dc_i, [N] -> (S, [N] float64), from c's values alone (no model graph).
+
+    A cell's rollouts may not fit one micro-batch, so training takes two passes: the c's without gradients, then
+    each rollout's own backward of g_i * c_i, which sums to the gradient of S through the whole cell.
+    """
+    c = nll_per_token.detach().double().requires_grad_(True)
+    score = softmax_advantage_score(c, advantages.detach(), tau_floor)
+    (gradient,) = torch.autograd.grad(score, c)
+    return score.item(), gradient
+
+
 def weighted_mean(x: torch.Tensor, weights: torch.Tensor, total_weight: float | None = None) -> torch.Tensor:
     """sum(weights * x) / total_weight (default: the sum of the weights); 0 where every weight is 0."""
     # where, not x * weights alone: padding may hold inf/NaN, and 0 * inf is NaN

@@ -204,6 +204,19 @@ def test_the_runs_sampling_settings_win_and_the_difference_is_logged_once(tokeni
                      "an evaluate() harness asked for max_tokens=5; the run's generation.max_new_tokens=64 applies"]
 
 
+
+def test_a_field_the_endpoint_does_not_read_is_named_in_the_log_once(tokenizer, caplog):
+    """mini-swe-agent's litellm sends `seed`; a harness may send more: each is named once, and still answered."""
+    endpoint = endpoint_of(tokenizer, ["a", "b"], temperature=1.0)
+    door = one_episode(endpoint)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 5, "tool_choice": "auto"}
+    with caplog.at_level(logging.WARNING, logger="ppo_affine.endpoint"):
+        answers = [asyncio.run(post(endpoint, "/chat/completions", {**body, "seed": seed}, door.key)) for seed in (5, 6)]
+    assert [answer.status_code for answer in answers] == [200, 200]
+    assert [r.getMessage() for r in caplog.records] == [
+        "an evaluate() harness sent 'seed', which this endpoint does not support: ignored (first value: 5)",
+        "an evaluate() harness sent 'tool_choice', which this endpoint does not support: ignored (first value: \"auto\")"]
+
 def test_calls_sample_with_seeds_of_the_episode_and_call_and_keep_the_episodes_cache_key(tokenizer):
     from ppo_affine.seeds import derive_seed
 

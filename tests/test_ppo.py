@@ -18,6 +18,8 @@ from ppo_affine.ppo import (
     masked_var,
     masked_whiten,
     policy_loss,
+    softmax_advantage_gradient,
+    softmax_advantage_score,
     truncated_importance_weights,
     value_loss,
 )
@@ -429,3 +431,65 @@ def test_trace_line_credit_pays_a_missed_trace_reply_a_share_below_an_exact_matc
     assert final_reward(episode("trace", 0.0, 0.6), PPOConfig()) == 0.0  # off by default
     centered = PPOConfig(reward={"trace_line_credit": 0.5, "center_score": True})
     assert final_reward(episode("trace", 0.0, 0.6), centered) == pytest.approx(-0.2)
+
+
+# DISTILL-V2's cell score. c = (0.5, 1, 2), rewards (1, 0, 0): a = z-scores = (sqrt 2, -1/sqrt 2, -1/sqrt 2);
+# tau = pstd(c) = 0.623610; p = softmax(-c / tau) = (0.649873, 0.291486, 0.058641); S = sum p a = 0.671482.
+CELL_NLL = torch.tensor([0.5, 1.0, 2.0])
+CELL_ADVANTAGES = torch.tensor([math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2)])
+
+
+def test_softmax_advantage_score_by_hand():
+    close(softmax_advantage_score(CELL_NLL, CELL_ADVANTAGES), 0.671482, atol=1e-6)
+
+
+def test_softmax_advantage_score_is_scale_and_shift_free():
+    close(softmax_advantage_score(3 * CELL_NLL + 7, CELL_ADVANTAGES), 0.671482, atol=1e-6)
+
+
+def test_softmax_advantage_without_preference_is_the_mean_advantage():
+    close(softmax_advantage_score(torch.tensor([1.5, 1.5, 1.5]), CELL_ADVANTAGES), 0.0)
+    close(softmax_advantage_score(torch.tensor([0.7]), torch.tensor([0.0])), 0.0)
+    score, gradient = softmax_advantage_gradient(torch.tensor([1.5, 1.5, 1.5]), CELL_ADVANTAGES)
+    assert score == pytest.approx(0.0) and gradient.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_softmax_advantage_gradient_goes_through_tau():
+    # Central differences of S by hand-free arithmetic (math only, no torch): (-0.478789, 0.718183, -0.239394).
+    # Scale-freeness makes the gradient orthogonal to c and to 1; with tau held fixed it would not be.
+    score, gradient = softmax_advantage_gradient(CELL_NLL, CELL_ADVANTAGES)
+    assert score == pytest.approx(0.671482, abs=1e-6)
+    close(gradient, [-0.478789, 0.718183, -0.239394], atol=2e-6)
+    close(gradient.sum(), 0.0, atol=1e-9)
+    close((gradient * CELL_NLL.double()).sum(), 0.0, atol=1e-9)
+
+
+def test_softmax_advantage_floor_keeps_tied_rollouts_trainable():
+    # Tied c's: tau = floor 0.1, p uniform, dS/dc_i = -(a_i - mean a) / (N tau) = -a_i / 0.3.
+    score, gradient = softmax_advantage_gradient(torch.tensor([1.0, 1.0, 1.0]), CELL_ADVANTAGES, tau_floor=0.1)
+    assert score == pytest.approx(0.0, abs=1e-12)
+    close(gradient, [-math.sqrt(2) / 0.3, 1 / math.sqrt(2) / 0.3, 1 / math.sqrt(2) / 0.3], atol=1e-6)  # a in float32
+
+
+def test_two_pass_cell_gradient_equals_autograd_through_the_whole_cell():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Tanh(), torch.nn.Linear(8, 11)).double()
+    rollouts = [torch.randint(0, 11, (n,)) for n in (5, 9, 3, 7)]
+    advantages = torch.tensor([1.2, -0.4, 0.3, -1.1])
+
+    def nll_per_token(tokens):  # next-token NLL, mean over the rollout's predicted tokens
+        return torch.nn.functional.cross_entropy(model(tokens[:-1]), tokens[1:])
+
+    whole = softmax_advantage_score(torch.stack([nll_per_token(r) for r in rollouts]), advantages)
+    whole_gradients = torch.autograd.grad(whole, list(model.parameters()))
+
+    with torch.no_grad():
+        nll = torch.stack([nll_per_token(r) for r in rollouts])
+    score, weights = softmax_advantage_gradient(nll, advantages)
+    model.zero_grad()
+    for rollout, weight in zip(rollouts, weights):  # one rollout's graph at a time
+        (weight * nll_per_token(rollout)).backward()
+    assert score == pytest.approx(whole.item(), abs=1e-12)
+    for two_pass, expected in zip((p.grad for p in model.parameters()), whole_gradients):
+        torch.testing.assert_close(two_pass, expected, atol=1e-12, rtol=0)
+    assert max(g.abs().max().item() for g in whole_gradients) > 1e-3  # a real gradient, not zeros equal to zeros

@@ -1,7 +1,7 @@
 """A small OpenAI-compatible server with vLLM's LoRA endpoints, serving a local model for tests.
 
 Implements what the trainer uses, the way vLLM documents it: `GET /v1/models`,
-`POST /v1/completions` (prompt as token ids, `logprobs`, `return_tokens_as_token_ids`, `seed`),
+`POST /v1/completions` (prompt as token ids, `logprobs`, `echo`, `return_tokens_as_token_ids`, `seed`),
 `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (404 unless runtime LoRA updating
 is on, like vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING); what an env's evaluate() uses:
 `POST /v1/chat/completions` (the model's chat template, streamed or not); and `GET /test/stats`
@@ -125,6 +125,9 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
         prompt = body["prompt"]
         if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             raise HTTPException(400, "this test server takes one prompt as a list of token ids")
+        if len(prompt) + int(body.get("max_tokens", 16)) > max_model_len:  # as vLLM refuses it
+            raise HTTPException(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                                f"requested {len(prompt) + int(body.get('max_tokens', 16))} tokens.")
         temperature = float(body.get("temperature", 1.0))
         generator = torch.Generator().manual_seed(int(body.get("seed") or 0))
 
@@ -138,10 +141,11 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
                     sampled = _sample(model, adapter, prompt, int(body.get("max_tokens", 16)), temperature, stop_ids,
                                       generator, ignore_adapters, logprobs_mode)
                 stats["completions"] += 1
-                return sampled
+                echoed = _prompt_logprobs(model, adapter, prompt, ignore_adapters) if body.get("echo") else None
+                return (*sampled, echoed)
 
         # in a thread, so that /v1/models and the other endpoints answer meanwhile, as vLLM's do
-        tokens, logprobs, finish = await asyncio.to_thread(complete)
+        tokens, logprobs, finish, echoed = await asyncio.to_thread(complete)
         tokens, logprobs, finish, stop_reason = _cut_at_stop_string(tokenizer, tokens, logprobs, finish,
                                                                    body.get("stop") or [])
         as_ids = bool(body.get("return_tokens_as_token_ids"))
@@ -154,6 +158,15 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
             return {shown(t): float(logp[t]) for t in {*logp.topk(n).indices.tolist(), token}}
 
         top_n = body.get("logprobs")
+        if echoed is not None:  # `echo`: the prompt's tokens come first, the first one with no log-prob (null)
+            logprobs_of = {"tokens": [shown(t) for t in prompt + tokens],
+                           "token_logprobs": echoed + [float(logp[t]) for t, logp in zip(tokens, logprobs)],
+                           "top_logprobs": [None if lp is None else {shown(t): lp} for t, lp in zip(prompt, echoed)]
+                           + [top(t, logp, top_n or 0) for t, logp in zip(tokens, logprobs)], "text_offset": None}
+            return {"id": "cmpl-test", "object": "text_completion", "model": body["model"], "usage": {
+                "prompt_tokens": len(prompt), "completion_tokens": len(tokens)}, "choices": [{
+                    "index": 0, "text": tokenizer.decode(prompt + tokens, skip_special_tokens=True),
+                    "finish_reason": finish, "stop_reason": stop_reason, "logprobs": logprobs_of}]}
         choice = {
             "index": 0,
             "text": tokenizer.decode(tokens, skip_special_tokens=True),
@@ -234,6 +247,21 @@ def _sample(model, adapter, prompt, max_tokens, temperature, stop_ids, generator
                 finish = "stop"
                 break
     return tokens, logprobs, finish
+
+
+@torch.no_grad()
+def _prompt_logprobs(model, adapter, prompt, ignore_adapters) -> list[float | None]:
+    """`echo`'s prompt log-probs: log p(token i | tokens before it), None for the first token (nothing predicts it)."""
+    from peft import PeftModel
+
+    is_peft = isinstance(model, PeftModel)
+    if is_peft and adapter and not ignore_adapters:
+        model.set_adapter(adapter)
+    context = model.disable_adapter() if is_peft and (adapter is None or ignore_adapters) else _nullcontext()
+    ids = torch.tensor([prompt])
+    with context:
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+    return [None] + logp.gather(1, ids[0, 1:, None])[:, 0].tolist()
 
 
 def _cut_at_stop_string(tokenizer, tokens, logprobs, finish, stop_strings):
