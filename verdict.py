@@ -9,13 +9,17 @@ Per env: both means over the shared tasks, the paired difference candidate - cha
 the sample count against the validators' minimum. The verdict is "would dethrone", "would not, because ..." or
 "unknown" while an env the validators score (env.validators.sampling_counts) was not run here.
 
+`--distill-cells URL|DIR` adds DISTILL-V2: the teacher cells scored by each model in process, as evaluate.py
+--distill-cells scores them (ppo_affine/distill/); the cell's task index is its task id.
+
 Copy check (ppo_affine/copy_check.py): the champion's most recent `copy_rollouts_per_env` finished episodes per env
 (or the episodes in --copy-episodes), teacher-forced by both models: the pooled median |log-prob difference| at
 decision positions, a copy below 0.05 with at least 50 positions.
 
 Run:  python verdict.py --preset cpu --candidate runs/r/checkpoints/checkpoint-500 --champion base \\
           --env openspiel --games leduc_poker,liars_dice --env trace --episodes 20 --output-dir verdict/r-500
-      python verdict.py --candidate merged/r-500 --champion merged/champion --env swe=0-199 --output-dir verdict/x
+      python verdict.py --candidate merged/r-500 --champion merged/champion --env swe=0-199 \\
+          --distill-cells DISTILL_V2_URL --distill-limit 100 --output-dir verdict/x
 """
 from __future__ import annotations
 
@@ -34,16 +38,18 @@ from rich.table import Table
 import evaluate
 from ppo_affine import report
 from ppo_affine.config import Config, ConfigError, EnvSpec
+from ppo_affine.distill.cells import DEFAULT_CACHE_DIR
 from ppo_affine.copy_check import assistant_tokens, copy_statistic, teacher_forced_logprobs
 from ppo_affine.envs.tasks import AVAILABLE_GAMES, Task, validator_seed
 from ppo_affine.file_writes import WriteFailed, probe_writable, writing
 from ppo_affine.generation import VLLMError
-from ppo_affine.run_log import console, report_failure, setup_logging
+from ppo_affine.run_log import console, report_failure, rollout_progress, setup_logging
 from ppo_affine.validator_rule import Verdict, buckets_across, judge
 from ppo_affine.vllm_server import VLLMServerError, owned_server
 from utils import add_config_arguments, config_for_adapter, program_parser
 
 CHAMPION, CANDIDATE = "champion", "candidate"
+DISTILL = "DISTILL-V2"  # the validators' name of the env, the rule's additive one
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class EnvPlan:
     runner: str  # the RUNNERS entry that scores it
     spec: EnvSpec | None
     tasks: list[Task]
+    cells: list | None = None  # DISTILL-V2: the teacher cells, read once before any model loads
 
 
 # ---------------------------------------------------------------------- the two models
@@ -109,7 +116,7 @@ def free_memory() -> None:
 # ---------------------------------------------------------------------- which tasks each env plays
 def plan_envs(args: argparse.Namespace, config: Config) -> list[EnvPlan]:
     """One plan per --env: its spec from the config and its tasks with the validators' seeds."""
-    if not args.env:
+    if not args.env and not args.distill_cells:
         raise ConfigError("Nothing to compare on: pass --env NAME (an env of the env config, or openspiel / trace "
                           "for the embedded ones), e.g. --env openspiel --games leduc_poker --env trace.")
     plans = []
@@ -129,7 +136,28 @@ def plan_envs(args: argparse.Namespace, config: Config) -> list[EnvPlan]:
         if spec.kind == "openspiel" and spec.mode == "local":  # the validators' observation format
             spec = spec.model_copy(update={"observation_format": "evaluate"})
         plans.append(EnvPlan(name, "episodes", spec, env_tasks(args, name, spec, ids)))
+    if args.distill_cells:
+        plans.append(distill_plan(args))
     return plans
+
+
+def distill_plan(args: argparse.Namespace) -> EnvPlan:
+    """DISTILL-V2 from --distill-cells: the cells are read here, once, before a model loads."""
+    import httpx
+
+    from ppo_affine.distill.cells import read_cells
+
+    if args.distill_limit is not None and args.distill_limit < 1:
+        raise ConfigError(f"--distill-limit must be at least 1, got {args.distill_limit}.")
+    try:
+        cells = read_cells(args.distill_cells, args.distill_cache_dir, limit=args.distill_limit)
+    except (OSError, httpx.HTTPError, ValueError) as exc:
+        raise ConfigError(f"--distill-cells {args.distill_cells}: cannot read the cells ({exc})") from None
+    if not cells:
+        raise ConfigError(f"--distill-cells {args.distill_cells}: no cell could be read (see the lines above).")
+    tasks = [Task(env=DISTILL, task_id=cell.task_idx, seed=0, opponent=None, stage="eval", replay=False)
+             for cell in cells]
+    return EnvPlan(DISTILL, "distill", None, tasks, cells)
 
 
 def env_tasks(args: argparse.Namespace, name: str, spec: EnvSpec, ids: str) -> list[Task]:
@@ -167,12 +195,29 @@ def play_episodes(model: ModelUnderTest, plans: list[EnvPlan], policy, episodes_
     return [record | {"model": model.label} for record in records]
 
 
+def score_distill_cells(model: ModelUnderTest, plans: list[EnvPlan], policy, output_path: Path | None
+                        ) -> list[dict[str, Any]]:
+    """DISTILL-V2: each cell's score by teacher forcing in process (ppo_affine/distill/), keyed by its task index."""
+    from ppo_affine.distill.evaluation import score_cells
+
+    records = []
+    for plan in plans:
+        with rollout_progress(len(plan.cells), f"{model.label}: DISTILL-V2 cells") as advance:
+            scored = score_cells(plan.cells, policy, on_cell=lambda _: advance())
+        records += [{"model": model.label, "env": plan.name, "task_id": task_idx, "seed": 0, "score": cell.score,
+                     "error": None} for task_idx, cell in scored.cells.items()]
+    if output_path:
+        with writing("the DISTILL-V2 scores", output_path):
+            output_path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return records
+
+
 # How one model is scored on a group of envs while it is loaded: (model, plans, its local policy or None, an
-# output file of its own to write or None) -> records, each with model, env, task_id, seed, score, error. An env scored without
-# episodes (DISTILL-V2's teacher-forced cells) is a runner here and its name in RUNNER_OF_ENV: `--env NAME=IDS` then
-# hands it the ids.
+# output file of its own to write or None) -> records, each with model, env, task_id, seed, score, error. Runners other
+# than "episodes" get the model's local policy. Another env scored without episodes is a runner here and its name in
+# RUNNER_OF_ENV: `--env NAME=IDS` then hands it the ids.
 EnvRunner = Callable[[ModelUnderTest, list[EnvPlan], Any, Path | None], list[dict[str, Any]]]
-RUNNERS: dict[str, EnvRunner] = {"episodes": play_episodes}
+RUNNERS: dict[str, EnvRunner] = {"episodes": play_episodes, "distill": score_distill_cells}
 RUNNER_OF_ENV: dict[str, str] = {}  # env name -> RUNNERS key, for envs that are not in the env config
 
 
@@ -195,6 +240,8 @@ def run_model(model: ModelUnderTest, plans: list[EnvPlan], rollouts: list[Rollou
     records: list[dict[str, Any]] = []
     for runner in dict.fromkeys(plan.runner for plan in plans):
         path = output_dir / f"{runner}-{model.label}.jsonl" if output_dir else None
+        if runner != "episodes":  # scored by teacher forcing in process
+            policy = policy or load_local_policy(model)
         records += RUNNERS[runner](model, [p for p in plans if p.runner == runner], policy, path)
     logprobs: dict[str, list[float]] = {}
     if copy_check:
@@ -268,6 +315,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, help="most tokens of one reply (default: the config's)")
     parser.add_argument("--context-strategy", choices=("full", "truncated", "last"),
                         help="conversation shown to the model (default full, as validators)")
+    parser.add_argument("--distill-cells", metavar="URL|DIR", help="also score DISTILL-V2 on the teacher cells under "
+                        "this base URL or in this folder, as evaluate.py --distill-cells does (default: none: DISTILL-V2 "
+                        "stays 'unknown')")
+    parser.add_argument("--distill-limit", type=int, metavar="N", help="with --distill-cells: the first N cells "
+                        "(default: all; the validators sample 100)")
+    parser.add_argument("--distill-cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
+                        help="with --distill-cells URL: where downloaded shards are kept")
     parser.add_argument("--copy-episodes", type=Path, help="an episodes.jsonl of the champion (evaluate.py "
                         "--output-dir) whose conversations the copy check teacher-forces (default: the champion's "
                         "episodes of this run)")

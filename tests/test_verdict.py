@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 import verdict
+from ppo_affine.testing.distill_cells import golden_cells, write_cells
 from ppo_affine.testing.tiny import load_tiny_policy, save_checkpoint_with_active_adapter
 
 TINY = {"model.use_4bit": "false", "model.dtype": "float32", "run.device": "cpu", "generation.backend": "local",
@@ -121,3 +122,22 @@ def test_a_checkpoint_with_its_run_configuration_is_not_taken_for_a_merged_model
     assert verdict.is_merged_model(tiny_model_dir) is True
     assert verdict.is_merged_model(checkpoint) is False
     assert verdict.is_merged_model(changed) is False
+
+
+def test_distill_cells_are_scored_by_each_model_and_judged_with_the_additive_band(tiny_model_dir, copy_of_base,
+                                                                                  tmp_path):
+    cells = write_cells(tmp_path / "cells", golden_cells()[:2])
+    out = tmp_path / "out"
+    # the same weights on both sides: every cell scores the same, so DISTILL-V2 ties
+    assert verdict.main(tiny_args(tiny_model_dir, "--candidate", str(tiny_model_dir), "--champion", str(copy_of_base),
+                                  "--distill-cells", str(cells), "--no-copy-check", "--output-dir", str(out),
+                                  "--set", 'env.validators.sampling_counts={"DISTILL-V2": 2}')) == 0
+    champion, candidate = read_jsonl(out / "distill-champion.jsonl"), read_jsonl(out / "distill-candidate.jsonl")
+    assert [(r["env"], r["task_id"]) for r in champion] == [("DISTILL-V2", 0), ("DISTILL-V2", 1)]
+    assert [r["score"] for r in candidate] == pytest.approx([r["score"] for r in champion], abs=1e-6)
+    summary = json.loads((out / "summary.json").read_text())
+    (distill,) = summary["envs"]
+    assert (distill["env"], distill["bucket"], distill["shared_tasks"], distill["required_tasks"]) == (
+        "DISTILL-V2", "not_worse", 2, 2)
+    assert distill["not_worse_from"] == pytest.approx(distill["champion_mean"] - 0.1)  # additive, not x 0.98
+    assert summary["verdict"] == "would not"
