@@ -1,0 +1,188 @@
+"""The caches the local decode loop keeps: each episode's keys/values from its last turn, the KV budget they and
+the running batch share, which kept cache is dropped when they do not fit, and how a joining row continues from
+what it kept.
+
+`generation.kv_cache_budget` bounds the keys/values a rollout holds, in tokens: the running batch counts its rows ×
+(its width + a row's fixed share, the linear-attention state a row keeps whatever its length), and kept caches get
+what it leaves, the least recently used dropped first (that episode's next turn is prefilled from its tokens).
+The loop (`local_generation.LocalGenerator`) asks here how much of each prompt is already cached, what may join,
+and hands back each finished row's cache; it owns the model calls.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ppo_affine import prefixes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EpisodeCache:
+    """The keys/values an episode's last turn left behind: `ids[i]` sits at position i."""
+    ids: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [heads, len(ids), dim]
+
+    def bytes_per_token(self) -> float:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers) / len(self.ids)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """What the device can still allocate: CUDA's free memory and the blocks PyTorch holds unused (the last
+    update's activations), or the machine's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+            torch.cuda.memory_allocated(device)
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+class DecodeCaches:
+    """Per-episode kept caches under one KV budget (in tokens of this model's cache), least recently used first.
+
+    `requests` handed in have `.key` (the episode), `.prompt` and `.fed` (the tokens a prefill feeds)."""
+
+    def __init__(self, budget: int | None, bytes_per_token: float, row_bytes: float, reuse: bool):
+        self.reuse = reuse  # whether an episode's next turn may continue from its kept cache
+        self.budget_tokens = budget  # None until the first step sets the default
+        self.bytes_per_token = max(bytes_per_token, 1.0)
+        # a row's fixed share (linear-attention layers keep a state per row, not per token), in tokens
+        self.row_tokens = int(row_bytes // self.bytes_per_token)
+        self.kept: OrderedDict[int, EpisodeCache] = OrderedDict()  # least recently used first
+        self.evicted = 0
+        self.steps_held_back = 0  # steps that left a waiting request out for want of room in the budget
+        self.held_tokens = 0  # the tokens the running batch and kept caches held at the last step
+        self.peak_tokens = 0  # the most they held at once
+
+    # ------------------------------------------------------------------ the budget
+    def budget(self, free_bytes: Callable[[], int]) -> int:
+        """The budget in tokens; by default half of `free_bytes()` when first asked (at a rollout's first step,
+        when the update's activations are gone), for the running batch and the kept caches."""
+        if self.budget_tokens is None:
+            self.budget_tokens = int(free_bytes() / 2 / self.bytes_per_token)
+            log.info("generation.kv_cache_budget: %d tokens of keys/values (half of the free memory, %.0f bytes a "
+                     "token)", self.budget_tokens, self.bytes_per_token)
+        return self.budget_tokens
+
+    def running_tokens(self, rows: int, width: int) -> int:
+        return rows * (width + self.row_tokens)
+
+    def kept_tokens(self) -> int:
+        return sum(len(kept.ids) for kept in self.kept.values())
+
+    def note_held(self, running_tokens: int) -> None:
+        """What the running batch (`running_tokens`) and the kept caches hold at this step."""
+        self.held_tokens = self.kept_tokens() + running_tokens
+        self.peak_tokens = max(self.peak_tokens, self.held_tokens)
+
+    def start_rollout(self) -> None:
+        self.kept.clear()
+        self.evicted = self.steps_held_back = self.peak_tokens = 0
+
+    # ------------------------------------------------------------------ keeping and dropping
+    def forget(self, key: int) -> None:
+        self.kept.pop(key, None)
+
+    def clear(self) -> None:
+        self.kept.clear()
+
+    def remember(self, key: int, cache: EpisodeCache) -> None:
+        """Keep an episode's cache as the most recently used (the caller then fits the kept caches)."""
+        self.kept[key] = cache
+        self.kept.move_to_end(key)
+
+    def fit(self, room: int, spared: set[int]) -> None:
+        """Drop the least recently used kept caches until they fit in `room` tokens (never one of `spared`: a
+        joining row's prefill starts from it, and it is dropped then)."""
+        held = self.kept_tokens()
+        for key in [key for key in self.kept if key not in spared]:  # least recently used first
+            if held <= room:
+                break
+            held -= len(self.kept.pop(key).ids)
+            self.evicted += 1
+
+    # ------------------------------------------------------------------ what a joining row continues from
+    def reuse_of(self, request) -> int:
+        """How many leading tokens of the request's feed its episode's kept cache holds (at least one token is
+        left to feed)."""
+        kept = self.kept.get(request.key) if self.reuse else None
+        return min(prefixes.common_prefix(kept.ids, request.fed), len(request.fed) - 1) if kept else 0
+
+    def reused_lengths(self, requests: Sequence) -> tuple[list[int], list[EpisodeCache | None],
+                                                          list[tuple[list[int], list[int]]]]:
+        """How many leading prompt tokens of each request its episode's kept cache already holds (each row keeps
+        at least one token to feed), those caches, and the prefixes fresh rows that begin alike share: (rows,
+        prefix ids), each to be run once and handed to its rows as their cache (counted in the lengths already)."""
+        caches = [self.kept.get(r.key) if self.reuse else None for r in requests]
+        for request, cache in zip(requests, caches):
+            if cache is not None:
+                self.kept.move_to_end(request.key)  # used: the last to be dropped
+        reuse = [self.reuse_of(request) if cache else 0 for request, cache in zip(requests, caches)]
+        shared = self._shared_prefixes(requests, reuse) if self.reuse else []
+        return reuse, caches, shared
+
+    @staticmethod
+    def _shared_prefixes(requests: Sequence, reuse: list[int]) -> list[tuple[list[int], list[int]]]:
+        """Rows with no cache of their own whose prompts begin alike (a group's episodes of one task and seed,
+        one game's rules): their common prefixes, each with its rows; `reuse` is updated in place."""
+        fresh = [row for row, n in enumerate(reuse) if n == 0]
+        prompts = [requests[row].prompt for row in fresh]
+        shared_prefixes = []
+        for members, shared in prefixes.partition(prompts, prefixes.padded_cost):
+            shared = min([shared] + [len(prompts[m]) - 1 for m in members])  # each row keeps a token to feed
+            if len(members) < 2 or shared < prefixes.MIN_SHARED_PREFIX:
+                continue
+            rows = [fresh[member] for member in members]
+            for row in rows:
+                reuse[row] = shared
+            shared_prefixes.append((rows, prompts[members[0]][:shared]))
+        return shared_prefixes
+
+    def widths_as_they_join(self, running_width: int, requests: Iterable):
+        """The running batch's width after each of `requests` in turn joins it (one pass: each request's kept
+        prefix is compared once): their prefill is [kept prefix | new tokens], each part as wide as its widest row
+        (prefixes fresh rows share are not foreseen)."""
+        widest_kept = widest_new = 0
+        for request in requests:
+            reuse = self.reuse_of(request)
+            widest_kept, widest_new = max(widest_kept, reuse), max(widest_new, len(request.fed) - reuse)
+            yield max(running_width, widest_kept + widest_new)
+
+    # ------------------------------------------------------------------ caches per layer kind
+    @staticmethod
+    def kept_from(cache: Any, mask: torch.Tensor, row: int, ids: list[int]) -> EpisodeCache:
+        """Row `row` of a running batch's DynamicCache as an episode's kept cache: its keys/values at the columns
+        `mask[row]` marks, which hold `ids`."""
+        columns = mask[row].nonzero().squeeze(-1)
+        layers = [(layer.keys[row].index_select(1, columns), layer.values[row].index_select(1, columns))
+                  for layer in cache.layers]
+        return EpisodeCache(ids=ids, layers=layers)
+
+    @staticmethod
+    def of_prefix(cache: Any, ids: list[int]) -> EpisodeCache:
+        """The one row of a prefix's DynamicCache as a cache its rows continue from."""
+        return EpisodeCache(ids=list(ids), layers=[(layer.keys[0], layer.values[0]) for layer in cache.layers])
+
+    @staticmethod
+    def joining_cache(caches: list[EpisodeCache | None], reuse: list[int], width: int):
+        """One DynamicCache holding each joining row's reused prefix (from `caches`), right-aligned to `width`."""
+        from transformers import DynamicCache
+
+        kept = [(row, cache, n) for row, (cache, n) in enumerate(zip(caches, reuse)) if n]
+        sample = kept[0][1].layers[0][0]
+        layers = []
+        for layer in range(len(kept[0][1].layers)):
+            keys = sample.new_zeros((len(caches), sample.shape[0], width, sample.shape[2]))
+            values = keys.clone()
+            for row, cache, n in kept:
+                keys[row, :, width - n:] = cache.layers[layer][0][:, :n]
+                values[row, :, width - n:] = cache.layers[layer][1][:, :n]
+            layers.append((keys, values))
+        return DynamicCache(ddp_cache_data=layers)
