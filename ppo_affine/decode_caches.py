@@ -52,6 +52,7 @@ class DecodeCaches:
     def __init__(self, budget: int | None, bytes_per_token: float, row_bytes: float, reuse: bool):
         self.reuse = reuse  # whether an episode's next turn may continue from its kept cache
         self.budget_tokens = budget  # None until the first step sets the default
+        self.full_budget: int | None = None  # the budget before running out of memory halved it; None: not halved
         self.bytes_per_token = max(bytes_per_token, 1.0)
         # a row's fixed share (linear-attention layers keep a state per row, not per token), in tokens
         self.row_tokens = int(row_bytes // self.bytes_per_token)
@@ -70,6 +71,22 @@ class DecodeCaches:
             log.info("generation.kv_cache_budget: %d tokens of keys/values (half of the free memory, %.0f bytes a "
                      "token)", self.budget_tokens, self.bytes_per_token)
         return self.budget_tokens
+
+    def halve_budget(self, held: int) -> None:
+        """Out of memory while the batch and kept caches held `held` tokens: the budget drops to half of that, and
+        every kept cache goes."""
+        self.kept.clear()
+        if held and self.budget_tokens is not None:
+            self.full_budget = self.full_budget or self.budget_tokens
+            self.budget_tokens = min(self.budget_tokens, held // 2)
+
+    def grow_budget_back(self) -> None:
+        """One step back towards the budget before running out of memory: doubled, at most to it."""
+        if self.full_budget is None:
+            return
+        self.budget_tokens = min(self.full_budget, 2 * max(self.budget_tokens, 1))
+        if self.budget_tokens == self.full_budget:
+            self.full_budget = None
 
     def running_tokens(self, rows: int, width: int) -> int:
         return rows * (width + self.row_tokens)

@@ -11,11 +11,12 @@ appended to the batch; a row leaves when it samples an end-of-sequence id, reach
 `generation.kv_cache_budget` bounds the keys/values a rollout holds, in tokens (the caches are `decode_caches`'s
 job): a request joins only while the running batch it joins fits (its rows × (the longest row + max_new_tokens),
 the padded cache it may grow to; a batch of one row always runs), and kept caches get what the running batch
-leaves, the least recently used dropped first. Out of memory in a step puts its rows back with their replies so far and halves the rows a step may run
-(and the budget). So an episode waiting on its
-opponent's search holds up no other episode's reply (`generation.local_batching: continuous`). `wave` keeps the
-old barrier for comparison: a batch starts only when every live episode has asked and runs until its last row
-ends.
+leaves, the least recently used dropped first. Out of memory in a step puts its rows back with their replies
+so far and halves the rows a step may run (and the budget); each doubles back after
+`generation.caps_grow_back_steps` steps that did not run out of memory. Continuous batching
+(`generation.local_batching: continuous`) means an episode waiting on its opponent's search holds up no other
+episode's reply; `wave` keeps the old barrier for comparison: a batch starts only when every live episode has
+asked and runs until its last row ends.
 
 Rows sit right-aligned in one padded batch ([left padding | row's tokens], an attention mask hides
 the padding; positions are each row's own). Draws come from `sampling.sample_tokens`, keyed by the
@@ -236,6 +237,8 @@ class LocalGenerator:
         per_token, per_row = kv_bytes_per_token(policy.model.config, self._cache_element_bytes(policy.model))
         self.caches = DecodeCaches(gen_cfg.kv_cache_budget, per_token, per_row, self.reuse_cache)
         self.row_cap: int | None = None  # the most rows a step runs, set after running out of memory
+        self._uncapped_rows = 0  # the rows a step ran out of memory with before any cap: the cap lifts there
+        self.clean_steps = 0  # steps in a row without running out of memory, since the caps last changed
         self.out_of_memory_retries = 0
         self._running: Running | None = None
         self._work: asyncio.Event | None = None  # set when something may let a step start
@@ -454,6 +457,7 @@ class LocalGenerator:
                 values = await asyncio.shield(self._in_flight)
                 self._in_flight = None
                 self._finish_step(values)
+                self._grow_caps_back()
             except asyncio.CancelledError:
                 raise
             except torch.OutOfMemoryError as exc:
@@ -476,20 +480,37 @@ class LocalGenerator:
         held = self.caches.kept_tokens() + (self._running_tokens(len(running.requests), running.width) if running
                                             else 0)
         self._running = None
-        self.caches.clear()
-        if held:
-            self.caches.budget_tokens = min(self.budget(), held // 2)
+        self.budget()  # the default budget is set before it is halved
+        self.caches.halve_budget(held)
+        self.clean_steps = 0
         if len(rows) <= 1:
             log.warning("local generation ran out of memory on a single row: %s", exc)
             for request in rows:
                 request.resolve(exc)
             return
+        self._uncapped_rows = self._uncapped_rows if self.row_cap is not None else len(rows)
         self.row_cap = len(rows) // 2
         self.out_of_memory_retries += 1
         log.warning("local generation ran out of memory with %d rows: the kept caches are dropped (budget %s "
                     "tokens) and at most %d rows decode at once from now on", len(rows), self.cache_budget,
                     self.row_cap)
         self._pending = sorted(rows, key=lambda r: r.key) + self._pending
+
+    def _grow_caps_back(self) -> None:
+        """After `caps_grow_back_steps` steps in a row that did not run out of memory, the row cap and the budget
+        each double back, up to where they were (the row cap lifts at the rows that ran out uncapped)."""
+        if self.row_cap is None and self.caches.full_budget is None:
+            return
+        self.clean_steps += 1
+        if self.clean_steps < self.cfg.caps_grow_back_steps:
+            return
+        self.clean_steps = 0
+        if self.row_cap is not None:
+            self.row_cap = 2 * self.row_cap if 2 * self.row_cap < self._uncapped_rows else None
+        self.caches.grow_budget_back()
+        log.info("local generation: %d steps without running out of memory, the caps grow back: at most %s rows a "
+                 "step, budget %d tokens", self.cfg.caps_grow_back_steps,
+                 self.row_cap if self.row_cap is not None else "any", self.budget())
 
     def launches_inline(self) -> bool:
         """Whether a step's forward call only launches work on an accelerator (it then runs on the event loop,
