@@ -5,8 +5,8 @@ each step's kernels itself and waits for the device in a thread (the loop steps 
 Python thread contends for the GIL); on CPU the whole step runs in a thread. A step copies everything it needs
 from the host (new tokens, masks, positions, the draws' keys) before its first kernel: a copy from the host
 after a launch would wait for the launched work. A request (an episode's prompt for its next turn) joins at the
-next step: its new tokens are prefilled, from its episode's kept keys/values where they match, and its row is
-appended to the batch; a row leaves when it samples an end-of-sequence id, reaches `max_new_tokens` or (with
+next step: its new tokens are prefilled (in forward calls of at most `generation.prefill_chunk_tokens` columns),
+from its episode's kept keys/values where they match, and its row is appended to the batch; a row leaves when it samples an end-of-sequence id, reaches `max_new_tokens` or (with
 `stop_at_closing_fence`) closes a fenced block, and its keys/values are kept for the episode's next turn.
 `generation.kv_cache_budget` bounds the keys/values a rollout holds, in tokens (the caches are `decode_caches`'s
 job): a request joins only while the running batch it joins fits (its rows × (the longest row + max_new_tokens),
@@ -554,7 +554,22 @@ class LocalGenerator:
             self._merge(self._prefill(prefill))
         return torch.stack([self._running.next_tokens.double(), self._running.next_logprobs])
 
-    def _forward(self, input_ids, mask, positions, cache, cache_position: torch.Tensor):
+    def _forward_in_chunks(self, input_ids, mask, positions, cache, cache_position):
+        """A prefill of `input_ids` [rows, new width] as forward calls of at most `prefill_chunk_tokens` columns,
+        each continuing the cache the last one left (a chunk's 2D mask covers the cached columns and the chunk's own):
+        transformers builds a [rows, 1, chunk, columns so far] mask, never [rows, 1, new, new]. The chunks are views of
+        the staged tensors: no copy from the host. `mask`, `positions` and `cache_position` may be None (a shared
+        prefix of one row with no padding: transformers counts positions from the cache)."""
+        chunk, width = self.cfg.prefill_chunk_tokens, input_ids.shape[1]
+        cached = mask.shape[1] - width if mask is not None else 0
+        for start in range(0, width, chunk):
+            end = min(width, start + chunk)
+            logits, cache = self._forward(input_ids[:, start:end], None if mask is None else mask[:, :cached + end],
+                                          None if positions is None else positions[:, start:end], cache,
+                                          None if cache_position is None else cache_position[start:end])
+        return logits, cache
+
+    def _forward(self, input_ids, mask, positions, cache, cache_position: torch.Tensor | None):
         self.forward_calls += 1
         out = self.policy.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                                 cache_position=cache_position, use_cache=True, logits_to_keep=1,
@@ -618,7 +633,8 @@ class LocalGenerator:
         self.prompt_tokens += sum(len(r.prompt) for r in joining)
         self.prefilled_tokens += sum(len(r.fed) - n for r, n in zip(joining, reuse))
         cache = self.caches.joining_cache(caches, reuse, staged.cached_width) if staged.cached_width else None
-        logits, cache = self._forward(staged.input_ids, staged.mask, staged.positions, cache, staged.cache_position)
+        logits, cache = self._forward_in_chunks(staged.input_ids, staged.mask, staged.positions, cache,
+                                                staged.cache_position)
         return Running(list(joining), cache, staged.mask, staged.next_positions,
                        *self._choose(logits, joining, staged.keys))
 
@@ -703,10 +719,9 @@ class LocalGenerator:
     def _run_shared_prefix(self, prefix: list[int], prefix_ids: torch.Tensor) -> EpisodeCache:
         """One forward call over a prefix some joining rows share (`prefix_ids`: its ids on the device, [1, n]); its
         keys/values are each one's cache for this prefill."""
-        self.forward_calls += 1
-        out = self.policy.model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1)
+        _, cache = self._forward_in_chunks(prefix_ids, None, None, None, None)
         self.prefilled_tokens += len(prefix)  # once; each row's rest is counted with its prefill
-        return self.caches.of_prefix(getattr(out, self._cache_name), prefix)
+        return self.caches.of_prefix(cache, prefix)
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:

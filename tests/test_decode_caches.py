@@ -1,10 +1,19 @@
-"""decode_caches.py and the decode loop's memory caps: the budget halved by running out of memory grows back."""
+"""decode_caches.py and what the decode loop asks of memory: caps halved by running out of memory grow back; a
+prefill runs in chunks of `generation.prefill_chunk_tokens`."""
 import asyncio
+from pathlib import Path
 
-from ppo_affine.config import GenerationConfig
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ppo_affine.config import GenerationConfig, LoraConfig, ModelConfig
 from ppo_affine.decode_caches import DecodeCaches
+from ppo_affine.local_generation import LocalGenerator
+from ppo_affine.policy import load_policy
 from ppo_affine.prompts import PromptBuilder
-from test_generation import RunsOutOfMemoryAbove
+from ppo_affine.testing.tiny import make_tiny_architecture_dir
+from test_generation import RunsOutOfMemoryAbove, played_with, replies
 
 
 def test_a_halved_budget_doubles_back_to_where_it_was_and_no_further():
@@ -70,3 +79,113 @@ def test_the_row_cap_and_budget_halved_by_running_out_of_memory_grow_back_after_
     assert after[:15] == ([(2, 54)] * 2 + [(None, 108)] + [(None, 108)] * 2 + [(None, 216)] + [(None, 216)] * 2
                           + [(None, 432)] + [(None, 432)] * 2 + [(None, 864)] + [(None, 864)] * 2 + [(None, 1000)])
     assert set(after[15:]) == {(None, 1000)}  # grown back to where it was, and no further
+
+
+# ---------------------------------------------------------------------- chunked prefill
+class LogitsAndCalls(LocalGenerator):
+    """The real decode loop, keeping every sampled row's logits and the shape of every forward call's input."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logits: list[torch.Tensor] = []
+        self.calls: list[tuple[int, int]] = []  # (rows, columns fed)
+
+    def _forward(self, input_ids, *args):
+        self.calls.append(tuple(input_ids.shape))
+        return super()._forward(input_ids, *args)
+
+    def _choose(self, logits, requests, keys):
+        self.logits.append(logits.detach().clone())
+        return super()._choose(logits, requests, keys)
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory) -> Path:
+    return make_tiny_architecture_dir(tmp_path_factory.mktemp("hybrid"), "qwen3_5_moe_text")
+
+
+def policy_from(folder: Path):
+    torch.manual_seed(0)
+    model = ModelConfig(name_or_path=str(folder), use_4bit=False, dtype="float32", gradient_checkpointing=False)
+    return load_policy(model, LoraConfig(), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_5_moe"])
+def test_a_prefill_in_chunks_of_7_tokens_gives_the_replies_and_logits_of_one_call(tiny_policy, hybrid_dir, model):
+    """5 episodes of 3 turns, 3 at once, prompts of ~30 to ~90 tokens: kept caches, joins mid-batch and (qwen3)
+    shared first prompts, every prefill cut into calls of at most 7 columns, each continuing the last one's cache
+    (keys/values, or a linear-attention layer's convolution window and recurrent state over left padding)."""
+    policy = tiny_policy if model == "qwen3" else policy_from(hybrid_dir)
+    runs = {chunk: played_with(policy, LogitsAndCalls, prefill_chunk_tokens=chunk) for chunk in (4096, 7)}
+    (whole_replies, whole), (chunked_replies, chunked) = runs[4096], runs[7]
+    assert chunked_replies == whole_replies
+    assert max(columns for _, columns in whole.calls) > 7 and max(columns for _, columns in chunked.calls) == 7
+    assert chunked.prefilled_tokens == whole.prefilled_tokens and chunked.forward_calls > whole.forward_calls
+    assert len(chunked.logits) == len(whole.logits)
+    # float32 noise: keys/values are the same numbers either way (measured ~1e-6); the chunked delta rule sums a
+    # recurrent state in blocks of 64 tokens that start elsewhere when the call is cut elsewhere (measured 6e-5 on
+    # logits up to ~8, the size tests/test_architectures.py sees for other lengths; a leak moves them by ~1)
+    tolerance = 1e-5 if model == "qwen3" else 2e-4
+    for cut, one_call in zip(chunked.logits, whole.logits):
+        assert torch.allclose(cut, one_call, atol=tolerance, rtol=0)
+
+
+class LargestTensors(LocalGenerator):
+    """The real decode loop; each forward call records (rows, query columns, key columns: the 2D mask's width), the
+    most elements of any tensor made inside the model and the longest query any attention call computed scores for.
+    The mode is entered in the call's own thread (a CPU step runs in a thread; modes are per thread)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[dict] = []
+
+    def _forward(self, input_ids, mask, *args):
+        with LargestTensorMode() as seen:
+            out = super()._forward(input_ids, mask, *args)
+        self.calls.append({"rows": input_ids.shape[0], "queries": input_ids.shape[1], "keys": mask.shape[1],
+                           "largest": seen.largest, "longest_query": seen.longest_query})
+        return out
+
+
+class LargestTensorMode(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.largest, self.longest_query = 0, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func is torch.nn.functional.scaled_dot_product_attention:  # its scores: [rows, heads, queries, keys]
+            self.longest_query = max(self.longest_query, args[0].shape[-2])
+        if isinstance(result, torch.Tensor):
+            self.largest = max(self.largest, result.numel())
+        return result
+
+
+def prefill_of(policy, chunk: int, lengths: tuple[int, ...]) -> LargestTensors:
+    cfg = GenerationConfig(backend="local", max_new_tokens=1, temperature=0.0, reuse_kv_cache=False,
+                           prefill_chunk_tokens=chunk, local_batching="wave")
+    generator = LargestTensors(policy, cfg, seed=0)
+    prompts = [[(7 * i + row) % 500 + 20 for i in range(n)] for row, n in enumerate(lengths)]
+    replies(generator, prompts)
+    return generator
+
+
+def test_a_16k_token_prefill_builds_no_mask_or_scores_larger_than_rows_x_chunk_x_context(tiny_policy):
+    """Two prompts of 16 384 and 1 000 tokens join together (the shorter row left-padded: a real 2D mask): 4 calls
+    of 4 096 columns, in each no tensor is larger than rows x 4 096 x the columns so far, no attention scores
+    more than 4 096 queries."""
+    generator = prefill_of(tiny_policy, 4096, (16384, 1000))
+    assert [(c["rows"], c["queries"], c["keys"]) for c in generator.calls] == [
+        (2, 4096, 4096), (2, 4096, 8192), (2, 4096, 12288), (2, 4096, 16384)]
+    for call in generator.calls:
+        assert call["largest"] <= call["rows"] * 4096 * call["keys"] and call["longest_query"] <= 4096
+
+
+def test_the_largest_tensor_hook_sees_the_square_mask_of_an_unchunked_prefill(tiny_policy):
+    """The hook's control: 6 000 and 1 000 tokens in one call build a [2, 1, 6000, 6000] mask (72 M elements, more
+    than 2 x 4 096 x 6 000 = 49 M) and scores for 6 000 queries at once."""
+    generator = prefill_of(tiny_policy, 8192, (6000, 1000))
+    call = generator.calls[0]
+    assert (call["rows"], call["queries"], call["keys"]) == (2, 6000, 6000)
+    assert call["largest"] >= 2 * 6000 * 6000 > 2 * 4096 * 6000 and call["longest_query"] == 6000
