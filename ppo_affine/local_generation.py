@@ -6,8 +6,11 @@ Python thread contends for the GIL); on CPU the whole step runs in a thread. A s
 from the host (new tokens, masks, positions, the draws' keys) before its first kernel: a copy from the host
 after a launch would wait for the launched work. A request (an episode's prompt for its next turn) joins at the
 next step: its new tokens are prefilled (in forward calls of at most `generation.prefill_chunk_tokens` columns),
-from its episode's kept keys/values where they match, and its row is appended to the batch; a row leaves when it samples an end-of-sequence id, reaches `max_new_tokens` or (with
-`stop_at_closing_fence`) closes a fenced block, and its keys/values are kept for the episode's next turn.
+from its episode's kept keys/values where they match, and its row is appended to the batch; a row leaves when it
+samples an end-of-sequence id, reaches `max_new_tokens` or (with `stop_at_closing_fence`) closes a fenced block,
+and its keys/values are kept for the episode's next turn. A linear-attention model keeps each row's states
+instead, at the turn's end and at its prompt's last message boundary (the prefill is cut there), and a row that
+continues one is prefilled alone: no padding may sit between a state and its new tokens.
 `generation.kv_cache_budget` bounds the keys/values a rollout holds, in tokens (the caches are `decode_caches`'s
 job): a request joins only while the running batch it joins fits (its rows × (the longest row + max_new_tokens),
 the padded cache it may grow to; a batch of one row always runs), and kept caches get what the running batch
@@ -46,7 +49,7 @@ import torch
 from ppo_affine.architectures import (append_cache_rows, keep_cache_columns, kv_reuse_across_turns,
                                       one_mask_serves_every_layer, select_cache_rows, switched_off)
 from ppo_affine.config import GenerationConfig
-from ppo_affine.decode_caches import DecodeCaches, EpisodeCache, free_memory_bytes
+from ppo_affine.decode_caches import DecodeCaches, EpisodeCache, free_memory_bytes, last_index, message_start_id
 from ppo_affine.seeds import derive_seed
 from ppo_affine.generation import Generation, closes_fence, eos_token_ids
 from ppo_affine.memory_plan import kv_bytes_per_token
@@ -85,6 +88,8 @@ class Request:
     reply: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # each reply token's, from the distribution it was drawn from
     arrived: float = field(default_factory=time.monotonic)
+    # (length, linear-attention states after prompt[:length]) kept at the prompt's last message boundary
+    boundary: tuple[int, dict] | None = None
 
     @property
     def fed(self) -> list[int]:
@@ -143,6 +148,10 @@ class StagedPrefill:
     next_positions: torch.Tensor  # [rows]
     keys: torch.Tensor  # [rows]
     shared: list[tuple[list[int], list[int], torch.Tensor]]
+    # a linear-attention model's rows whose states are kept at their prompt's last message boundary, which sits at
+    # this column of the new tokens in each of them (None: no row)
+    boundary_column: int | None = None
+    boundary_rows: list[int] = field(default_factory=list)
 
     @property
     def cached_width(self) -> int:
@@ -235,7 +244,10 @@ class LocalGenerator:
         self._pending: list[Request] = []
         # what a token of this model's cache takes, and a row's fixed share (a linear-attention state)
         per_token, per_row = kv_bytes_per_token(policy.model.config, self._cache_element_bytes(policy.model))
-        self.caches = DecodeCaches(gen_cfg.kv_cache_budget, per_token, per_row, self.reuse_cache)
+        self.caches = DecodeCaches(gen_cfg.kv_cache_budget, per_token, per_row, self.reuse_cache, policy.model.config)
+        if self.caches.exact_prefix_only:  # states are kept where the prompt's last message ends
+            self.caches.message_start = message_start_id(self.tokenizer)
+        self._prefilled_before_rollout = 0
         self.row_cap: int | None = None  # the most rows a step runs, set after running out of memory
         self._uncapped_rows = 0  # the rows a step ran out of memory with before any cap: the cap lifts there
         self.clean_steps = 0  # steps in a row without running out of memory, since the caps last changed
@@ -317,7 +329,15 @@ class LocalGenerator:
         return {"perf/kv_budget_tokens": float(self.budget()), "perf/kv_peak_tokens": float(self.peak_cache_tokens),
                 "perf/kv_evicted_caches": float(self.evicted_caches),
                 "perf/kv_steps_held_back": float(self.steps_held_back),
-                "perf/out_of_memory_retries": float(self.out_of_memory_retries)}
+                "perf/out_of_memory_retries": float(self.out_of_memory_retries),
+                "perf/prefill_tokens": float(self.prefilled_tokens - self._prefilled_before_rollout),
+                **({"perf/prefix_break_rate": self.prefix_break_rate()} if self.caches.exact_prefix_only else {})}
+
+    def prefix_break_rate(self) -> float:
+        """Of this rollout's turns that had a kept linear-attention state, the share whose prompt did not begin with
+        the tokens it folded in (prefilled whole)."""
+        asked = self.caches.continued + self.caches.broken
+        return self.caches.broken / asked if asked else 0.0
 
     def _running_tokens(self, rows: int, width: int) -> int:
         return self.caches.running_tokens(rows, width)
@@ -328,6 +348,7 @@ class LocalGenerator:
         cache outliving its episodes; on exit (also when cancelled) no step is left running on the model."""
         self.caches.start_rollout()
         self.out_of_memory_retries = 0
+        self._prefilled_before_rollout = self.prefilled_tokens
         with contextlib.ExitStack() as held:
             held.enter_context(self.policy.evaluating())
             if self.folds_adapter():
@@ -547,26 +568,32 @@ class LocalGenerator:
         queued before it (PyTorch synchronises the stream), so one made after the first launch would hold the
         event loop until the device had run the forward (tests/test_generation.py records the order on CPU)."""
         decode = self._stage_decode() if self._running is not None else None
-        prefill = self._stage_prefill(joining) if joining else None
+        prefills = self._stage_prefills(joining) if joining else []
         if decode is not None:
             self._decode_step(decode)
-        if prefill is not None:
+        for prefill in prefills:
             self._merge(self._prefill(prefill))
         return torch.stack([self._running.next_tokens.double(), self._running.next_logprobs])
 
-    def _forward_in_chunks(self, input_ids, mask, positions, cache, cache_position):
+    def _forward_in_chunks(self, input_ids, mask, positions, cache, cache_position, split: int | None = None,
+                           at_split=None):
         """A prefill of `input_ids` [rows, new width] as forward calls of at most `prefill_chunk_tokens` columns,
         each continuing the cache the last one left (a chunk's 2D mask covers the cached columns and the chunk's own):
         transformers builds a [rows, 1, chunk, columns so far] mask, never [rows, 1, new, new]. The chunks are views of
         the staged tensors: no copy from the host. `mask`, `positions` and `cache_position` may be None (a shared
-        prefix of one row with no padding: transformers counts positions from the cache)."""
+        prefix of one row with no padding: transformers counts positions from the cache). A call also ends at column
+        `split`, after which `at_split(cache)` runs (states kept at a message boundary)."""
         chunk, width = self.cfg.prefill_chunk_tokens, input_ids.shape[1]
         cached = mask.shape[1] - width if mask is not None else 0
-        for start in range(0, width, chunk):
-            end = min(width, start + chunk)
+        ends = sorted(set(range(chunk, width, chunk)) | {width} | ({split} if split else set()))
+        start = 0
+        for end in ends:
             logits, cache = self._forward(input_ids[:, start:end], None if mask is None else mask[:, :cached + end],
                                           None if positions is None else positions[:, start:end], cache,
                                           None if cache_position is None else cache_position[start:end])
+            if end == split:
+                at_split(cache)
+            start = end
         return logits, cache
 
     def _forward(self, input_ids, mask, positions, cache, cache_position: torch.Tensor | None):
@@ -599,10 +626,21 @@ class LocalGenerator:
         running.mask, running.positions = mask, running.positions + 1
         running.next_tokens, running.next_logprobs = self._choose(logits, running.requests, staged.keys)
 
-    def _stage_prefill(self, joining: list[Request]) -> StagedPrefill:
+    def _stage_prefills(self, joining: list[Request]) -> list[StagedPrefill]:
+        """The joining rows' inputs: one padded prefill, or for a linear-attention model one of the fresh rows and
+        one for each row that continues a kept state (no padding may sit between a state and its new tokens)."""
+        reuse, kept, shared = self.caches.reused_lengths(joining)
+        if not self.caches.exact_prefix_only:
+            return [self._stage_prefill(joining, reuse, kept, shared)]
+        fresh = [row for row, n in enumerate(reuse) if n == 0]
+        groups = ([fresh] if fresh else []) + [[row] for row, n in enumerate(reuse) if n]
+        return [self._stage_prefill([joining[r] for r in group], [reuse[r] for r in group], [kept[r] for r in group],
+                                    []) for group in groups]
+
+    def _stage_prefill(self, joining: list[Request], reuse: list[int], kept: list[EpisodeCache | None],
+                       shared: list[tuple[list[int], list[int]]]) -> StagedPrefill:
         """The joining rows' inputs, built on the host and copied to the device in one go each."""
         device = self.policy.device
-        reuse, kept, shared = self.caches.reused_lengths(joining)
         cached_width = max(reuse)
         new_width = max(len(r.fed) - n for r, n in zip(joining, reuse))
         width = cached_width + new_width
@@ -621,7 +659,8 @@ class LocalGenerator:
             cache_position=torch.arange(cached_width, width, device=device),
             next_positions=torch.tensor([len(r.fed) for r in joining], dtype=torch.long, device=device),
             keys=self._draw_keys(joining, device),
-            shared=[(rows, prefix, torch.tensor([prefix], device=device)) for rows, prefix in shared])
+            shared=[(rows, prefix, torch.tensor([prefix], device=device)) for rows, prefix in shared],
+            **self.caches.boundary_rows(joining, reuse, new_width))
 
     def _prefill(self, staged: StagedPrefill) -> Running:
         """The joining rows' forward call, after the prefixes fresh rows share have run once."""
@@ -632,9 +671,21 @@ class LocalGenerator:
                 caches[row] = shared
         self.prompt_tokens += sum(len(r.prompt) for r in joining)
         self.prefilled_tokens += sum(len(r.fed) - n for r, n in zip(joining, reuse))
-        cache = self.caches.joining_cache(caches, reuse, staged.cached_width) if staged.cached_width else None
+        if not staged.cached_width:
+            cache = None
+        elif self.caches.exact_prefix_only:  # a row of its own, continuing its kept state
+            cache = self.caches.continuing_cache(caches[0], reuse[0])
+        else:
+            cache = self.caches.joining_cache(caches, reuse, staged.cached_width)
+
+        def keep_boundary_states(cache) -> None:
+            for row in staged.boundary_rows:
+                request = joining[row]
+                length = last_index(request.prompt, self.caches.message_start)
+                request.boundary = (length, self.caches.states_of_row(cache, row))
+
         logits, cache = self._forward_in_chunks(staged.input_ids, staged.mask, staged.positions, cache,
-                                                staged.cache_position)
+                                                staged.cache_position, staged.boundary_column, keep_boundary_states)
         return Running(list(joining), cache, staged.mask, staged.next_positions,
                        *self._choose(logits, joining, staged.keys))
 
@@ -701,7 +752,7 @@ class LocalGenerator:
         """The row's keys/values of prompt + reply (all but the last reply token, which was never fed)."""
         request = running.requests[row]
         self._remember(request.key, self.caches.kept_from(running.cache, running.mask, row,
-                                                          request.prompt + request.reply[:-1]))
+                                                          request.prompt + request.reply[:-1], request.boundary))
 
     def _remember(self, key: int, cache: EpisodeCache) -> None:
         """Keep an episode's cache as the most recently used, then drop the least recently used ones past what
@@ -732,4 +783,5 @@ def _left_pad(tensor: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[dim] = missing
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
 
