@@ -12,6 +12,8 @@ from ppo_affine.decode_caches import DecodeCaches
 from ppo_affine.local_generation import LocalGenerator
 from ppo_affine.policy import load_policy
 from ppo_affine.prompts import PromptBuilder
+from ppo_affine.testing.agent_episode import (CHAT_TEMPLATE, ScriptedReasoning, converse, observation,
+                                              reasoning_stripped)
 from ppo_affine.testing.tiny import make_tiny_architecture_dir
 from test_generation import RunsOutOfMemoryAbove, played_with, replies
 
@@ -193,25 +195,7 @@ def test_the_largest_tensor_hook_sees_the_square_mask_of_an_unchunked_prefill(ti
 
 
 # ---------------------------------------------------------------------- a turn continues from the last one's state
-# Drops every earlier turn's reasoning as Qwen3's template does (an assistant message's reasoning shows only after
-# the last user or tool message; `</think>` cut from its content) and opens the reply's reasoning in the generation
-# prompt as Qwen3.6's does. Qwen3.6's own template replaces it here once tests/fixtures/qwen3_6/ lands:
-# TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen3_6" / "chat_template.jinja").read_text()
-REASONING_TEMPLATE = (
-    "{% set ns = namespace(last_query=-1) %}"
-    "{% for m in messages %}{% if m['role'] in ('user', 'tool') %}{% set ns.last_query = loop.index0 %}{% endif %}"
-    "{% endfor %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}<|im_start|>assistant\n"
-    "{% if loop.index0 > ns.last_query and m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n"
-    "</think>\n\n{% endif %}{{ m['content'].split('</think>')[-1].lstrip('\n') }}<|im_end|>\n"
-    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
-    "<|im_end|>\n"
-    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
-)
-TEMPLATE = REASONING_TEMPLATE
+TEMPLATE = CHAT_TEMPLATE  # a small one dropping earlier reasoning as Qwen3's does, until Qwen3.6's fixture lands
 TINY_DIRS = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
@@ -219,39 +203,6 @@ TINY_DIRS = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3_5_moe": "qwen3_5
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("continuation")
     return {name: make_tiny_architecture_dir(root / name, kind) for name, kind in TINY_DIRS.items()}
-
-
-def observation(turn: int) -> dict[str, str]:
-    """A tool's output (tool role, as a tool-calling agent sends it) or a shell's as mini-swe-agent sends it (user
-    role), on alternate turns, a few dozen tokens each."""
-    text = f"<returncode>{turn % 3}</returncode>\n" + f"line {turn} of the file: def play(): return {turn}\n" * 3
-    return {"role": "tool" if turn % 2 else "user", "content": text}
-
-
-def converse(generator: LocalGenerator, turns: int, reply_message) -> tuple[list[list[int]], list[list[float]], int]:
-    """An agent episode of `turns` turns through `generator`: each prompt the template renders from the messages so
-    far, each reply appended by `reply_message(turn, text)`, then an observation. Returns the replies, their
-    log-probs and the final length (last prompt + its reply)."""
-    builder = PromptBuilder(generator.tokenizer, 10**6)
-    messages = [{"role": "system", "content": "You fix bugs in a repository."},
-                {"role": "user", "content": "The tests of play() fail. Find out why."}]
-    replies_, logprobs, final = [], [], 0
-
-    async def play():
-        nonlocal final
-        async with generator.rollout(step=0):
-            for turn in range(turns):
-                prompt = builder.encode(messages)
-                reply = await generator.generate(prompt, order_key=0, seed=turn)
-                replies_.append(reply.token_ids)
-                logprobs.append(reply.logprobs)
-                final = len(prompt) + len(reply.token_ids)
-                messages.append(reply_message(turn, generator.tokenizer.decode(reply.token_ids,
-                                                                               skip_special_tokens=True)))
-                messages.append(observation(turn))
-        await generator.close()
-    asyncio.run(play())
-    return replies_, logprobs, final
 
 
 def templated_policy(folder: Path):
@@ -285,33 +236,6 @@ def test_turns_continued_from_kept_caches_give_the_replies_and_logprobs_of_prefi
         assert torch.allclose(torch.tensor(continued), torch.tensor(prefilled), atol=tolerance, rtol=0)
     assert whole.prefilled_tokens == whole.prompt_tokens
     assert kept.prefilled_tokens < 0.5 * kept.prompt_tokens
-
-
-class ScriptedReasoning(LocalGenerator):
-    """The real decode loop (every turn's tokens run through the model, caches kept), whose replies are scripted:
-    reasoning, then an answer, then the end of the message, as a reasoning model's (turn n's names n)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.turns: dict[int, int] = {}  # a request's seed -> its turn
-
-    def _choose(self, logits, requests, keys):
-        tokens = []
-        for request in requests:
-            turn = self.turns.setdefault(request.seed, len(self.turns))
-            text = f"the test calls play() {turn} times, look at line {turn}\n</think>\n\nI run: grep -n {turn} play.py"
-            script = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-            tokens.append(script[len(request.reply)])
-        return torch.tensor(tokens, device=logits.device), torch.zeros(len(requests), dtype=torch.float64)
-
-
-def reasoning_stripped(turn: int, text: str) -> dict[str, str]:
-    """The reply as the agent's client resends it: reasoning as its own field (the template drops it) on even
-    turns, cut from the content (litellm strips `<think>...</think>`) on odd ones."""
-    reasoning, answer = text.split("</think>")
-    if turn % 2:
-        return {"role": "assistant", "content": answer.strip()}
-    return {"role": "assistant", "content": answer.strip(), "reasoning_content": reasoning.strip()}
 
 
 @pytest.mark.slow
