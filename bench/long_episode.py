@@ -64,8 +64,8 @@ def build_policy(name: str, device: torch.device, folder: Path):
 
     tokenizer = make_tokenizer()
     if name.startswith("tiny"):
-        config = tiny_architecture_config("qwen3_5_moe_text", REAL_VOCAB if name == "tiny-real-vocab" else len(tokenizer),
-                                          tokenizer.pad_token_id, tokenizer.eos_token_id)
+        vocab = REAL_VOCAB if name == "tiny-real-vocab" else len(tokenizer)
+        config = tiny_architecture_config("qwen3_5_moe_text", vocab, tokenizer.pad_token_id, tokenizer.eos_token_id)
     else:
         config = model_config(name)
     config.save_pretrained(folder)
@@ -145,7 +145,8 @@ def main() -> None:
     parser.add_argument("--model", choices=MODELS, default="tiny-real-vocab")
     parser.add_argument("--device", default="cpu", help="cuda on a lent GPU (default: cpu)")
     parser.add_argument("--turns", type=int, default=30, help="turns of the episode (default: 30)")
-    parser.add_argument("--final-tokens", type=int, default=16384, help="about the last prompt's length (default: 16384)")
+    parser.add_argument("--final-tokens", type=int, default=16384,
+                        help="about the last prompt's length (default: 16384)")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
                         help="reprefill: every prompt whole; continue: from the last turn's cache (default: both)")
     parser.add_argument("--json", help="also write the result here")

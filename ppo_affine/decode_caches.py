@@ -5,6 +5,9 @@ what it kept.
 `generation.kv_cache_budget` bounds the keys/values a rollout holds, in tokens: the running batch counts its rows ×
 (its width + a row's fixed share, the linear-attention state a row keeps whatever its length), and kept caches get
 what it leaves, the least recently used dropped first (that episode's next turn is prefilled from its tokens).
+A linear-attention layer keeps a state instead of keys/values (a convolution window and a recurrent state), which
+cannot be cut back to fewer tokens: such a model's turn continues only from exactly what a state folded in, the
+last turn's end or the last message boundary before its generation prompt, where a state is kept mid-prefill.
 The loop (`local_generation.LocalGenerator`) asks here how much of each prompt is already cached, what may join,
 and hands back each finished row's cache; it owns the model calls.
 """
@@ -118,7 +121,7 @@ class DecodeCaches:
 
     def start_rollout(self) -> None:
         self.kept.clear()
-        self.evicted = self.steps_held_back = self.peak_tokens = 0
+        self.evicted = self.steps_held_back = self.peak_tokens = self.continued = self.broken = 0
 
     # ------------------------------------------------------------------ keeping and dropping
     def forget(self, key: int) -> None:

@@ -783,5 +783,3 @@ def _left_pad(tensor: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[dim] = missing
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-
