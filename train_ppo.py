@@ -474,6 +474,9 @@ class Trainer:
         metrics["dist/world_size"] = self.ranks.world_size
         if isinstance(self.generator, LocalGenerator):  # the KV budget's readings over the rollout (perf/kv_*)
             metrics.update(self.generator.memory_metrics())
+            # beside perf/prefill_tokens: what the episodes hold at their end (each last sequence ends with its last
+            # reply), the least a rollout that continued every turn from the last one's cache would prefill
+            metrics["perf/final_tokens"] = float(sum(len(e.sequences[-1]) for e in episodes if e.sequences))
         for name, (_, env) in self.envs.items():
             counts = self.ranks.sum_stats(env.error_counts() if hasattr(env, "error_counts") else {})
             metrics.update({f"env_errors/{name}/{k}": v for k, v in counts.items()})

@@ -247,6 +247,14 @@ class GenerationConfig(Strict):
         "recently used dropped first (its episode's next turn is prefilled again). null = half of the device's free "
         "memory at the first decode step (CUDA, counting blocks PyTorch holds unused; on CPU, the available memory), "
         "in tokens of this model's cache. 0: one row at a time, no cache kept.")
+    prefill_chunk_tokens: int = Field(
+        4096, ge=1, description="local backend: a prompt's new tokens are prefilled in forward calls of at most this "
+        "many columns, each continuing the cache of the one before (default 4096, as the validators' SGLang server's "
+        "chunked prefill): the attention mask and scores of a call are rows x chunk x context, not rows x context^2.")
+    caps_grow_back_steps: int = Field(
+        100, ge=1, description="local backend: after running out of memory halved the rows a step may run and the KV "
+        "budget, each doubles back (up to where it was) after this many steps in a row without running out of memory "
+        "(default 100, a few seconds of decoding on a GPU: a cap grown too far costs one retried step per 100).")
     local_batching: Literal["continuous", "wave"] = Field(
         "continuous", description="local backend: continuous = a reply request joins the next decode step as soon as "
         "its episode asks; wave = the old barrier, a batch starts when every live episode has asked (for comparison).")

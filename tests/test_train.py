@@ -227,6 +227,8 @@ def test_local_generation_logs_its_sampling_gap_and_the_correction_weighs_its_to
         # the KV budget's readings: a default budget from free memory, the batch and caches held within it
         assert 0 < record["perf/kv_peak_tokens"] <= record["perf/kv_budget_tokens"]
         assert record["perf/out_of_memory_retries"] == 0 and record["perf/kv_evicted_caches"] >= 0
+        # the prompt tokens run through the model, beside what the episodes hold at their end
+        assert 0 < record["perf/prefill_tokens"] and 0 < record["perf/final_tokens"]
 
 
 def served_adapters(url: str) -> list[str]:
