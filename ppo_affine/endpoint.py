@@ -40,8 +40,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ppo_affine.config import Config, EndpointConfig, GenerationConfig
 from ppo_affine.prompts import PromptBuilder
-from ppo_affine.reply_parsers import THINK_START, ReplyFormat, parse_reply, reply_format_of
+from ppo_affine.reply_parsers import (ReplyFormat, parse_reply, parses_tool_calls, reply_format_of, settings_of,
+                                      stream_reply)
 from ppo_affine.seeds import derive_seed
+from ppo_affine.stop_strings import stop_strings_of, tokens_until_stop, trim_at_stop
 
 log = logging.getLogger(__name__)
 
@@ -185,20 +187,23 @@ class ChatEndpoint:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             return _error(400, "'messages' must be a non-empty list of message objects")
-        tools = body.get("tools") or None
+        template_kwargs = {**request_template_kwargs(body), **self.prompts.chat_template_kwargs}  # the run's win
         try:
-            render = self._render([_for_template(m) for m in messages], tools, body.get("chat_template_kwargs"))
-        except Exception as exc:  # the template refused these messages (e.g. roles out of order)
+            template_messages = [_for_template(m) for m in messages]
+            render = self._render(template_messages, tools_for_template(body), template_kwargs)
+        except Exception as exc:  # the template refused these messages (e.g. roles out of order), or bad arguments
             return _error(400, f"the chat template cannot render these messages: {type(exc).__name__}: {exc}")
         prompt_ids = self._spliced(door, render)
-        record = await self._generate(door, body, prompt_ids)
+        # as SGLang: special tokens stay in the reply's text when its tool calls are parsed
+        keep_special = parses_tool_calls(body) or body.get("skip_special_tokens", True) is False
+        record = await self._generate(door, body, prompt_ids, keep_special)
         if isinstance(record, dict):
             return record
         record.render = render
-        reasoning_open = self.reply_format.reasoning and render.rstrip().endswith(THINK_START)
-        parsed = parse_reply(record.text, self.reply_format, tools, reasoning_open, f"call_{door.key}_{record.index}")
-        if parsed.tool_calls and record.finish_reason == "stop":
-            record.finish_reason = "tool_calls"
+        parse = stream_reply if body.get("stream") else parse_reply
+        parsed = parse(record.text, self.reply_format, settings_of(body, template_kwargs), record.finish_reason,
+                       f"call_{door.key}_{record.index}")
+        record.finish_reason = parsed.finish_reason
         door.calls.append(record)
         message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls or None}
         if self.reply_format.reasoning:
@@ -222,12 +227,11 @@ class ChatEndpoint:
         return record
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                request_kwargs: dict[str, Any] | None) -> str:
-        if not tools and not request_kwargs:
+                template_kwargs: dict[str, Any]) -> str:
+        if not tools and template_kwargs == self.prompts.chat_template_kwargs:
             return self.prompts.render(messages)  # the native rollout's render, so both see the same text
-        kwargs = {**(request_kwargs or {}), **self.prompts.chat_template_kwargs}  # the run's settings win
         return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                                                  **kwargs)
+                                                  **template_kwargs)
 
     def _spliced(self, door: EpisodeCalls, render: str) -> list[int]:
         """The prompt ids: an earlier call's prompt and sampled ids + the new text's, where the render extends that
@@ -240,7 +244,8 @@ class ChatEndpoint:
                 return call.prompt_ids + call.token_ids + self.prompts.tokenize(render[len(before):])
         return self.prompts.tokenize(render)
 
-    async def _generate(self, door: EpisodeCalls, body: dict[str, Any], prompt_ids: list[int]) -> CallRecord | dict:
+    async def _generate(self, door: EpisodeCalls, body: dict[str, Any], prompt_ids: list[int],
+                        keep_special: bool = False) -> CallRecord | dict:
         if body.get("n", 1) != 1:
             return _error(400, f"n={body.get('n')}: this endpoint samples one reply per request")
         limit = self.cfg.max_prompt_tokens
@@ -263,12 +268,28 @@ class ChatEndpoint:
         except Exception as exc:  # the harness hears of it as from a server; the run goes on (or stops) by its rules
             log.warning("endpoint: generation for episode %s failed: %s: %s", door.key, type(exc).__name__, exc)
             return _error(500, f"generation failed: {type(exc).__name__}: {exc}")
-        ids = list(generation.token_ids)
+        return self._record(index, prompt_ids, generation, stop_strings_of(body), keep_special)
+
+    def _record(self, index: int, prompt_ids: list[int], generation, stops: list[str], keep_special: bool) -> CallRecord:
+        """The call as the server returns it: the end-of-sequence token trimmed from the text, the reply cut at the
+        first stop string the request names (stop_strings.py), `finish_reason` "length" at the token limit."""
+        ids, logprobs = list(generation.token_ids), generation.logprobs
         ends_with_eos = bool(ids) and ids[-1] in self.generator.eos_ids
+        reply_ids = ids[:-1] if ends_with_eos else ids
+
+        def decode(part: list[int]) -> str:
+            return self.tokenizer.decode(part, skip_special_tokens=not keep_special)
+
+        cut = tokens_until_stop(reply_ids, decode, stops)
+        if cut is not None:
+            kept, stop = cut
+            return CallRecord(index=index, prompt_ids=list(prompt_ids), token_ids=ids[:kept],
+                              logprobs=None if logprobs is None else list(logprobs[:kept]),
+                              adapter_step=generation.adapter_step, text=trim_at_stop(decode(ids[:kept]), stop),
+                              finish_reason="stop")
         finish = "length" if not ends_with_eos and len(ids) >= self.cfg.max_new_tokens else "stop"
-        return CallRecord(index=index, prompt_ids=list(prompt_ids), token_ids=ids, logprobs=generation.logprobs,
-                          adapter_step=generation.adapter_step,
-                          text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason=finish,
+        return CallRecord(index=index, prompt_ids=list(prompt_ids), token_ids=ids, logprobs=logprobs,
+                          adapter_step=generation.adapter_step, text=decode(reply_ids), finish_reason=finish,
                           eos_text=self.prompts.token_text(ids[-1]) if ends_with_eos else "")
 
     def _note_sampling(self, body: dict[str, Any]) -> None:
@@ -396,21 +417,64 @@ def _error(code: int, message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
+def request_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat-template kwargs a request asks for, as SGLang builds them: its `chat_template_kwargs`, its
+    `reasoning_effort`, and `reasoning_effort: "none"` switching thinking off unless the kwargs say otherwise."""
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    if body.get("reasoning_effort") is not None:
+        kwargs = {"reasoning_effort": body["reasoning_effort"], **kwargs}
+    if body.get("reasoning_effort") == "none":
+        kwargs.setdefault("enable_thinking", False)
+    return kwargs
+
+
+def tools_for_template(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The request's tools as SGLang hands them to the chat template: only when its tool calls are parsed, each
+    re-written through its tool model (`{"type", "function": {"description", "name", "parameters", "strict"},
+    "defer_loading"}`, other keys dropped), only the named one when `tool_choice` names one."""
+    if not parses_tool_calls(body):
+        return None
+    named = body.get("tool_choice") if isinstance(body.get("tool_choice"), dict) else None
+    tools = []
+    for tool in body["tools"]:
+        function = tool.get("function") or {}
+        if named is not None and function.get("name") != (named.get("function") or {}).get("name"):
+            continue
+        defer_loading = tool.get("defer_loading")
+        as_model = {"description": function.get("description"), "name": function.get("name"),
+                    "parameters": function.get("parameters"), "strict": function.get("strict", False)}
+        function_defer = defer_loading if function.get("defer_loading") is None else function["defer_loading"]
+        if function_defer is not None:
+            as_model["defer_loading"] = function_defer
+        tools.append({"type": tool.get("type", "function"), "function": as_model, "defer_loading": defer_loading})
+    return tools
+
+
 def _for_template(message: dict[str, Any]) -> dict[str, Any]:
-    """A request's message as chat templates take it: text parts joined, tool-call arguments as objects."""
+    """A request's message as SGLang gives it to the chat template: text parts joined (a tool result's with spaces),
+    no content as "", an assistant's tool-call arguments (JSON text) as an object; arguments that are not a JSON
+    object are refused (ValueError), as SGLang refuses them."""
     message = dict(message)
     content = message.get("content")
     if isinstance(content, list):
-        message["content"] = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        texts = [part if isinstance(part, str) else part.get("text", "") for part in content
+                 if isinstance(part, str) or isinstance(part, dict)]
+        message["content"] = (" " if message.get("role") == "tool" else "").join(texts)
     elif content is None:
         message["content"] = ""
-    if message.get("tool_calls"):
-        calls = []
-        for call in message["tool_calls"]:
-            function = dict(call.get("function") or {})
-            if isinstance(function.get("arguments"), str):
-                with contextlib.suppress(ValueError):
-                    function["arguments"] = json.loads(function["arguments"])
-            calls.append({**call, "function": function})
-        message["tool_calls"] = calls
+    if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
+        message["tool_calls"] = [_call_for_template(call) for call in message["tool_calls"]]
     return message
+
+
+def _call_for_template(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        raise ValueError("Assistant tool call function.arguments must be valid JSON.") from None
+    if not isinstance(arguments, dict):
+        raise ValueError("Assistant tool call function.arguments must be a JSON object.")
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 from ppo_affine.config import EndpointConfig, GenerationConfig
-from ppo_affine.endpoint import CallRecord, ChatEndpoint, pack_calls
+from ppo_affine.endpoint import CallRecord, ChatEndpoint, pack_calls, tools_for_template
 from ppo_affine.generation import Generation
 from ppo_affine.prompts import PromptBuilder
-from ppo_affine.reply_parsers import PLAIN, REPLY_FORMATS, ReplyFormat, parse_reply
+from ppo_affine.reply_parsers import REPLY_FORMATS
 
 FOREIGN_ENV = Path(__file__).parent / "foreign_env"
 
@@ -86,39 +86,6 @@ def one_episode(endpoint: ChatEndpoint):
     return endpoint.open_episode(3, (11, 22, 0, 3))
 
 
-# ---------------------------------------------------------------------- reply parsers
-def test_qwen3_5_moe_splits_reasoning_and_xml_tool_calls_typed_by_the_tool_schema():
-    text = ("<think>\nadd them\n</think>\n\nLet me add.\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n"
-            "<parameter=b>\n3\n</parameter>\n</function>\n</tool_call>")
-    parsed = parse_reply(text, REPLY_FORMATS["qwen3_5_moe"], TOOLS, call_id="c")
-    assert parsed.reasoning_content == "add them"
-    assert parsed.content == "Let me add."
-    assert parsed.tool_calls == [{"id": "c_0", "type": "function",
-                                  "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]
-
-
-def test_a_reasoning_block_the_template_opened_ends_at_its_closing_tag():
-    parsed = parse_reply("thinking on\n</think>\n\n42", REPLY_FORMATS["qwen3_5_moe"], reasoning_open=True)
-    assert (parsed.reasoning_content, parsed.content) == ("thinking on", "42")
-
-
-def test_a_reply_cut_off_while_reasoning_is_all_reasoning():
-    parsed = parse_reply("<think>still going", REPLY_FORMATS["qwen3_5_moe"])
-    assert (parsed.reasoning_content, parsed.content, parsed.tool_calls) == ("still going", None, [])
-
-
-def test_dense_qwen3_keeps_think_in_the_content_and_parses_json_tool_calls():
-    text = '<think>x</think>ok<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-    parsed = parse_reply(text, REPLY_FORMATS["qwen3"])
-    assert parsed.reasoning_content is None and parsed.content == "<think>x</think>ok"
-    assert parsed.tool_calls[0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
-
-
-def test_an_unparsable_tool_call_stays_text_and_other_families_parse_nothing():
-    assert parse_reply("<tool_call>{oops</tool_call>", HERMES).content == "<tool_call>{oops</tool_call>"
-    assert parse_reply("<think>a</think>b", PLAIN).content == "<think>a</think>b"
-
-
 # ---------------------------------------------------------------------- chat completions
 def test_a_chat_call_answers_parsed_and_records_prompt_ids_sampled_ids_logprobs_and_adapter_step(tokenizer):
     endpoint = endpoint_of(tokenizer, ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'])
@@ -129,10 +96,11 @@ def test_a_chat_call_answers_parsed_and_records_prompt_ids_sampled_ids_logprobs_
     assert response.status_code == 200
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
-    assert choice["message"]["content"] is None
+    assert choice["message"]["content"] == ""  # SGLang never sends null content
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
     [call] = endpoint.close_episode(door)
-    rendered = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(messages, tools=tools_for_template({"tools": TOOLS}),
+                                             add_generation_prompt=True, tokenize=False)
     assert call.prompt_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert call.token_ids[-1] == tokenizer.eos_token_id
     assert call.logprobs == [-0.25] * len(call.token_ids) and call.adapter_step == 7
@@ -260,6 +228,100 @@ def test_at_most_max_concurrent_episodes_calls_generate_at_once(tokenizer):
 
     assert [r.status_code for r in asyncio.run(all_at_once())] == [200] * 6
     assert endpoint.generator.most_in_flight == 2
+
+
+# ---------------------------------------------------------------------- as the validators' SGLang answers
+GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "sglang_0_5_14" / "replies.json").read_text())
+QWEN3_6 = REPLY_FORMATS["qwen3_5_moe"]
+XML_CALL = "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n</parameter>\n</function>\n</tool_call>"
+
+
+def chat(endpoint: ChatEndpoint, door, **body) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], **body}
+    return asyncio.run(post(endpoint, "/chat/completions", body, door.key))
+
+
+def test_tools_reach_the_template_as_sglangs_tool_model_dumps_them():
+    assert tools_for_template({"tools": GOLDEN["tools"]}) == GOLDEN["tools_as_rendered"]
+    named = {"tools": GOLDEN["tools"], "tool_choice": {"type": "function", "function": {"name": "submit"}}}
+    assert [t["function"]["name"] for t in tools_for_template(named)] == ["submit"]
+    assert tools_for_template({"tools": GOLDEN["tools"], "tool_choice": "none"}) is None
+
+
+def test_without_tools_or_with_tool_choice_none_a_tool_call_stays_content_and_the_template_gets_no_tools(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["done\n</think>\n\n" + XML_CALL] * 2, reply_format=QWEN3_6)
+    door = one_episode(endpoint)
+    for body in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        choice = chat(endpoint, door, **body).json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["message"]["tool_calls"] is None
+        assert choice["message"]["content"] == "\n\n" + XML_CALL and choice["message"]["reasoning_content"] == "done\n"
+    first, second = endpoint.close_episode(door)
+    assert first.prompt_ids == second.prompt_ids  # no tools rendered in either
+    assert "Tools:" not in tokenizer.decode(second.prompt_ids)
+
+
+def test_with_tools_the_xml_call_is_parsed_typed_by_the_schema_and_finishes_with_tool_calls(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["add\n</think>\n\n" + XML_CALL], reply_format=QWEN3_6)
+    door = one_episode(endpoint)
+    choice = chat(endpoint, door, tools=TOOLS).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert (choice["message"]["content"], choice["message"]["reasoning_content"]) == ("\n\n", "add\n")
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+
+
+def test_a_stop_string_ends_the_reply_before_it_and_keeps_only_the_tokens_sampled_up_to_it(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["add\n</think>\n\nrunning\n" + XML_CALL], reply_format=QWEN3_6)
+    door = one_episode(endpoint)
+    choice = chat(endpoint, door, tools=TOOLS, stop=["<tool_call>"]).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["tool_calls"] is None
+    assert choice["message"]["content"] == "\n\nrunning\n"
+    [call] = endpoint.close_episode(door)
+    decoded = tokenizer.decode(call.token_ids)
+    assert "<tool_call>" in decoded and "<tool_call>" not in tokenizer.decode(call.token_ids[:-1])
+    assert tokenizer.eos_token_id not in call.token_ids and len(call.logprobs) == len(call.token_ids)
+    assert call.eos_text == ""
+
+
+def test_special_tokens_stay_in_the_reply_when_tools_are_given_and_are_skipped_otherwise(tokenizer):
+    reply = "a<|im_start|>b"
+    endpoint = endpoint_of(tokenizer, [reply, reply])
+    door = one_episode(endpoint)
+    assert chat(endpoint, door, tools=TOOLS).json()["choices"][0]["message"]["content"] == "a<|im_start|>b"
+    assert chat(endpoint, door).json()["choices"][0]["message"]["content"] == "ab"
+
+
+def test_a_streamed_reply_cut_off_inside_a_call_sends_its_name_and_whole_parameters_only(tokenizer):
+    cut_off = "add\n</think>\n\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3"
+    endpoint = endpoint_of(tokenizer, [cut_off, cut_off], reply_format=QWEN3_6, eos_at_end=False, max_new_tokens=4)
+    door = one_episode(endpoint)
+    events = chat(endpoint, door, tools=TOOLS, stream=True).text.splitlines()
+    chunks = [json.loads(line[6:]) for line in events if line.startswith("data: {")]
+    calls = [call for chunk in chunks for delta in [chunk["choices"][0]["delta"]] for call in delta.get("tool_calls", [])]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("add", '{"a": 2')]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    whole = chat(endpoint, door, tools=TOOLS).json()["choices"][0]  # the one-shot parser reads the cut-off value
+    assert whole["message"]["tool_calls"][0]["function"]["arguments"] == '{"a": 2, "b": 3}'
+
+
+def test_thinking_switched_off_leaves_a_reply_without_think_all_content(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["The answer is 5.", "The answer is 5."], reply_format=QWEN3_6)
+    door = one_episode(endpoint)
+    off = chat(endpoint, door, chat_template_kwargs={"enable_thinking": False}).json()["choices"][0]["message"]
+    on = chat(endpoint, door).json()["choices"][0]["message"]
+    assert (off["content"], off["reasoning_content"]) == ("The answer is 5.", None)
+    assert (on["content"], on["reasoning_content"]) == ("", "The answer is 5.")  # the template opened <think>
+
+
+def test_assistant_tool_call_arguments_that_are_not_a_json_object_are_a_400(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["never"])
+    door = one_episode(endpoint)
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{oops"}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "5"}]
+    response = chat(endpoint, door, messages=messages, tools=TOOLS)
+    assert response.status_code == 400 and "must be valid JSON" in response.json()["error"]["message"]
+    assert endpoint.generator.requests == []
 
 
 # ---------------------------------------------------------------------- packing
