@@ -7,19 +7,22 @@ Behind it, `/chat/completions` (streamed or not, with `tools`) and `/completions
 token ids, the sampled ids, their log-probs when the generator returns them, and the adapter step that sampled them.
 The rollout turns the calls into the episode's turns (`pack_calls`).
 
-What the endpoint does as a chat server would, so that training sees the text validation sees:
-- The messages (and the request's `tools`) are rendered with the model's chat template; tool-call arguments that
-  arrive as JSON text are given to the template as objects, as servers do.
+What the endpoint does as the validators' server (SGLang v0.5.14) would, so that training sees the text validation
+sees:
+- The messages (and the request's `tools`, as SGLang's tool model dumps them, only when tool calls are parsed) are
+  rendered with the model's chat template; tool-call arguments that arrive as JSON text are given to the template
+  as objects (not a JSON object: 400).
 - A prompt whose render starts with an earlier call's render + that call's reply (+ its EOS) reuses that call's
   prompt ids and sampled ids and tokenises only the new text, as the native rollout does (prompts.TokenHistory): the
   model is conditioned on the tokens it sampled, and the calls pack into one training sequence.
-- The reply is split into `reasoning_content` / `content` / `tool_calls` by the model family's parsers
-  (reply_parsers.py).
-- The run's sampling settings win: temperature, top-p/top-k and `generation.max_new_tokens` apply whatever the
-  request asks (a difference is logged once per setting and value). A prompt longer than
-  `generation.max_prompt_tokens` is answered 400 with the limit named, as vLLM answers a context overflow; a reply
-  that reaches max_new_tokens ends with `finish_reason: "length"`. An episode's calls past `generation.max_turns`
-  are answered 400 and the episode is cut off (not trained on, as a native episode that hits the limit).
+- The reply (special tokens kept when tool calls are parsed) is cut at the request's first `stop` string
+  (stop_strings.py) and split into `reasoning_content` / `content` / `tool_calls` by the model family's parsers
+  with the request's settings (reply_parsers.py), whole or as streamed.
+- The run's sampling settings win: temperature, top-p/top-k apply whatever the request asks (a difference is logged
+  once per setting and value); the harness's `max_tokens` applies up to `generation.max_new_tokens`. Other request
+  fields it does not apply are named once in the log.
+- Limits: a prompt longer than `generation.max_prompt_tokens`, and an episode's calls past `generation.max_turns`,
+  are answered as SGLang answers a context overflow (400), and the episode is cut off (`EpisodeCalls.cut_off`).
 - A streamed request gets its reply as server-sent events once it is generated (the generator returns whole
   replies): a role chunk, the reasoning, the content, the tool calls, the finish reason, usage when asked, [DONE].
 - At most `generation.max_concurrent_episodes` calls generate at once.
@@ -47,13 +50,20 @@ from ppo_affine.stop_strings import stop_strings_of, tokens_until_stop, trim_at_
 
 log = logging.getLogger(__name__)
 
-SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                   "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+# request fields the endpoint applies (or that change nothing at their usual values, below); any other field a
+# harness sends is named once in the log, never silently dropped
+APPLIED_FIELDS = {"messages", "prompt", "model", "tools", "tool_choice", "stream", "stream_options", "stop",
+                  "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "chat_template_kwargs",
+                  "reasoning_effort", "separate_reasoning", "skip_special_tokens", "user"}  # user: metadata only
+NEUTRAL_VALUES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+                  "logprobs": (False, None), "top_logprobs": (0, None), "parallel_tool_calls": (True, None),
+                  "stream_reasoning": (True,), "echo": (False,), "min_p": (0, 0.0)}
 SHUTDOWN_GRACE_S = 2  # a harness still streaming when the run ends is cut off after this
 
 
 class EndpointUnused(RuntimeError):
-    """An env's evaluate() returned a score without ever calling the endpoint: it talks to another model."""
+    """No evaluate() episode of a step called the endpoint: the env talks to another model."""
 
 
 @dataclass
@@ -79,7 +89,12 @@ class EpisodeCalls:
     url: str
     calls: list[CallRecord] = field(default_factory=list)
     requested: int = 0
-    refused: int = 0  # calls past generation.max_turns, answered 400
+    limits: list[str] = field(default_factory=list)  # each call refused at a limit: "context" or "max_turns"
+
+    @property
+    def cut_off(self) -> str | None:
+        """The limit that cut this episode off (the first one hit), or None."""
+        return self.limits[0] if self.limits else None
 
 
 def endpoint_for(config: Config, generator, prompts: PromptBuilder, model_type: str | None) -> "ChatEndpoint | None":
@@ -249,16 +264,17 @@ class ChatEndpoint:
         if body.get("n", 1) != 1:
             return _error(400, f"n={body.get('n')}: this endpoint samples one reply per request")
         limit = self.cfg.max_prompt_tokens
-        if len(prompt_ids) > limit:
-            return _error(400, f"This model's maximum context length is {limit + self.cfg.max_new_tokens} tokens. "
-                          f"However, your request has {len(prompt_ids)} input tokens, more than the trainer's "
-                          f"generation.max_prompt_tokens={limit} (which leaves room for generation.max_new_tokens="
-                          f"{self.cfg.max_new_tokens}). Please reduce the length of the input messages.")
-        if door.requested >= self.cfg.max_turns:  # a harness that never stops: the episode is cut off, as natively
-            door.refused += 1
-            return _error(400, f"this episode has made {door.requested} model calls, the trainer's limit "
-                          f"(generation.max_turns={self.cfg.max_turns})")
+        if len(prompt_ids) > limit:  # SGLang's own answer to a context overflow, with the run's prompt budget
+            door.limits.append("context")
+            return _error(400, f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
+                          f"({limit} tokens).")
+        if door.requested >= self.cfg.max_turns:  # a harness that never stops: a server limit too, as natively
+            door.limits.append("max_turns")
+            return _error(400, f"The input is longer than the model's context length: this episode has made "
+                          f"{door.requested} model calls, the trainer's limit (generation.max_turns="
+                          f"{self.cfg.max_turns}).")
         self._note_sampling(body)
+        self._note_unsupported(body)
         index = door.requested
         door.requested += 1
         try:
@@ -268,7 +284,32 @@ class ChatEndpoint:
         except Exception as exc:  # the harness hears of it as from a server; the run goes on (or stops) by its rules
             log.warning("endpoint: generation for episode %s failed: %s: %s", door.key, type(exc).__name__, exc)
             return _error(500, f"generation failed: {type(exc).__name__}: {exc}")
-        return self._record(index, prompt_ids, generation, stop_strings_of(body), keep_special)
+        record = self._record(index, prompt_ids, generation, stop_strings_of(body), keep_special)
+        return self._within(record, self._reply_cap(body), keep_special)
+
+    def _reply_cap(self, body: dict[str, Any]) -> int:
+        """The harness's `max_completion_tokens` / `max_tokens`, at most the run's generation.max_new_tokens (which
+        applies when it asks for none or more; logged once per value when it binds)."""
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        cap = self.cfg.max_new_tokens
+        if isinstance(asked, int) and not isinstance(asked, bool) and 0 < asked <= cap:
+            return asked
+        if ("max_tokens", asked) not in self._warned:
+            self._warned.add(("max_tokens", asked))
+            log.warning("an evaluate() harness asked for max_tokens=%s; the run's cap generation.max_new_tokens=%d "
+                        "applies", asked, cap)
+        return cap
+
+    def _within(self, record: CallRecord, cap: int, keep_special: bool) -> CallRecord:
+        """The reply cut to the harness's own token limit (the generator sampled up to the run's): the first `cap`
+        tokens are what a server told `max_tokens=cap` samples, and the reply finishes with "length"."""
+        if len(record.token_ids) <= cap:
+            return record
+        ids = record.token_ids[:cap]
+        return CallRecord(index=record.index, prompt_ids=record.prompt_ids, token_ids=ids,
+                          logprobs=None if record.logprobs is None else list(record.logprobs[:cap]),
+                          adapter_step=record.adapter_step,
+                          text=self.tokenizer.decode(ids, skip_special_tokens=not keep_special), finish_reason="length")
 
     def _record(self, index: int, prompt_ids: list[int], generation, stops: list[str], keep_special: bool) -> CallRecord:
         """The call as the server returns it: the end-of-sequence token trimmed from the text, the reply cut at the
@@ -291,6 +332,21 @@ class ChatEndpoint:
         return CallRecord(index=index, prompt_ids=list(prompt_ids), token_ids=ids, logprobs=logprobs,
                           adapter_step=generation.adapter_step, text=decode(reply_ids), finish_reason=finish,
                           eos_text=self.prompts.token_text(ids[-1]) if ends_with_eos else "")
+
+    def _note_unsupported(self, body: dict[str, Any]) -> None:
+        """Name once each request field the endpoint does not apply (`seed`: calls sample with the run's seeds;
+        `tool_choice` "required" or a named tool: generation is not constrained to a call)."""
+        for name, value in body.items():
+            if name in APPLIED_FIELDS or value in NEUTRAL_VALUES.get(name, ()) or ("field", name) in self._warned:
+                continue
+            self._warned.add(("field", name))
+            log.warning("an evaluate() harness sent %s=%s, which this endpoint does not apply", name,
+                        json.dumps(value)[:80])
+        choice = body.get("tool_choice")
+        if (choice == "required" or isinstance(choice, dict)) and ("field", "tool_choice") not in self._warned:
+            self._warned.add(("field", "tool_choice"))
+            log.warning("an evaluate() harness sent tool_choice=%s: the reply is parsed as SGLang parses it, but "
+                        "generation is not constrained to a tool call", json.dumps(choice)[:80])
 
     def _note_sampling(self, body: dict[str, Any]) -> None:
         """Log once per setting and value where the harness asks for other sampling than the run's."""
@@ -344,7 +400,7 @@ class ChatEndpoint:
                 return refused
             answer = await self.chat(door, body)
             if isinstance(answer, dict):
-                return JSONResponse(answer, status_code=answer["error"]["code"])
+                return JSONResponse(answer, status_code=answer["code"])
             record, message = answer
             if body.get("stream"):
                 return StreamingResponse(_sse(self._chat_chunks(record, message, body)), media_type="text/event-stream")
@@ -357,7 +413,7 @@ class ChatEndpoint:
                 return refused
             record = await self.complete(door, body)
             if isinstance(record, dict):
-                return JSONResponse(record, status_code=record["error"]["code"])
+                return JSONResponse(record, status_code=record["code"])
             if body.get("stream"):
                 return StreamingResponse(_sse(self._completion_chunks(record, body)), media_type="text/event-stream")
             return {**self._head("text_completion"), "usage": _usage(record),
@@ -412,9 +468,9 @@ def _usage(record: CallRecord) -> dict[str, int]:
 
 
 def _error(code: int, message: str) -> dict[str, Any]:
-    """An OpenAI-style error body, as vLLM sends it."""
-    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(code, "InternalServerError")
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    """An error body as SGLang sends it (its ErrorResponse: not nested under "error")."""
+    kind = {400: "BadRequest", 404: "NotFoundError"}.get(code, "InternalServerError")
+    return {"object": "error", "message": message, "type": kind, "param": None, "code": code}
 
 
 def request_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:

@@ -297,6 +297,8 @@ def episode_summary(episodes, rollout_seconds: float, rewards: dict[int, float])
     if harnessed:  # envs that run the conversation themselves (rollout.play_through_evaluate)
         metrics["evaluate/calls"] = sum(e.info.get("calls", 0) for e in harnessed)
         metrics["evaluate/prefix_breaks"] = sum(e.info.get("prefix_breaks", 0) for e in harnessed)
+        # cut off at the endpoint's limits (context, max_turns): not trained on, not failures
+        metrics["evaluate/cut_off_rate"] = sum(bool(e.info.get("cut_off")) for e in harnessed) / len(harnessed)
         for episode in harnessed:
             if episode.info.get("fault"):
                 key = f"evaluate/dropped/{episode.info['fault']}"

@@ -71,7 +71,7 @@ class ScriptedGenerator:
 
 
 def endpoint_of(tokenizer, replies, reply_format=HERMES, eos_at_end=True, **generation) -> ChatEndpoint:
-    cfg = GenerationConfig(**{"max_new_tokens": 64, "max_prompt_tokens": 2048, "temperature": 1.0, **generation})
+    cfg = GenerationConfig(**{"max_new_tokens": 512, "max_prompt_tokens": 2048, "temperature": 1.0, **generation})
     return ChatEndpoint(ScriptedGenerator(tokenizer, replies, eos_at_end), PromptBuilder(tokenizer, cfg.max_prompt_tokens),
                         cfg, reply_format, "tiny", EndpointConfig())
 
@@ -149,27 +149,77 @@ def test_a_reply_that_reaches_max_new_tokens_finishes_with_length(tokenizer):
     assert response.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_prompt_over_the_budget_is_a_400_naming_the_limit_and_nothing_is_generated(tokenizer):
+def test_a_prompt_over_the_budget_is_answered_as_sglang_answers_a_context_overflow_and_cuts_the_episode_off(tokenizer):
     endpoint = endpoint_of(tokenizer, ["never"], max_prompt_tokens=16, max_new_tokens=8)
     door = one_episode(endpoint)
     response = asyncio.run(post(endpoint, "/chat/completions",
                                 {"messages": [{"role": "user", "content": "word " * 40}]}, door.key))
     assert response.status_code == 400
-    message = response.json()["error"]["message"]
-    assert "maximum context length is 24 tokens" in message and "generation.max_prompt_tokens=16" in message
+    body = response.json()
+    render = tokenizer.apply_chat_template([{"role": "user", "content": "word " * 40}], add_generation_prompt=True,
+                                           tokenize=False)
+    n = len(tokenizer(render, add_special_tokens=False)["input_ids"])
+    assert body == {"object": "error", "type": "BadRequest", "param": None, "code": 400,
+                    "message": f"The input ({n} tokens) is longer than the model's context length (16 tokens)."}
+    assert door.cut_off == "context"
     assert endpoint.generator.requests == [] and endpoint.close_episode(door) == []
+
+
+def test_calls_past_max_turns_are_answered_as_a_context_limit_and_cut_the_episode_off(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["a", "b"], max_turns=1)
+    door = one_episode(endpoint)
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert asyncio.run(post(endpoint, "/chat/completions", body, door.key)).status_code == 200
+    refused = asyncio.run(post(endpoint, "/chat/completions", body, door.key))
+    assert refused.status_code == 400 and door.cut_off == "max_turns"
+    assert refused.json()["message"].startswith("The input is longer than the model's context length: this episode "
+                                                "has made 1 model calls, the trainer's limit (generation.max_turns=1)")
 
 
 def test_the_runs_sampling_settings_win_and_the_difference_is_logged_once(tokenizer, caplog):
     endpoint = endpoint_of(tokenizer, ["a", "b"], temperature=1.0, max_new_tokens=64)
     door = one_episode(endpoint)
-    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.2, "max_tokens": 5}
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.2}
     with caplog.at_level(logging.WARNING, logger="ppo_affine.endpoint"):
         for _ in range(2):
             asyncio.run(post(endpoint, "/chat/completions", body, door.key))
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["an evaluate() harness asked for temperature=0.2; the run's generation.temperature=1.0 applies",
-                     "an evaluate() harness asked for max_tokens=5; the run's generation.max_new_tokens=64 applies"]
+                     "an evaluate() harness asked for max_tokens=None; the run's cap generation.max_new_tokens=64 "
+                     "applies"]
+
+
+def test_the_harnesses_max_tokens_applies_up_to_the_runs_cap(tokenizer, caplog):
+    endpoint = endpoint_of(tokenizer, ["one two three four five six"] * 3, max_new_tokens=4, eos_at_end=False)
+    door = one_episode(endpoint)
+    with caplog.at_level(logging.WARNING, logger="ppo_affine.endpoint"):
+        for asked in (2, 100, 100):
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": asked}
+            choice = asyncio.run(post(endpoint, "/chat/completions", body, door.key)).json()["choices"][0]
+            assert choice["finish_reason"] == "length"
+    calls = endpoint.close_episode(door)
+    full = tokenizer.encode("one two three four five six", add_special_tokens=False)
+    # the scripted model ignores the caps; a server told max_tokens=k samples its first k tokens
+    assert [call.token_ids for call in calls] == [full[:2], full[:4], full[:4]]
+    assert [len(call.logprobs) for call in calls] == [2, 4, 4]
+    assert calls[0].text == tokenizer.decode(full[:2])
+    assert [r.getMessage() for r in caplog.records] == [
+        "an evaluate() harness asked for max_tokens=100; the run's cap generation.max_new_tokens=4 applies"]
+
+
+def test_request_fields_the_endpoint_does_not_apply_are_named_once(tokenizer, caplog):
+    endpoint = endpoint_of(tokenizer, ["a", "b"])
+    door = one_episode(endpoint)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "seed": 3, "frequency_penalty": 0,
+            "presence_penalty": 0.5, "user": "me", "tools": TOOLS, "tool_choice": "required"}
+    with caplog.at_level(logging.WARNING, logger="ppo_affine.endpoint"):
+        for _ in range(2):
+            asyncio.run(post(endpoint, "/chat/completions", body, door.key))
+    assert [r.getMessage() for r in caplog.records] == [
+        "an evaluate() harness sent seed=3, which this endpoint does not apply",
+        "an evaluate() harness sent presence_penalty=0.5, which this endpoint does not apply",
+        'an evaluate() harness sent tool_choice="required": the reply is parsed as SGLang parses it, but generation '
+        "is not constrained to a tool call"]
 
 
 def test_calls_sample_with_seeds_of_the_episode_and_call_and_keep_the_episodes_cache_key(tokenizer):
@@ -189,7 +239,7 @@ def test_an_unknown_or_finished_episode_is_a_404_and_records_nothing(tokenizer):
     endpoint.close_episode(door)
     response = asyncio.run(post(endpoint, "/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
                                 door.key))
-    assert response.status_code == 404 and "no live episode" in response.json()["error"]["message"]
+    assert response.status_code == 404 and "no live episode" in response.json()["message"]
     assert door.calls == []
 
 
@@ -292,7 +342,8 @@ def test_special_tokens_stay_in_the_reply_when_tools_are_given_and_are_skipped_o
 
 def test_a_streamed_reply_cut_off_inside_a_call_sends_its_name_and_whole_parameters_only(tokenizer):
     cut_off = "add\n</think>\n\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3"
-    endpoint = endpoint_of(tokenizer, [cut_off, cut_off], reply_format=QWEN3_6, eos_at_end=False, max_new_tokens=4)
+    length = len(tokenizer.encode(cut_off, add_special_tokens=False))  # the reply ran into the token limit
+    endpoint = endpoint_of(tokenizer, [cut_off, cut_off], reply_format=QWEN3_6, eos_at_end=False, max_new_tokens=length)
     door = one_episode(endpoint)
     events = chat(endpoint, door, tools=TOOLS, stream=True).text.splitlines()
     chunks = [json.loads(line[6:]) for line in events if line.startswith("data: {")]
@@ -320,7 +371,7 @@ def test_assistant_tool_call_arguments_that_are_not_a_json_object_are_a_400(toke
                     {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{oops"}}]},
                 {"role": "tool", "tool_call_id": "c", "content": "5"}]
     response = chat(endpoint, door, messages=messages, tools=TOOLS)
-    assert response.status_code == 400 and "must be valid JSON" in response.json()["error"]["message"]
+    assert response.status_code == 400 and "must be valid JSON" in response.json()["message"]
     assert endpoint.generator.requests == []
 
 
