@@ -78,6 +78,8 @@ class CallRecord:
     finish_reason: str
     render: str | None = None  # a chat call's prompt text, for the next call's splice; None: /completions
     eos_text: str = ""  # the EOS token's text when the reply ended with one (the template writes it after the reply)
+    request: dict[str, Any] | None = None  # a chat call's request body, for re-rendering it (episodes.py)
+    parsed: dict[str, Any] | None = None  # the message it answered: reasoning_content, content, tool_calls
 
 
 @dataclass
@@ -202,10 +204,8 @@ class ChatEndpoint:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             return _error(400, "'messages' must be a non-empty list of message objects")
-        template_kwargs = {**request_template_kwargs(body), **self.prompts.chat_template_kwargs}  # the run's win
         try:
-            template_messages = [_for_template(m) for m in messages]
-            render = self._render(template_messages, tools_for_template(body), template_kwargs)
+            render, template_kwargs = render_request(self.prompts, body)
         except Exception as exc:  # the template refused these messages (e.g. roles out of order), or bad arguments
             return _error(400, f"the chat template cannot render these messages: {type(exc).__name__}: {exc}")
         prompt_ids = self._spliced(door, render)
@@ -214,11 +214,13 @@ class ChatEndpoint:
         record = await self._generate(door, body, prompt_ids, keep_special)
         if isinstance(record, dict):
             return record
-        record.render = render
+        record.render, record.request = render, body
         parse = stream_reply if body.get("stream") else parse_reply
         parsed = parse(record.text, self.reply_format, settings_of(body, template_kwargs), record.finish_reason,
                        f"call_{door.key}_{record.index}")
         record.finish_reason = parsed.finish_reason
+        record.parsed = {"reasoning_content": parsed.reasoning_content, "content": parsed.content,
+                         "tool_calls": parsed.tool_calls}
         door.calls.append(record)
         message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls or None}
         if self.reply_format.reasoning:
@@ -240,13 +242,6 @@ class ChatEndpoint:
         if not isinstance(record, dict):
             door.calls.append(record)
         return record
-
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                template_kwargs: dict[str, Any]) -> str:
-        if not tools and template_kwargs == self.prompts.chat_template_kwargs:
-            return self.prompts.render(messages)  # the native rollout's render, so both see the same text
-        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                                                  **template_kwargs)
 
     def _spliced(self, door: EpisodeCalls, render: str) -> list[int]:
         """The prompt ids: an earlier call's prompt and sampled ids + the new text's, where the render extends that
@@ -471,6 +466,19 @@ def _error(code: int, message: str) -> dict[str, Any]:
     """An error body as SGLang sends it (its ErrorResponse: not nested under "error")."""
     kind = {400: "BadRequest", 404: "NotFoundError"}.get(code, "InternalServerError")
     return {"object": "error", "message": message, "type": kind, "param": None, "code": code}
+
+
+def render_request(prompts: PromptBuilder, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A chat request's prompt text and the chat-template kwargs it was rendered with (the run's win over the
+    request's); raises what the template raises."""
+    template_kwargs = {**request_template_kwargs(body), **prompts.chat_template_kwargs}
+    messages = [_for_template(m) for m in body["messages"]]
+    tools = tools_for_template(body)
+    if not tools and template_kwargs == prompts.chat_template_kwargs:
+        return prompts.render(messages), template_kwargs  # the native rollout's render, so both see the same text
+    render = prompts.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                   **template_kwargs)
+    return render, template_kwargs
 
 
 def request_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:

@@ -68,6 +68,7 @@ class Episode:
     replays: int = 0  # times a server lost it and it was played again from the start
     game_name: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    calls: list[Any] = field(default_factory=list)  # an evaluate episode's endpoint calls (endpoint.CallRecord)
 
     @property
     def generated_tokens(self) -> int:
@@ -344,6 +345,7 @@ class RolloutRunner:
         finally:
             calls = self.endpoint.close_episode(door)
         episode.sequences, placements, breaks = pack_calls(calls)
+        episode.calls = calls
         episode.turns = [Turn(response_ids=call.token_ids, response_text=call.text, sampler_logprobs=call.logprobs,
                               sequence=sequence, start=start, adapter_step=call.adapter_step)
                          for call, (sequence, start) in zip(calls, placements)]
