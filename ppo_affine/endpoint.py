@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +138,12 @@ class ChatEndpoint:
         self.generator = generator
         self.prompts = prompts
         self.tokenizer = prompts.tokenizer
+        # a call's render and tokenisation run on a worker thread of their own, with a tokenizer of their own (the
+        # event loop's keeps launching decode steps and decoding replies meanwhile; fast tokenizers are not safe to
+        # share across threads), rendering and tokenising exactly as `prompts` does
+        self.worker_prompts = PromptBuilder(copy.deepcopy(prompts.tokenizer), prompts.max_prompt_tokens,
+                                            prompts.chat_template_kwargs)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="endpoint-render")
         self.cfg = gen_cfg
         self.reply_format = reply_format
         self.model_name = model_name
@@ -204,11 +212,13 @@ class ChatEndpoint:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             return _error(400, "'messages' must be a non-empty list of message objects")
+        loop = asyncio.get_running_loop()
         try:
-            render, template_kwargs = render_request(self.prompts, body)
+            render, template_kwargs = await loop.run_in_executor(self._worker, render_request, self.worker_prompts,
+                                                                 body)
         except Exception as exc:  # the template refused these messages (e.g. roles out of order), or bad arguments
             return _error(400, f"the chat template cannot render these messages: {type(exc).__name__}: {exc}")
-        prompt_ids = self._spliced(door, render)
+        prompt_ids = await loop.run_in_executor(self._worker, self._spliced, door, render)
         # as SGLang: special tokens stay in the reply's text when its tool calls are parsed
         keep_special = parses_tool_calls(body) or body.get("skip_special_tokens", True) is False
         record = await self._generate(door, body, prompt_ids, keep_special)
@@ -233,7 +243,9 @@ class ChatEndpoint:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = list(self.tokenizer(prompt)["input_ids"])
+            tokenizer = self.worker_prompts.tokenizer
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                self._worker, lambda: list(tokenizer(prompt)["input_ids"]))
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             prompt_ids = list(prompt)
         else:
@@ -251,8 +263,8 @@ class ChatEndpoint:
                 continue
             before = call.render + call.text + call.eos_text
             if len(render) > len(before) and render.startswith(before):
-                return call.prompt_ids + call.token_ids + self.prompts.tokenize(render[len(before):])
-        return self.prompts.tokenize(render)
+                return call.prompt_ids + call.token_ids + self.worker_prompts.tokenize(render[len(before):])
+        return self.worker_prompts.tokenize(render)
 
     async def _generate(self, door: EpisodeCalls, body: dict[str, Any], prompt_ids: list[int],
                         keep_special: bool = False) -> CallRecord | dict:

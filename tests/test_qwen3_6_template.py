@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from ppo_affine.config import EndpointConfig, GenerationConfig
-from ppo_affine.endpoint import ChatEndpoint, pack_calls
+from ppo_affine.endpoint import ChatEndpoint, pack_calls, tools_for_template
 from ppo_affine.generation import Generation
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.reply_parsers import REPLY_FORMATS
@@ -130,3 +133,70 @@ def test_an_observation_sent_as_a_user_message_makes_the_template_drop_the_earli
     assert pack_calls(calls)[2] == 2  # each new user message is the last query: the turns before it lose <think>
     assert "Run it." not in tokenizer.decode(calls[1].prompt_ids)
     assert pack_calls(harness(tokenizer, replies, observation_role="tool"))[2] == 0
+
+
+def fifty_turns() -> list[dict]:
+    """A 50-turn agent conversation: each turn reasoning, a call, and its result."""
+    messages = [{"role": "system", "content": "You run commands."}, {"role": "user", "content": "Fix the bug."}]
+    for n in range(50):
+        messages += [{"role": "assistant", "content": "", "reasoning_content": f"step {n}: look at file {n}",
+                      "tool_calls": [{"id": f"c{n}", "type": "function", "function": {
+                          "name": "run", "arguments": json.dumps({"cmd": f"cat src/module_{n}.py"})}}]},
+                     {"role": "tool", "tool_call_id": f"c{n}", "content": f"def f{n}(x):\n    return x + {n}\n" * 8}]
+    return messages
+
+
+def test_a_50_turn_call_renders_off_the_event_loop_while_decode_steps_go_on(tokenizer, monkeypatch):
+    """The render and the tokenisation of a 50-turn call are each held until the event loop has run 3 more decode
+    steps: on the event loop they could never finish (no step could run), on their worker they finish with the
+    decode steps going on between them."""
+    import ppo_affine.endpoint as endpoint_module
+
+    cfg = GenerationConfig(max_new_tokens=64, max_prompt_tokens=100_000)
+    endpoint = ChatEndpoint(Replies(tokenizer, ["Done.\n</think>\n\nFixed."]),
+                            PromptBuilder(tokenizer, cfg.max_prompt_tokens), cfg, REPLY_FORMATS["qwen3_5_moe"],
+                            "qwen3.6", EndpointConfig())
+    door = endpoint.open_episode(0, (1,))
+    steps, phases, finished = [0], [], threading.Event()
+
+    def held(name, work):
+        def run(*args):
+            begin = steps[0]
+            deadline = time.monotonic() + 30  # a guard against a hang, not a timing
+            while steps[0] < begin + 3:
+                assert time.monotonic() < deadline, f"no decode step ran while the call's {name} was held"
+                time.sleep(0.001)
+            phases.append((name, begin, steps[0]))
+            return work(*args)
+        return run
+
+    monkeypatch.setattr(endpoint_module, "render_request", held("render", endpoint_module.render_request))
+    endpoint.worker_prompts.tokenize = held("tokenisation", endpoint.worker_prompts.tokenize)
+
+    async def decode_steps():
+        while not finished.is_set():
+            steps[0] += 1
+            await asyncio.sleep(0)
+
+    async def both():
+        body = {"messages": fifty_turns(), "tools": TOOLS}
+        transport = httpx.ASGITransport(app=endpoint.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://endpoint") as client:
+            async def call():
+                try:
+                    return await client.post(f"/episodes/{door.key}/v1/chat/completions", json=body)
+                finally:
+                    finished.set()
+
+            response, _ = await asyncio.gather(call(), decode_steps())
+        return response
+
+    response = asyncio.run(both())
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "\n\nFixed."
+    assert [(name, end - begin >= 3) for name, begin, end in phases] == [("render", True), ("tokenisation", True)]
+    [call] = endpoint.close_episode(door)
+    messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
+        c["function"]["arguments"])}} for c in m["tool_calls"]]} if "tool_calls" in m else m for m in fifty_turns()]
+    render = tokenizer.apply_chat_template(messages, tools=tools_for_template({"tools": TOOLS}),
+                                           add_generation_prompt=True, tokenize=False)
+    assert call.prompt_ids == tokenizer(render, add_special_tokens=False)["input_ids"]  # as rendered on the loop
