@@ -227,7 +227,8 @@ class VLLMServerConfig(Strict):
 
 class GenerationConfig(Strict):
     backend: Literal["local", "vllm"] = Field("vllm", description="local = the training model generates.")
-    max_new_tokens: int = Field(512, ge=1, description="Most tokens of one reply.")
+    max_new_tokens: int = Field(512, ge=1, description="Most tokens of one reply (default 512); an evaluate() "
+                                "harness's own max_tokens applies below it.")
     temperature: float = Field(1.0, ge=0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; keep 1 for training (the update scores "
                          "the full distribution).")
@@ -236,7 +237,9 @@ class GenerationConfig(Strict):
         "full", description="What the model sees each turn: full = the whole conversation as validators' client keeps it "
         "(earlier replies think- and whitespace-stripped); truncated = earlier thinking replaced by a marker; last = system prompt + the pending decision only."
     )
-    max_prompt_tokens: int = Field(4096, ge=16, description="Oldest turns are dropped past this budget.")
+    max_prompt_tokens: int = Field(4096, ge=16, description="Prompt budget (default 4096). Native envs: oldest turns "
+                                   "are dropped past it. evaluate envs: a longer prompt is answered as the validators' "
+                                   "server answers a context overflow (400) and the episode is cut off.")
     max_concurrent_episodes: int = Field(32, ge=1, description="Episodes played at once (local: the most rows "
                                          "of a decode step).")
     reuse_kv_cache: bool = Field(True, description="local backend: keep each episode's KV cache between its turns.")
@@ -267,7 +270,9 @@ class GenerationConfig(Strict):
         False, description="A reply ends once it has closed a ``` fenced block (both backends): a trace reply whose "
         "answer is fenced stops there instead of looping to max_new_tokens. The trace preset sets it; a game reply "
         "(an ID) never opens a fence.")
-    max_turns: int = Field(200, ge=1, description="Model decisions per episode before it is cut off.")
+    max_turns: int = Field(200, ge=1, description="Model decisions per episode before it is cut off (default 200); an "
+                           "evaluate() harness's calls past it are answered as a context overflow. Keep it above the "
+                           "harness's own step limit.")
     request_timeout: float = Field(300.0, gt=0, description="Seconds per vLLM request.")
     request_retries: int = Field(3, ge=0, description="Retries of a failed vLLM request (transient errors only).")
     server_wait_seconds: float = Field(
@@ -288,7 +293,10 @@ class LoggingConfig(Strict):
     wandb_project: str | None = Field(None, description="Set to log to Weights & Biases.")
     wandb_mode: Literal["online", "offline", "disabled"] = Field("offline", description="wandb.init mode "
                                                                  "(offline: sync later with `wandb sync`).")
-    log_samples_every: int = Field(0, ge=0, description="Append one played conversation to samples.jsonl every N steps (0 = never).")
+    log_samples_every: int = Field(0, ge=0, description="Append one played episode to samples.jsonl every N steps "
+                                   "(default 0 = never): its conversation and each model call as recorded (prompt and "
+                                   "sampled ids, parsed reply, log-probs, adapter step, reward), which `python -m "
+                                   "ppo_affine.episodes show RUN --step S` prints.")
     signal_check_every: int = Field(
         0, ge=0, description="Every N steps re-score the batch after the update and log how each reply's "
         "log-probability moved against its advantage (signal/*; one extra forward pass); 0 = never."

@@ -334,7 +334,7 @@ class SilentLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         pass
 
-    def log_sample(self, step: int, episode: Any) -> None:
+    def log_sample(self, step: int, episode: Any, index: int = 0) -> None:
         pass
 
     def close(self) -> None:

@@ -65,6 +65,8 @@ def test_real_loop_runs_and_checkpoints(tiny_model_dir, tmp_path, advantage, str
     samples = [json.loads(line) for line in (tmp_path / "t" / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1, 2]
     assert samples[0]["messages"][0]["role"] == "system" and samples[0]["messages"][-1]["role"] == "assistant"
+    first_call = samples[0]["calls"][0]  # each model call as recorded, for `python -m ppo_affine.episodes show`
+    assert first_call["prompt_ids"] and first_call["token_ids"] and samples[0]["model"]["name_or_path"]
     records = metrics(tmp_path / "t")
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
