@@ -303,8 +303,9 @@ class ChatEndpoint:
             return asked
         if ("max_tokens", asked) not in self._warned:
             self._warned.add(("max_tokens", asked))
-            log.warning("an evaluate() harness asked for max_tokens=%s; the run's cap generation.max_new_tokens=%d "
-                        "applies", asked, cap)
+            asked_for = "no max_tokens" if asked is None else f"max_tokens={asked}"
+            log.warning("an evaluate() harness asked for %s; the run's cap generation.max_new_tokens=%d applies",
+                        asked_for, cap)
         return cap
 
     def _within(self, record: CallRecord, cap: int, keep_special: bool) -> CallRecord:

@@ -185,7 +185,7 @@ def test_the_runs_sampling_settings_win_and_the_difference_is_logged_once(tokeni
             asyncio.run(post(endpoint, "/chat/completions", body, door.key))
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["an evaluate() harness asked for temperature=0.2; the run's generation.temperature=1.0 applies",
-                     "an evaluate() harness asked for max_tokens=None; the run's cap generation.max_new_tokens=64 "
+                     "an evaluate() harness asked for no max_tokens; the run's cap generation.max_new_tokens=64 "
                      "applies"]
 
 

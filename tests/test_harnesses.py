@@ -243,8 +243,9 @@ def test_a_prompt_over_the_limit_fails_the_codex_turn_with_the_endpoints_400_bod
     assert len(calls) == 1 and endpoint.generator.replies == ["done"]  # the second call was refused
     extra = result["extra"]
     reported = json.loads(extra["harness_error"])
-    body = json.loads(reported["message"])  # the endpoint's 400 body, as codex received it
-    assert (body["error"]["code"], body["error"]["type"], extra["exit_status"]) == (400, "BadRequestError", "failed")
+    body = json.loads(reported["message"])  # the endpoint's 400 body (SGLang's ErrorResponse), as codex received it
+    assert (body["object"], body["code"], extra["exit_status"]) == ("error", 400, "failed")
+    assert "longer than the model's context length" in body["message"]
     overflow = provider_context_overflow(reported["message"])
     assert (extra["outcome"], "error" in result) == (("model_failure", False) if overflow else ("infra_failure", True))
 
