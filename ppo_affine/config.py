@@ -312,6 +312,38 @@ class CheckpointConfig(Strict):
     keep_last: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are pruned after a save.")
 
 
+class DistillConfig(Strict):
+    cells: str | None = Field(
+        None, description="DISTILL-V2 cells to train on beside (or instead of) episodes: a base URL in the published "
+        "layout (the public bucket; shards cached in cache_dir) or a local folder; null = off (the default).")
+    held_out_cells: str | None = Field(
+        None, description="Cells never trained on, scored at every checkpoint as the env scores them "
+        "(distill/held_out_score); null = none (the default). Must not be `cells`.")
+    cache_dir: str | None = Field(None, description="Where downloaded shards are kept; null = "
+                                  "~/.cache/ppo-affine/distill-v2 (the default).")
+    only: bool = Field(False, description="Train on the cells alone: no episode is played, each step is one "
+                       "optimizer step on cells_per_step cells (the offline mode); false = beside PPO (the default).")
+    weight: float = Field(1.0, gt=0, description="The cells' loss is -weight * their mean DISTILL-V2 score, in an "
+                          "optimizer step of its own after each PPO update (default 1.0).")
+    cells_per_step: int = Field(4, ge=1, description="Training cells drawn (seeded, without replacement) a step "
+                                "(default 4).")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of a KL anchor to the PPO reference on the cells' loss "
+                           "tokens (k2 per token: the tokens are the teacher's, not the policy's samples); 0 = none "
+                           "(the default).")
+    mask_reasoning: bool = Field(True, description="Reasoning is context, not loss, as the env scores by default "
+                                 "(default true).")
+    max_seq_len: int = Field(32_768, ge=64, description="Renderings longer than this keep their head and tail, as "
+                             "the env truncates (default 32768, the env's).")
+
+    @model_validator(mode="after")
+    def _held_out_is_apart(self) -> "DistillConfig":
+        if self.only and not self.cells:
+            raise ValueError("distill.only trains on cells alone: set distill.cells (a folder or the bucket's URL)")
+        if self.held_out_cells and self.held_out_cells == self.cells:
+            raise ValueError("distill.held_out_cells is distill.cells: a held-out score needs cells never trained on")
+        return self
+
+
 class TrainConfig(Strict):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -321,6 +353,8 @@ class TrainConfig(Strict):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig, description="DISTILL-V2 cells trained on beside "
+                                   "PPO or alone (docs/training.md).")
     async_steps: int = Field(
         0, ge=0, le=1, description="vLLM backend: 1 = the next step's episodes are generated (with the adapter of "
         "the step before) while this step's update runs; the update trains one step off-policy, corrected by "
@@ -348,6 +382,9 @@ class TrainConfig(Strict):
     def _async_steps_need_a_server_and_the_correction(self) -> "TrainConfig":
         if not self.async_steps:
             return self
+        if self.distill.cells:
+            raise ValueError("async_steps=1 overlaps episodes with the update; training on distill.cells takes a step "
+                             "of its own after it: set async_steps=0 to train on cells")
         if self.generation.backend != "vllm":
             raise ValueError("async_steps=1 overlaps a vLLM server's generation with the update; with "
                              "generation.backend=local the model being trained generates, on the same device, so "
