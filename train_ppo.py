@@ -83,6 +83,7 @@ from ppo_affine.vllm_server import ManagedVLLMServer, VLLMServerError
 from ppo_affine.update import (TooManySkips, TrainingSnapshot, UpdateSettings, UpdateState, build_optimizer, ppo_update,
                                update_signal)
 from ppo_affine.config import Config, ConfigError, TrainConfig
+from ppo_affine.distill.training import CellTraining
 from ppo_affine.seeds import derive_seed
 from utils import add_config_arguments, config_for_adapter, config_for_checkpoint, config_from_arguments, program_parser
 
@@ -146,6 +147,8 @@ class Trainer:
         self.config, self.run_dir, self.ranks = config, run_dir, ranks
         cfg = config.train
         self.device = ranks.local_device(pick_device(cfg.run.device))
+        # DISTILL-V2 cells (distill.*) are read before the model loads: a bad folder or URL is one line, not a wait
+        self.cells = CellTraining(cfg.distill, seed=derive_seed(cfg.run.seed, "distill")) if cfg.distill.cells else None
         return_freed_memory_to_the_os()
         self.policy = load_policy(cfg.model, cfg.lora, self.device)
         if cfg.ppo.disable_dropout:
@@ -196,7 +199,8 @@ class Trainer:
         if isinstance(self.generator, VLLMServers):
             await self.ranks.all_succeed_async(self.generator.check_server(sampler_logprobs=True))
             await self.push_adapter(self.step)
-        take_step = self.step_overlapped if cfg.async_steps else self.step_in_turn
+        take_step = (self.step_on_cells if cfg.distill.only else self.step_overlapped if cfg.async_steps
+                     else self.step_in_turn)
         while self.step < cfg.run.max_steps and not self.stopping():
             if not await take_step():  # interrupted: the step is undone
                 break
@@ -222,12 +226,29 @@ class Trainer:
                 return False
             metrics.update(learned)
         self.pending = None
+        if self.cells is not None:  # DISTILL-V2 cells beside the episodes: an optimizer step of their own
+            metrics.update(self.cells.step(self.policy, self.optimizer, self.config.train.ppo.max_grad_norm))
         self.step += 1
         metrics.update(self.advance_curriculum(played.episodes))
+        metrics.update(self.held_out_cell_metrics())
         if isinstance(self.generator, VLLMServers) and usable:
             await self.push_adapter(self.step)
         self.finish_step(played, metrics, started)
         return True
+
+    async def step_on_cells(self) -> bool:
+        """One step of the offline mode (`distill.only`): an optimizer step on DISTILL-V2 cells, no episode played."""
+        started = time.perf_counter()
+        metrics = self.cells.step(self.policy, self.optimizer, self.config.train.ppo.max_grad_norm)
+        self.step += 1
+        metrics.update(self.held_out_cell_metrics())
+        metrics["perf/step_seconds"] = time.perf_counter() - started
+        self.logger.log(self.step, metrics)
+        return True
+
+    def held_out_cell_metrics(self) -> dict[str, float]:
+        """The held-out cells' DISTILL-V2 score, at the steps that save a checkpoint."""
+        return self.cells.held_out_metrics(self.policy) if self.cells is not None and self.save_due() else {}
 
     async def step_overlapped(self) -> bool:
         """One step under `async_steps: 1`: this step's episodes (played during the last update, by the adapter
@@ -531,6 +552,7 @@ class Trainer:
             "micro_batch_tokens": self.micro_batch_tokens,  # below the config's after an out-of-memory error
             # async_steps: the next step's episodes, played during this step's update (a dict: the class lives here)
             "pending": vars(self.pending) if self.pending is not None else None,
+            "distill": self.cells.state_dict() if self.cells is not None else None,  # the cells' draws
         }
         path = self.ranks.from_main(lambda: self.write_checkpoint(state))
         self.saved_step, self.saved_path, self.saved_at = self.step, path, time.monotonic()
@@ -560,6 +582,8 @@ class Trainer:
         self.totals = state["totals"]
         self.step = self.saved_step = state["step"]
         self.pending = PlayedStep(**state["pending"]) if state.get("pending") else None
+        if self.cells is not None and state.get("distill"):
+            self.cells.load_state_dict(state["distill"])
         self.saved_path = self.branch_point = checkpoint
         self._keep_a_halved_token_budget(state)
         rng = rng_state_of(self.ranks, state["rng"])
@@ -633,6 +657,9 @@ def check_can_train(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError("generation.temperature=0 samples nothing for PPO to learn from (greedy replies): "
                           "train with a temperature > 0; evaluate.py plays greedily on its own.")
     check_world_size(cfg.ppo, world_size)
+    if cfg.distill.cells and world_size > 1:
+        raise ConfigError("distill.cells trains in one process (its optimizer step exchanges no gradients between "
+                          "ranks): run it without torchrun, or leave distill.cells unset.")
     if cfg.async_steps and world_size > 1:
         raise ConfigError("async_steps=1 runs in one process: with several ranks the update's exchanges would "
                           "interleave with the rollout's; set async_steps=0 for data-parallel runs.")

@@ -379,6 +379,13 @@ class TrainConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _cells_train_without_dropout(self) -> "TrainConfig":
+        if self.distill.cells and not self.ppo.disable_dropout:
+            raise ValueError("distill.cells trains in two passes that must see the same model: keep "
+                             "ppo.disable_dropout=true")
+        return self
+
+    @model_validator(mode="after")
     def _async_steps_need_a_server_and_the_correction(self) -> "TrainConfig":
         if not self.async_steps:
             return self

@@ -13,8 +13,10 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import httpx
 import torch
 
+from ppo_affine.config import ConfigError
 from ppo_affine.distill.cells import Cell, read_cells
 from ppo_affine.distill.evaluation import score_cells
 from ppo_affine.distill.render import MAX_SEQ_LEN, Rendered, render_rollout
@@ -100,14 +102,19 @@ class CellTraining:
 
     def __init__(self, settings, seed: int):
         self.settings = settings  # config.DistillConfig
-        self.train_cells = read_cells(settings.cells, cache_dir=settings.cache_dir)
-        self.held_out_cells = (read_cells(settings.held_out_cells, cache_dir=settings.cache_dir)
-                               if settings.held_out_cells else [])
-        if not self.train_cells:
-            raise ValueError(f"distill.cells={settings.cells!r} holds no cell to train on")
-        if settings.held_out_cells == settings.cells:
-            raise ValueError("distill.held_out_cells is distill.cells: a held-out score needs cells never trained on")
+        self.train_cells = self._read("distill.cells", settings.cells)
+        self.held_out_cells = self._read("distill.held_out_cells", settings.held_out_cells) \
+            if settings.held_out_cells else []
         self.draws = random.Random(seed)
+
+    def _read(self, field: str, source: str) -> list[Cell]:
+        try:
+            cells = read_cells(source, cache_dir=self.settings.cache_dir)
+        except (OSError, httpx.HTTPError, ValueError) as exc:
+            raise ConfigError(f"{field}={source!r}: cannot read the cells ({exc})") from None
+        if not cells:
+            raise ConfigError(f"{field}={source!r}: no cell could be read (see the lines above)")
+        return cells
 
     def step(self, policy, optimizer, max_grad_norm: float) -> dict[str, float]:
         """One optimizer step on this step's cells; metrics under distill/."""
