@@ -85,17 +85,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_plan(config, gpu_gb: float, port: int) -> int:
-    from transformers import AutoConfig
-
-    from ppo_affine.memory_plan import GB, RunShape, describe, fitting_settings
-    from ppo_affine.model_files import model_source
+    from ppo_affine.memory_plan import GB, RunShape, cards_that_fit, describe, describe_cards, fitting_settings
+    from ppo_affine.model_files import model_source, planning_config
 
     train = config.train
     if gpu_gb <= 0:
         raise ConfigError(f"--gpu-memory {gpu_gb}: give the GPU's memory in GB, e.g. 80 or 141.")
-    model_config = AutoConfig.from_pretrained(model_source(train.model), trust_remote_code=train.model.trust_remote_code)
-    chosen, changes = fitting_settings(model_config, RunShape.of(train), gpu_gb * GB)
+    model_config = planning_config(train.model)
+    shape = RunShape.of(train)
+    chosen, changes = fitting_settings(model_config, shape, gpu_gb * GB)
     print("\n".join(describe(chosen, train.model.name_or_path)))
+    print("\n".join(describe_cards(cards_that_fit(model_config, shape))))
     if not chosen.fits:
         print("no setting the plan tries makes this run fit: a larger GPU, a second GPU for vLLM "
               "(env.vllm_url), or shorter contexts (generation.max_prompt_tokens)")

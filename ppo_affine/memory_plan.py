@@ -239,12 +239,15 @@ def plan(config, shape: RunShape, gpu_bytes: float, per_kind: dict[str, float] |
     return Plan(gpu_bytes, trainer, vllm, shape)
 
 
-def fitting_settings(config, shape: RunShape, gpu_bytes: float) -> tuple[Plan, list[str]]:
+def fitting_settings(config, shape: RunShape, gpu_bytes: float, probes: dict | None = None,
+                     model=None) -> tuple[Plan, list[str]]:
     """The run's own plan if it fits; else, of the settings that fit, the one that changes least, in this order of
     reluctance: keeping vLLM (sampling is faster there), not quantising, episodes at once, micro-batch size, then
     gradient checkpointing. Returns that plan and the settings it changes, or the run's own plan and no changes
-    when nothing fits."""
-    model, probes = meta_model(config), {}
+    when nothing fits. `probes` (use_4bit -> measured activations) and `model` (its meta_model) may be shared
+    between calls for several GPUs: measuring a layer at full width takes about a minute."""
+    model = model if model is not None else meta_model(config)
+    probes = probes if probes is not None else {}
 
     def plan_of(candidate: RunShape) -> Plan:
         if candidate.use_4bit not in probes:
@@ -271,6 +274,25 @@ def fitting_settings(config, shape: RunShape, gpu_bytes: float) -> tuple[Plan, l
         if trial.fits:
             return trial, _changes(shape, candidate)
     return own, []
+
+
+# The data-centre cards a run is planned on, by their memory: what `prepare_model.py --plan` names
+CARDS = (("H100 / A100 80 GB", 80.0), ("H200 141 GB", 141.0), ("B200 192 GB", 192.0))
+
+
+def cards_that_fit(config, shape: RunShape) -> list[tuple[str, Plan, list[str]]]:
+    """For each of CARDS: its plan and the settings it changes (the run's own plan and none where nothing fits)."""
+    model, probes = meta_model(config), {}
+    return [(card, *fitting_settings(config, shape, gb * GB, probes, model)) for card, gb in CARDS]
+
+
+def describe_cards(cards: list[tuple[str, Plan, list[str]]]) -> list[str]:
+    lines = ["cards (the trainer and any vLLM on one GPU):"]
+    for card, chosen, changes in cards:
+        verdict = ("does NOT fit" if not chosen.fits else "fits as configured" if not changes
+                   else "fits with " + " ".join(f"--set {change}" for change in changes))
+        lines.append(f"  {card:<18} {verdict}")
+    return lines
 
 
 def _halvings(value: int, floor: int) -> int:

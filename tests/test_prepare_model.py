@@ -52,3 +52,48 @@ def test_a_lora_rank_above_512_is_refused_for_vllm_naming_the_field():
     with pytest.raises(ConfigError, match=r"lora.r=600: vLLM serves LoRA adapters of rank at most 512"):
         load_config(overrides=["train.lora.r=600", "train.generation.backend=vllm"])
     assert load_config(overrides=["train.lora.r=600", "train.generation.backend=local"]).train.lora.r == 600
+
+
+# ---------------------------------------------------------------- the memory plan, offline
+@pytest.mark.parametrize("model_id, admitted", [("Qwen/Qwen3.6-35B-A3B", "Qwen3.6-35B-A3B"), ("Qwen/Qwen3-32B", "Qwen3-32B")])
+def test_the_admitted_models_configs_ship_as_released_and_pass_the_validators_check(model_id, admitted):
+    from ppo_affine.admission import folder_admission
+    from ppo_affine.model_files import shipped_config_folder, shipped_model_ids
+
+    assert model_id in shipped_model_ids()
+    assert folder_admission(shipped_config_folder(model_id)) == (admitted, [])
+
+
+def _fixed_probe(monkeypatch):
+    """Skip measuring a layer at full width (about a minute of CPU each): 1000 bytes a token a layer kind."""
+    import ppo_affine.memory_plan as memory_plan
+
+    monkeypatch.setattr(memory_plan, "probe_activations",
+                        lambda config, shape: {kind: 1000.0 for kind in ("full_attention", "linear_attention")})
+
+
+@pytest.mark.parametrize("preset, verdicts", [
+    # 34.66 B weights at 2 bytes = 69.3 GB before anything else: no 80 GB card holds the trainer
+    ("qwen3.6-35b-a3b", ["does NOT fit", "fits as configured", "fits as configured"]),
+    # vLLM's 16-bit copy (65.5 GB) beside the 4-bit trainer fits 141 GB; on 80 GB the trainer generates itself
+    ("qwen3-32b", ["fits with --set generation.backend=local", "fits as configured", "fits as configured"]),
+])
+def test_the_plan_of_an_admitted_preset_runs_with_no_hub_and_names_the_cards(preset, verdicts, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _fixed_probe(monkeypatch)
+    assert prepare_model.main(["--preset", preset, "--plan", "--gpu-memory", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan for Qwen/" in out and "on a 141 GB GPU" in out
+    cards = out[out.index("cards (the trainer and any vLLM on one GPU):"):].splitlines()[1:4]
+    assert [" ".join(line.split()[:3]) for line in cards] == ["H100 / A100", "H200 141 GB", "B200 192 GB"]
+    assert [line[21:] for line in cards] == verdicts
+
+
+def test_a_model_whose_config_cannot_be_read_offline_fails_in_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _fixed_probe(monkeypatch)
+    code = prepare_model.main(["--set", "model.name_or_path=nobody/no-such-model", "--set", "model.gguf_package=null",
+                               "--plan", "--gpu-memory", "141"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "model.name_or_path 'nobody/no-such-model'" in err and "Qwen/Qwen3.6-35B-A3B" in err
