@@ -22,6 +22,7 @@ from ppo_affine.ppo import logprobs_from_hidden
 from ppo_affine import prefixes
 from ppo_affine.architectures import (default_lora_targets, expert_lora_parameters, prefix_cache_with_gradients,
                                       repeat_cache_rows, switched_off, tree_masks)
+from ppo_affine.kernels import layer_implementations, slow_on_the_gpu
 from ppo_affine.token_trees import TreeRows
 from ppo_affine.model_files import load_base_model, load_tokenizer
 from ppo_affine.config import ConfigError, LoraConfig, ModelConfig
@@ -346,4 +347,10 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: torch.devi
     total = sum(p.numel() for p in policy.parameters())
     log.info("policy: %s, LoRA on %s, %s trainable of %s parameters", type(base).__name__, targets + experts,
              f"{trainable:,}", f"{total:,}")
+    implementations = layer_implementations(base)
+    log.info("layer implementations: %s", ", ".join(f"{kind}: {chosen}" for kind, chosen in implementations.items()))
+    slow = slow_on_the_gpu(implementations, device)
+    if slow:
+        log.warning("%s run the PyTorch reference on the GPU (a Python loop, many times slower): "
+                    "pip install -e .[cuda] (docs/architectures.md)", ", ".join(slow))
     return policy.eval()  # the update switches to train mode itself
