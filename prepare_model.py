@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_plan(config, gpu_gb: float, port: int) -> int:
     from ppo_affine.memory_plan import (GB, RunShape, cards_that_fit, describe, describe_cards, fitting_settings,
-                                        longest_that_fits)
+                                        longest_that_fits, meta_model)
     from ppo_affine.model_files import model_source, planning_config
 
     train = config.train
@@ -94,13 +94,14 @@ def print_plan(config, gpu_gb: float, port: int) -> int:
         raise ConfigError(f"--gpu-memory {gpu_gb}: give the GPU's memory in GB, e.g. 80 or 141.")
     model_config = planning_config(train.model)
     shape = RunShape.of(train)
-    chosen, changes = fitting_settings(model_config, shape, gpu_gb * GB)
+    model, probes = meta_model(model_config), {}  # measuring a layer at full width takes about a minute: once
+    chosen, changes = fitting_settings(model_config, shape, gpu_gb * GB, probes, model)
     print("\n".join(describe(chosen, train.model.name_or_path)))
-    longest = longest_that_fits(model_config, chosen.shape, gpu_gb * GB)
+    longest = longest_that_fits(model_config, chosen.shape, gpu_gb * GB, probes[chosen.shape.use_4bit], model)
     gen = train.generation
     print(f"longest sequence one pass holds here: {longest} tokens" + (
         f" (--set ppo.max_sequence_tokens={longest} drops longer episodes before the update)" if longest else ""))
-    print("\n".join(describe_cards(cards_that_fit(model_config, shape))))
+    print("\n".join(describe_cards(cards_that_fit(model_config, shape, probes, model))))
     if not chosen.fits:
         shorter = (f"generation.max_prompt_tokens={longest - gen.max_new_tokens}"
                    if longest > gen.max_new_tokens else "generation.max_prompt_tokens")

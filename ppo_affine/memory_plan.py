@@ -352,9 +352,12 @@ def fitting_settings(config, shape: RunShape, gpu_bytes: float, probes: dict | N
 CARDS = (("H100 / A100 80 GB", 80.0), ("H200 141 GB", 141.0), ("B200 192 GB", 192.0))
 
 
-def cards_that_fit(config, shape: RunShape) -> list[tuple[str, Plan, list[str]]]:
-    """For each of CARDS: its plan and the settings it changes (the run's own plan and none where nothing fits)."""
-    model, probes = meta_model(config), {}
+def cards_that_fit(config, shape: RunShape, probes: dict | None = None, model=None
+                   ) -> list[tuple[str, Plan, list[str]]]:
+    """For each of CARDS: its plan and the settings it changes (the run's own plan and none where nothing fits).
+    `probes` and `model` as fitting_settings takes them."""
+    model = model if model is not None else meta_model(config)
+    probes = probes if probes is not None else {}
     return [(card, *fitting_settings(config, shape, gb * GB, probes, model)) for card, gb in CARDS]
 
 
