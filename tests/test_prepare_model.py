@@ -101,3 +101,31 @@ def test_a_model_whose_config_cannot_be_read_offline_fails_in_one_line(monkeypat
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "model.name_or_path 'nobody/no-such-model'" in err and "Qwen/Qwen3.6-35B-A3B" in err
+
+
+# Qwen3.6-35B-A3B's layers as probe_activations measured them at full width in bf16 (bytes a token, LoRA r 16):
+#   python -c "from ppo_affine.config import load_config; from ppo_affine.model_files import planning_config;
+#   from ppo_affine.memory_plan import RunShape, probe_activations; t = load_config(presets=['agent']).train;
+#   print(probe_activations(planning_config(t.model), RunShape.of(t)))"      (76 s on 2 loaded cores)
+QWEN36_LAYERS_BF16 = {"linear_attention": 480210.0, "full_attention": 196022.0}
+
+
+def test_the_agent_preset_plays_50_turns_of_32k_tokens_and_fits_a_141_gb_gpu_by_the_plan(monkeypatch, capsys):
+    import ppo_affine.memory_plan as memory_plan
+    from ppo_affine.config import load_config
+
+    train = load_config(presets=["agent"]).train
+    gen = train.generation
+    assert (gen.max_turns, gen.max_prompt_tokens + gen.max_new_tokens, gen.context_strategy) == (50, 32768, "full")
+    assert train.model.name_or_path == "Qwen/Qwen3.6-35B-A3B" and train.ppo.max_sequence_tokens == 32768
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(memory_plan, "probe_activations", lambda config, shape: {
+        kind: per_token * (2 if shape.use_4bit else 1) for kind, per_token in QWEN36_LAYERS_BF16.items()})
+    assert prepare_model.main(["--preset", "agent", "--plan", "--gpu-memory", "141"]) == 0
+    out = capsys.readouterr().out
+    # weights 69.32 + adapter 0.34 + a 32 768-token pass (40 x 2048 x 2 + 1.25 x 480 210 bytes a token: 25.0)
+    # + reserve 2 + 8 episodes' caches at 32 768 tokens (5.9) = 102.6 GB of the 134 usable
+    assert "total 102.6 GB of 141 GB: fits" in out
+    longest = int(out.split("longest sequence one pass holds here: ")[1].split()[0])
+    assert 70000 < longest < 75000  # (134.0 - 77.6) GB / 764 kB a token: a 64 k episode would train too
+    assert "H200 141 GB        fits as configured" in out and "B200 192 GB        fits as configured" in out
