@@ -80,6 +80,7 @@ from ppo_affine.run_log import (RunLogger, close_run_log, episode_summary, hold_
                                 report_failure, rollout_progress, say, setup_logging, steps_behind)
 from ppo_affine.file_writes import WriteFailed, probe_writable, writing
 from ppo_affine.vllm_server import ManagedVLLMServer, VLLMServerError
+from ppo_affine.oom_recovery import EpisodeOutOfMemory, TokenBudget, drop_too_long, longest_sequences
 from ppo_affine.update import (TooManySkips, TrainingSnapshot, UpdateSettings, UpdateState, build_optimizer, ppo_update,
                                update_signal)
 from ppo_affine.config import Config, ConfigError, TrainConfig
@@ -165,7 +166,9 @@ class Trainer:
         except (ConnectionError, RuntimeError) as exc:  # an env server that is down, a container that won't start
             raise StartupError(f"Could not start the environments: {exc}") from None
         self.update_state = UpdateState()
-        self.micro_batch_tokens = cfg.ppo.micro_batch_tokens  # halved after a CUDA out-of-memory error
+        # halved after CUDA runs out of memory twice in a step, grown back after clean steps (oom_recovery.py)
+        self.token_budget = TokenBudget(cfg.ppo.micro_batch_tokens, cfg.ppo.micro_batch_regrow_steps,
+                                        cfg.ppo.micro_batch_tokens)
         self._warned_cut_off = False
         self.step = self.saved_step = 0
         self.saved_path: Path | None = None  # the newest checkpoint this run wrote or resumed from
@@ -386,18 +389,34 @@ class Trainer:
                         cut_off, len(episodes), self.config.train.generation.max_turns)
         return [episodes[i] for i in keep], ([group_ids[i] for i in keep] if group_ids is not None else None)
 
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.token_budget.tokens
+
+    @micro_batch_tokens.setter
+    def micro_batch_tokens(self, tokens: int) -> None:
+        self.token_budget.tokens = tokens
+
     def learn_with_oom_retry(self, episodes: list[Episode], group_ids: list[int] | None,
                              snapshot: TrainingSnapshot | None = None) -> dict[str, float] | None:
-        """`score_and_update`, undone when it cannot finish: CUDA out of memory retries it with half the token
-        budget (every rank together); a stop signal returns None, the weights back where the step began (as
-        `snapshot` holds them, when the caller took it)."""
+        """`score_and_update`, undone when it cannot finish (oom_recovery.py): an episode longer than
+        ppo.max_sequence_tokens is dropped first; CUDA out of memory drops the episode that raised it and runs the
+        step again, a second one in the step halves the token budget where that splits the micro-batch (with
+        several ranks: every rank halves together, as before); a stop signal returns None, the weights back where
+        the step began (as `snapshot` holds them, when the caller took it)."""
         snapshot = snapshot or TrainingSnapshot.take(self.optimizer, self.update_state)
-        retries = 0
+        episodes, group_ids, dropped = drop_too_long(episodes, group_ids, longest_sequences(episodes),
+                                                     self.config.train.ppo.max_sequence_tokens)
+        retries = dropped_oom = 0
         while True:
             try:
-                metrics = self.score_and_update(episodes, group_ids)
-                metrics["train/micro_batch_tokens"] = self.micro_batch_tokens
-                metrics["train/oom_retries"] = retries
+                metrics = self.score_and_update(episodes, group_ids) if episodes else {}
+                if self.token_budget.step_finished(ran_out=retries > 0) and self.ranks.is_main:
+                    log.info("ppo.micro_batch_tokens back up to %d after %d steps without running out of memory",
+                             self.micro_batch_tokens, self.token_budget.regrow_after)
+                metrics.update(dropped)
+                metrics.update({"train/micro_batch_tokens": self.micro_batch_tokens, "train/oom_retries": retries,
+                                "train/episodes_dropped_oom": dropped_oom})
                 return metrics
             except StepInterrupted:
                 snapshot.restore(self.optimizer, self.update_state)
@@ -409,14 +428,33 @@ class Trainer:
                 if self.ranks.world_size > 1 and not isinstance(exc, OutOfMemoryOnRanks):
                     raise
                 ran_out = getattr(exc, "ranks", [self.ranks.rank])
+                # numbers only: the error's traceback holds the failed pass's tensors. With several ranks only this
+                # rank knows its episode: they halve together instead
+                blamed = None if self.ranks.world_size > 1 else (
+                    (exc.episode, exc.tokens) if isinstance(exc, EpisodeOutOfMemory) else getattr(exc, "blamed", None))
                 snapshot.restore(self.optimizer, self.update_state)
             # outside the except block: the traceback's references to the failed pass's tensors are gone
             retries += 1
-            self.halve_micro_batch_tokens(episodes, ran_out)
+            if blamed is None:
+                self.halve_micro_batch_tokens(episodes, ran_out)
+            elif self.token_budget.after_out_of_memory(blamed[1], retries) == "drop":
+                log.warning("CUDA out of memory in step %d on a sequence of %d tokens: its episode (task %s) is "
+                            "dropped and the step runs again", self.step + 1, blamed[1],
+                            episodes[blamed[0]].task.task_id)
+                episodes = [e for i, e in enumerate(episodes) if i != blamed[0]]
+                group_ids = [g for i, g in enumerate(group_ids) if i != blamed[0]] if group_ids is not None else None
+                dropped_oom += 1
+            else:
+                log.warning("CUDA out of memory again in step %d: ppo.micro_batch_tokens halved to %d until %d "
+                            "steps run without it; retrying the step", self.step + 1, self.micro_batch_tokens,
+                            self.token_budget.regrow_after)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def halve_micro_batch_tokens(self, episodes: list[Episode], ran_out: list[int]) -> None:
-        """After CUDA ran out of memory on the ranks `ran_out`: halve the token budget on every rank for the
-        rest of the run, unless the longest sequence already has a micro-batch of its own."""
+        """After CUDA ran out of memory on the ranks `ran_out` (several ranks: which episode raised it is not known
+        on every rank): halve the token budget on every rank, unless the longest sequence already has a micro-batch
+        of its own."""
         gen = self.config.train.generation
         longest = max(len(sequence.input_ids) for sequence in build_sequences(episodes))
         if self.micro_batch_tokens <= longest:
@@ -431,8 +469,9 @@ class Trainer:
             torch.cuda.empty_cache()
         where = f" on rank {', '.join(map(str, ran_out))}" if self.ranks.world_size > 1 else ""
         if self.ranks.is_main:  # every rank halves; one line says so
-            log.warning("CUDA out of memory in step %d%s: ppo.micro_batch_tokens halved to %d for the rest of the "
-                        "run; retrying the step", self.step + 1, where, self.micro_batch_tokens)
+            log.warning("CUDA out of memory in step %d%s: ppo.micro_batch_tokens halved to %d until %d steps run "
+                        "without it; retrying the step", self.step + 1, where, self.micro_batch_tokens,
+                        self.token_budget.regrow_after)
 
     def score_and_update(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
         """score -> advantages -> PPO update -> adapt beta, on this rank's share of the episodes."""

@@ -131,6 +131,16 @@ class PPOConfig(Strict):
     micro_batch_tokens: int = Field(
         4096, ge=64, description="Token budget of one forward/backward pass (gradient accumulation)."
     )
+    max_sequence_tokens: int | None = Field(
+        None, ge=64, description="An episode with a sequence longer than this is dropped before the update (logged "
+        "with its length; train/episodes_too_long): `prepare_model.py --plan` prints the longest the GPU holds. "
+        "Default None: no limit (CUDA out of memory on it then drops the episode, see micro_batch_regrow_steps)."
+    )
+    micro_batch_regrow_steps: int = Field(
+        20, ge=1, description="CUDA out of memory in the update drops the episode that raised it and runs the step "
+        "again; a second one in the same step halves micro_batch_tokens, which doubles back to its configured "
+        "value after this many steps in a row without one. Default 20."
+    )
     tree_scoring: Literal["auto", "always", "off"] = Field(
         "auto", description="Where an episode is several sequences (earlier reasoning stripped from the history), "
         "score and train them as one prefix tree that runs their shared history once (same numbers). auto = "

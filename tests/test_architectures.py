@@ -311,3 +311,43 @@ def test_a_qwen3_adapter_hot_loads_into_vllm_cpu_and_samples_what_the_trainer_sc
     records = metrics(tmp_path / "t")
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["vllm/logprob_gap"] < 1e-3 for r in records), [r["vllm/logprob_gap"] for r in records]
+
+
+# ---------------------------------------------------------------- which kernels each layer kind runs
+def test_the_cuda_extra_declares_the_gated_deltanet_kernels():
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    assert sorted(Requirement(r).name for r in project["optional-dependencies"]["cuda"]) == \
+        ["causal-conv1d", "flash-linear-attention"]
+
+
+def test_without_the_kernels_a_cpu_run_takes_the_torch_fallback_and_says_which_each_layer_kind_runs():
+    from transformers import AutoModelForCausalLM
+
+    from ppo_affine.kernels import layer_implementations, slow_on_the_gpu
+    from ppo_affine.testing.tiny import tiny_architecture_config
+
+    hybrid = AutoModelForCausalLM.from_config(tiny_architecture_config("qwen3_5_moe_text", 64, 0, 1))
+    found = layer_implementations(hybrid)
+    assert found == {"full_attention": "sdpa",
+                     "linear_attention chunk_gated_delta_rule": "torch fallback (fla not installed)",
+                     "linear_attention causal_conv1d_fn": "torch fallback (causal_conv1d not installed)",
+                     "experts": "grouped_mm"}
+    assert slow_on_the_gpu(found, torch.device("cpu")) == []  # the reference is what a CPU runs
+    assert slow_on_the_gpu(found, torch.device("cuda")) == ["linear_attention chunk_gated_delta_rule",
+                                                            "linear_attention causal_conv1d_fn"]
+    dense = AutoModelForCausalLM.from_config(tiny_architecture_config("qwen3", 64, 0, 1))
+    assert layer_implementations(dense) == {"full_attention": "sdpa"}
+
+
+def test_loading_the_policy_logs_which_implementation_each_layer_kind_runs(tiny_model_dir, caplog):
+    from ppo_affine.testing.tiny import load_tiny_policy
+
+    with caplog.at_level(logging.INFO, logger="ppo_affine.policy"):
+        load_tiny_policy(tiny_model_dir)
+    assert "layer implementations: full_attention: sdpa" in caplog.text
+    assert "pip install -e .[cuda]" not in caplog.text  # a CPU run is not warned about the GPU kernels

@@ -272,7 +272,7 @@ def test_the_agent_presets_reply_cap_is_the_room_a_32k_context_leaves(model_pres
     generation = train.generation
     assert (generation.max_prompt_tokens, generation.max_new_tokens) == (28_672, 4_096)
     assert generation.max_prompt_tokens + generation.max_new_tokens == 32_768
-    assert (generation.max_turns, generation.request_timeout, train.run.name) == (100, 3600.0, "agent")
+    assert (generation.max_turns, generation.request_timeout, train.run.name) == (100, 900.0, "agent")
 
 
 # ---------------------------------------------------------------------- tiny-model PPO runs through each harness

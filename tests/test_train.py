@@ -535,6 +535,42 @@ def test_out_of_memory_in_the_update_halves_the_token_budget_and_retries_the_ste
 
 
 @pytest.mark.slow
+def test_out_of_memory_on_an_episode_drops_it_and_the_step_goes_on_a_second_halves_the_budget_until_clean_steps(
+        tiny_model_dir, tmp_path, monkeypatch):
+    from ppo_affine.policy import Policy
+
+    calls = []
+    score = Policy.score
+
+    def out_of_memory_twice(self, *args, **kwargs):  # the first two scoring passes of the run fail
+        calls.append(1)
+        if len(calls) <= 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return score(self, *args, **kwargs)
+
+    monkeypatch.setattr(Policy, "score", out_of_memory_twice)
+    args = tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2", "--set", "ppo.micro_batch_regrow_steps=1")
+    assert train_ppo.main(args) == 0
+    records = metrics(tmp_path / "t")
+    summary = [(r["step"], r["train/episodes_dropped_oom"], r["train/oom_retries"], r["train/micro_batch_tokens"])
+               for r in records]
+    # step 1: the first error drops an episode, the second halves 16384; step 2 runs clean and doubles it back
+    assert summary == [(1, 1, 2, 8192), (2, 0, 0, 16384)]
+    assert "policy/loss" in records[0] and records[0]["env/episodes"] == 4
+
+
+@pytest.mark.slow
+def test_an_episode_longer_than_the_sequence_limit_is_dropped_before_the_update(tiny_model_dir, tmp_path, capsys):
+    # every episode of the tiny game is a few hundred tokens: a 64-token limit drops the batch, the run goes on
+    assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "1",
+                                    "--set", "ppo.max_sequence_tokens=64")) == 0
+    record = metrics(tmp_path / "t")[0]
+    assert record["train/episodes_too_long"] == 4 and record["train/longest_dropped_tokens"] > 64
+    assert "policy/loss" not in record
+    assert "over ppo.max_sequence_tokens=64" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.slow
 def test_a_single_sequence_that_does_not_fit_stops_with_the_generation_limits(tiny_model_dir, tmp_path, monkeypatch,
                                                                               capsys):
     def always_out_of_memory(*args, **kwargs):
