@@ -10,19 +10,27 @@ loaded model's names map onto the release's).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from ppo_affine.adapter_updates import Update
 from ppo_affine.architectures import architecture_of
 from ppo_affine.config import ConfigError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_PEFT_PREFIX = "base_model.model."
+MERGE_TOLERANCE = 1e-4  # a tensor's W + update vs its adapter, relative to its largest output (at least 1)
+
+
+class MergeCheckFailed(RuntimeError):
+    """A merged tensor's outputs differ from base + adapter, or a written shard from what was merged."""
 
 
 def release_tensor_files(folder: Path) -> dict[str, str]:
@@ -39,56 +47,42 @@ def release_tensor_files(folder: Path) -> dict[str, str]:
                       "the base's own safetensors files, so the base must be a Hugging Face folder of them.")
 
 
-def adapter_deltas(peft_model) -> dict[str, torch.Tensor]:
-    """Each adapted weight's change, in float32, under its name in the loaded base model (`model.layers.0...`):
-    scale · B·A for a linear layer, one such product per expert for a fused expert weight [experts, out, in]."""
-    from peft.tuners.lora import LoraLayer
-
-    deltas: dict[str, torch.Tensor] = {}
-    for module_name, module in peft_model.named_modules():
-        if not isinstance(module, LoraLayer) or "default" not in module.lora_A:
-            continue
-        name = module_name.removeprefix(_PEFT_PREFIX)
-        parameter = getattr(module, "parameter_name", None)  # a fused expert weight adapted by parameter
-        weight_name = f"{name}.{parameter}" if parameter else f"{name}.weight"
-        with torch.no_grad():
-            delta = module.get_delta_weight("default").float()
-        # peft nests one ParamWrapper per adapted parameter of a module: the inner one is `<...>.experts.base_layer`
-        deltas[weight_name.replace(".base_layer", "")] = delta
-    return deltas
-
-
-def release_deltas(config, deltas: dict[str, torch.Tensor], names: set[str]) -> dict[str, torch.Tensor]:
-    """The deltas under the release files' names (`names`), split per expert where the release stores experts one
-    tensor each; a ConfigError naming the tensor where no release tensor fits."""
+def release_updates(config, layers: dict[str, object], names: set[str]) -> dict[str, Update]:
+    """Each adapted weight's update (`layers`: loaded name -> peft layer) under the release files' names (`names`),
+    split per expert where the release stores experts one tensor each; a ConfigError naming the tensor where no
+    release tensor fits."""
     row = architecture_of(config)
-    mapped: dict[str, torch.Tensor] = {}
-    for loaded, delta in deltas.items():
+    mapped: dict[str, Update] = {}
+    for loaded, layer in layers.items():
         candidates = [loaded] + [release + loaded.removeprefix(mine)
                                  for mine, release in row.release_prefixes if loaded.startswith(mine)]
         found = next((name for name in candidates if name in names), None)
         if found is not None:
-            mapped[found] = delta
+            mapped[found] = Update(layer)
             continue
-        split = _per_expert(candidates, delta, names)
+        split = _per_expert(candidates, layer, names)
         if split is None:
-            raise ConfigError(f"the adapter changes {loaded} {tuple(delta.shape)}, which no tensor of the base's "
-                              f"release files holds (tried {candidates}); is model.name_or_path the adapter's base?")
+            raise ConfigError(f"the adapter changes {loaded}, which no tensor of the base's release files holds "
+                              f"(tried {candidates}); is model.name_or_path the adapter's base?")
         mapped.update(split)
     return mapped
 
 
-def _per_expert(candidates: list[str], delta: torch.Tensor, names: set[str]) -> dict[str, torch.Tensor] | None:
-    """A fused expert delta ([experts, 2·width, hidden] for gate_up_proj, [experts, hidden, width] for down_proj)
-    as the release's experts.{e}.gate_proj / up_proj / down_proj weights."""
+def _per_expert(candidates: list[str], layer, names: set[str]) -> dict[str, Update] | None:
+    """A fused expert weight's update ([experts, 2·width, hidden] for gate_up_proj, [experts, hidden, width] for
+    down_proj) as the release's experts.{e}.gate_proj / up_proj / down_proj weights."""
+    experts = getattr(layer, "num_experts", 1)
     for fused in candidates:
         stem, _, kind = fused.rpartition(".")
         if kind == "gate_up_proj":
-            gate, up = delta.chunk(2, dim=1)  # transformers concatenates gate before up when it fuses them
-            parts = {f"{stem}.{e}.gate_proj.weight": gate[e] for e in range(delta.shape[0])}
-            parts.update({f"{stem}.{e}.up_proj.weight": up[e] for e in range(delta.shape[0])})
-        elif kind == "down_proj" and delta.dim() == 3:
-            parts = {f"{stem}.{e}.down_proj.weight": delta[e] for e in range(delta.shape[0])}
+            lhs, rhs, _ = layer.get_delta_factors("default")
+            width = (lhs.shape[1] if layer._did_swap_in_out_features else rhs.shape[2]) // 2
+            # transformers concatenates gate before up when it fuses them
+            parts = {f"{stem}.{e}.gate_proj.weight": Update(layer, e, slice(0, width)) for e in range(experts)}
+            parts.update({f"{stem}.{e}.up_proj.weight": Update(layer, e, slice(width, 2 * width))
+                          for e in range(experts)})
+        elif kind == "down_proj" and experts > 1:
+            parts = {f"{stem}.{e}.down_proj.weight": Update(layer, e) for e in range(experts)}
         else:
             continue
         if set(parts) <= names:
@@ -96,38 +90,107 @@ def _per_expert(candidates: list[str], delta: torch.Tensor, names: set[str]) -> 
     return None
 
 
-def write_merged_release(base: Path, deltas: dict[str, torch.Tensor], staging: Path,
-                         dtype: torch.dtype | None = None, rounded_bases: dict[str, torch.Tensor] | None = None
-                         ) -> list[str]:
-    """Copy `base` to `staging` byte for byte, except the safetensors files holding a tensor in `deltas`, which are
-    written again with W + delta (added in float32, stored in W's own dtype) and every other tensor as it was.
-    `rounded_bases` replaces W for the tensors it names (the NF4-rounded weights a 4-bit run trained against);
-    `dtype` casts every floating tensor instead (and the config's dtype says so). Returns the rewritten files."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+@dataclass
+class MergeReport:
+    """What the streaming merge wrote: the rewritten files, how many tensors it changed, and the largest relative
+    output difference of a changed tensor (in float32, before the store's rounding) to base + adapter."""
 
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    worst: float = 0.0
+
+
+def write_merged_release(base: Path, updates: dict[str, Update], staging: Path, dtype: torch.dtype | None = None,
+                         rounding: Callable[[torch.Tensor], torch.Tensor] | None = None) -> MergeReport:
+    """Copy `base` to `staging` byte for byte, except the safetensors files holding a tensor in `updates`, which are
+    written again shard by shard: read, each adapted tensor W + update (added in float32, checked against the
+    adapter's low-rank path, stored in W's own dtype), write, free, then the written shard read back and compared
+    tensor by tensor with what was meant to be written. `rounding` replaces a linear layer's W by the NF4-rounded
+    weights a 4-bit run trained against; `dtype` casts every floating tensor instead (and the config's dtype says
+    so). A MergeCheckFailed as soon as one tensor fails its check."""
     base, files = Path(base), release_tensor_files(base)
-    touched = sorted({files[name] for name in deltas}) if dtype is None else sorted(set(files.values()))
+    touched = sorted({files[name] for name in updates}) if dtype is None else sorted(set(files.values()))
     staging.mkdir(parents=True)
     for entry in base.iterdir():
         if entry.name in touched or entry.name.startswith("."):
             continue
         (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, staging / entry.name)
+    report = MergeReport(files=touched)
+    generator = torch.Generator().manual_seed(0)
     for file_name in touched:
-        tensors, metadata = {}, None
-        with safe_open(str(base / file_name), "pt") as handle:
-            metadata = handle.metadata()
-            for name in handle.keys():
-                weight = handle.get_tensor(name)
-                target = dtype if dtype is not None and weight.is_floating_point() else weight.dtype
-                if name in deltas:
-                    start = (rounded_bases or {}).get(name, weight)
-                    weight = start.to("cpu", torch.float32) + deltas[name].to("cpu", torch.float32)
-                tensors[name] = weight.to(target).contiguous()
-        save_file(tensors, str(staging / file_name), metadata=metadata or {"format": "pt"})
+        digests = _merge_shard(base / file_name, staging / file_name, updates, dtype, rounding, generator, report)
+        _check_written(staging / file_name, digests)
     if dtype is not None:
         _set_config_dtype(staging / "config.json", str(dtype).removeprefix("torch."))
-    return touched
+    return report
+
+
+def _merge_shard(source: Path, target: Path, updates: dict[str, Update], dtype: torch.dtype | None,
+                 rounding, generator: torch.Generator, report: MergeReport) -> dict[str, str]:
+    """One shard merged and written; the digest of each tensor it changed."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors, digests = {}, {}
+    with safe_open(str(source), "pt") as handle:
+        metadata = handle.metadata()
+        for name in handle.keys():
+            weight = handle.get_tensor(name)
+            stored = dtype if dtype is not None and weight.is_floating_point() else weight.dtype
+            if name in updates:
+                update = updates[name]
+                start = rounding(weight) if rounding is not None and not update.is_expert else weight.float()
+                merged = start + update.delta()
+                report.worst = max(report.worst, _checked(name, update.mismatch(start, merged, generator)))
+                weight = merged.to(stored)
+                digests[name] = tensor_digest(weight)
+                report.tensors += 1
+                del start, merged
+            tensors[name] = weight.to(stored).contiguous()
+    save_file(tensors, str(target), metadata=metadata or {"format": "pt"})
+    return digests
+
+
+def _checked(name: str, mismatch: float) -> float:
+    if not mismatch <= MERGE_TOLERANCE:  # also catches NaN
+        raise MergeCheckFailed(f"base + the adapter's updates vs base + adapter: a layer's outputs differ by up to "
+                               f"{mismatch:.3g} of their size at {name} (allowed {MERGE_TOLERANCE:g}). Nothing was "
+                               "saved. Check that the configured base model is the one the adapter was trained on.")
+    return mismatch
+
+
+def _check_written(file: Path, digests: dict[str, str]) -> None:
+    """The shard as written, read back: each changed tensor holds exactly the merged values, all finite."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as handle:
+        for name, digest in digests.items():
+            written = handle.get_tensor(name)
+            if tensor_digest(written) != digest or not torch.isfinite(written).all():
+                raise MergeCheckFailed(f"{file.name}: {name} as written differs from the merged tensor or is not "
+                                       "finite; nothing was saved.")
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (any dtype) with its dtype and shape."""
+    digest = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    if tensor.numel():
+        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())  # hashed in place, no copy
+    return digest.hexdigest()
+
+
+def nf4_rounding(compute_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """W -> the float32 of its NF4 rounding as model.use_4bit loads it (the weight in the compute dtype, quantised
+    in 64-wide blocks with double-quantised scales, dequantised): the weights a 4-bit run's adapter trained against.
+    bitsandbytes quantises nn.Linear weights only, so fused expert weights are never rounded."""
+    import bitsandbytes.functional as bnb
+
+    def rounded(weight: torch.Tensor) -> torch.Tensor:
+        packed, state = bnb.quantize_4bit(weight.to(compute_dtype), blocksize=64, compress_statistics=True,
+                                          quant_type="nf4")
+        return bnb.dequantize_4bit(packed, state).to(compute_dtype).float()
+
+    return rounded
 
 
 def _set_config_dtype(config_file: Path, dtype: str) -> None:
