@@ -235,7 +235,7 @@ def test_the_streamed_updates_are_peft_s_own_deltas_expert_by_expert(arch_dirs, 
     """The merge builds each update from the adapter file on a meta-device skeleton, one expert at a time: the same
     numbers as peft's get_delta_weight on the loaded model, for every adapted weight (the fused
     [experts, 2·width, hidden] gate_up split into gate rows then up rows, as the release stores them)."""
-    from ppo_affine.adapter_updates import Update, adapted_layers, adapter_on_skeleton
+    from ppo_affine.release_files import Update, adapted_layers, adapter_on_skeleton
 
     policy = policy_of(arch_dirs["qwen3_5_moe"], adapt_experts=True, dropout=0.0)
     activate_adapter(policy.model, 0.1)

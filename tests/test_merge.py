@@ -63,7 +63,7 @@ def test_bfloat16_output_is_saved_in_bfloat16(tiny_model_dir, checkpoint, tmp_pa
 
 @pytest.mark.slow
 def test_a_merge_that_does_not_match_fails_and_saves_nothing(tiny_model_dir, checkpoint, tmp_path, monkeypatch, capsys):
-    from ppo_affine.adapter_updates import Update
+    from ppo_affine.release_files import Update
 
     # updates that lost their scale: exactly the kind of mistake the check exists to catch
     real = Update.delta
@@ -141,73 +141,13 @@ def test_merged_files_get_the_modes_of_the_umask(tiny_model_dir, checkpoint, tmp
 
 
 # ---------------------------------------------------------------------------------------------- at full size
-BIG_SHAPE = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 16,
-             "vocab_size": 1024}  # ~103 MB of bfloat16 a layer
-
-
-def write_sharded_release(folder: Path, layers: int) -> Path:
-    """A Llama release of `layers` layers in bfloat16, one shard a layer (the embeddings and head in the first and
-    last), written tensor by tensor so the test itself never holds the model."""
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig
-
-    folder.mkdir(parents=True)
-    LlamaConfig(num_hidden_layers=layers, tie_word_embeddings=False, **BIG_SHAPE).save_pretrained(folder)
-    hidden, width, vocab = BIG_SHAPE["hidden_size"], BIG_SHAPE["intermediate_size"], BIG_SHAPE["vocab_size"]
-    generator = torch.Generator().manual_seed(0)
-    weight_map = {}
-    for layer in range(layers):
-        shapes = {f"self_attn.{p}_proj.weight": (hidden, hidden) for p in "qkvo"}
-        shapes.update({"mlp.gate_proj.weight": (width, hidden), "mlp.up_proj.weight": (width, hidden),
-                       "mlp.down_proj.weight": (hidden, width), "input_layernorm.weight": (hidden,),
-                       "post_attention_layernorm.weight": (hidden,)})
-        tensors = {f"model.layers.{layer}.{name}": torch.randn(shape, generator=generator).mul_(0.02).bfloat16()
-                   for name, shape in shapes.items()}
-        if layer == 0:
-            tensors["model.embed_tokens.weight"] = torch.randn(vocab, hidden, generator=generator).bfloat16()
-        if layer == layers - 1:
-            tensors["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
-            tensors["lm_head.weight"] = torch.randn(vocab, hidden, generator=generator).bfloat16()
-        file = f"model-{layer + 1:05d}-of-{layers:05d}.safetensors"
-        save_file(tensors, str(folder / file), metadata={"format": "pt"})
-        weight_map.update({name: file for name in tensors})
-        del tensors
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return folder
-
-
-def write_random_adapter(base: Path, folder: Path, r: int = 8, alpha: int = 16) -> Path:
-    """A peft adapter on every attention and MLP projection of `base` with random A and B (B ~ N(0, 0.01)), built
-    on the meta device: the base's weights are never loaded."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
-    config = PeftLoraConfig(r=r, lora_alpha=alpha, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                   "gate_proj", "up_proj", "down_proj"])
-    peft_model = get_peft_model(skeleton, config)
-    generator = torch.Generator().manual_seed(1)
-    factors = {name.replace(".default.", "."): torch.randn(p.shape, generator=generator) * (0.01 if "lora_B" in name
-                                                                                          else 0.02)
-               for name, p in peft_model.named_parameters() if ".lora_" in name}
-    folder.mkdir(parents=True)
-    config.base_model_name_or_path = str(base)
-    config.save_pretrained(folder)
-    save_file(factors, str(folder / "adapter_model.safetensors"))
-    return folder
-
-
 @pytest.mark.slow
 def test_a_model_four_times_its_largest_shard_merges_within_one_shard_of_memory(tmp_path):
     """Streaming: peak memory of the merge (a fresh process, its VmHWM) is at most the largest shard + the adapter +
     1 GB, on a 8-shard model, and the merged tensors are W + 2·B·A rounded to bfloat16."""
-    import subprocess
-    import sys
-
     from safetensors import safe_open
+
+    from ppo_affine.testing.sharded import merge_peak, write_random_adapter, write_sharded_release
 
     base = write_sharded_release(tmp_path / "base", layers=8)
     adapter = write_random_adapter(base, tmp_path / "adapter")
@@ -215,17 +155,10 @@ def test_a_model_four_times_its_largest_shard_merges_within_one_shard_of_memory(
     model_bytes, largest = sum(f.stat().st_size for f in shards), max(f.stat().st_size for f in shards)
     assert len(shards) == 8 and model_bytes >= 4 * largest
     output = tmp_path / "merged"
-    program = ("import resource, sys, merge; code = merge.main(sys.argv[1:]); "
-               "print('peak_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
-    done = subprocess.run([sys.executable, "-c", program, "--adapter", str(adapter), "--output", str(output),
-                           "--set", f"model.name_or_path={base}", "--set", "model.use_4bit=false",
-                           "--set", "run.device=cpu"], cwd=Path(__file__).resolve().parent.parent,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    peak = int(done.stdout.split("peak_kb")[-1].split()[0]) * 1024
+    peak, _, printed = merge_peak(base, adapter, output)
     bound = largest + (adapter / "adapter_model.safetensors").stat().st_size + 2**30
     assert peak <= bound, f"peak {peak / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
-    assert "56 tensors in 8 files rewritten" in done.stdout
+    assert "56 tensors in 8 files rewritten" in printed
 
     name = "model.layers.5.mlp.down_proj.weight"  # one tensor by hand: W + (alpha / r)·B·A in float32, stored bf16
     with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as handle:
