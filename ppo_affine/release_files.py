@@ -345,3 +345,58 @@ def replace_folder(staging: Path, output: Path) -> None:
     if output.exists():
         output.rmdir()  # only an empty folder gets here (checked before loading anything)
     os.replace(staging, output)
+
+
+# ---------------------------------------------------------------------------------------------- storing in 16 bits
+# A bf16 weight W + ΔW rounded to nearest gives back W wherever |ΔW| is under half a bf16 step: a small PPO update is
+# mostly lost in the store. These are the ways to round a merged float32 tensor to the stored dtype that
+# bench/merge_gap.py compares by the share of the update's effect the stored model keeps.
+ROUNDINGS = ("nearest", "stochastic", "error-feedback")
+
+
+def round_stochastic(merged: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """bf16 of `merged` (float32) rounded up or down at random in proportion to its distance to each neighbour (an
+    unbiased rounding: the expected stored value is `merged`), seeded by `generator`. bf16 keeps the top 16 bits of a
+    float32, so a uniform 16-bit integer is added to the magnitude's bits before they are cut."""
+    bits = merged.float().contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, generator=generator, dtype=torch.int32)
+    return ((bits + noise) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+
+
+def round_error_feedback(merged: torch.Tensor, second_moment: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                         damping: float = 0.01, block: int = 128) -> torch.Tensor:
+    """`merged` ([out, in], float32) rounded to `dtype`'s grid column by column, each column's rounding error pushed
+    onto the columns not yet rounded in proportion to how the layer's inputs correlate (GPTQ's update, with the
+    rounding grid the dtype's own instead of a 4-bit one): it minimises the output error on inputs whose second
+    moment E[x xᵀ] is `second_moment` ([in, in]). With uncorrelated inputs (a diagonal second moment) no error moves
+    and it is round-to-nearest."""
+    weight = merged.float().clone()
+    columns = weight.shape[1]
+    hessian = second_moment.double().clone()
+    hessian += damping * hessian.diagonal().mean() * torch.eye(columns, dtype=torch.float64)
+    # the upper Cholesky factor of H⁻¹: row i gives how column i's error spreads onto the columns after it
+    inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian)), upper=True).float()
+    stored = torch.empty_like(weight)
+    for start in range(0, columns, block):
+        end = min(start + block, columns)
+        chunk, errors = weight[:, start:end].clone(), torch.empty(weight.shape[0], end - start)
+        for i in range(end - start):
+            column = chunk[:, i]
+            rounded = column.to(dtype).float()
+            stored[:, start + i] = rounded
+            error = (column - rounded) / inverse[start + i, start + i]
+            chunk[:, i:] -= error.unsqueeze(1) * inverse[start + i, start + i:end].unsqueeze(0)
+            errors[:, i] = error
+        weight[:, end:] -= errors @ inverse[start:end, end:]
+    return stored.to(dtype)
+
+
+def output_kept_share(update: torch.Tensor, stored_error: torch.Tensor, second_moment: torch.Tensor) -> float:
+    """The share of an update's effect on a layer's outputs that the stored weight keeps, over inputs of second
+    moment E[x xᵀ] = `second_moment`: 1 − E|x·(stored − merged)ᵀ|² / E|x·updateᵀ|² (1: all of it; 0: as little as
+    storing the base weight unchanged; below 0: the rounding moved the layer further than the update)."""
+    def energy(matrix: torch.Tensor) -> float:
+        matrix = matrix.double()
+        return float(((matrix @ second_moment.double()) * matrix).sum())
+
+    return 1.0 - energy(stored_error) / energy(update)

@@ -172,3 +172,48 @@ def test_a_model_four_times_its_largest_shard_merges_within_one_shard_of_memory(
     assert not torch.equal(merged, weight)
     with safe_open(str(base / "model-00006-of-00008.safetensors"), "pt") as handle:
         assert torch.equal(norm, handle.get_tensor("model.layers.5.input_layernorm.weight"))
+
+
+# ---------------------------------------------------------------------------------------------- storing in bf16
+def test_stochastic_rounding_lands_on_a_neighbour_in_proportion_to_its_distance_and_is_seeded():
+    from ppo_affine.release_files import round_stochastic
+
+    # bf16's step at 1 is 2^-7: 1 + 2^-9 is a quarter of the way up, -(2 + 3·2^-8) three quarters (step 2^-6)
+    values = torch.tensor([1.0 + 2**-9] * 20000 + [-(2.0 + 3 * 2**-8)] * 20000)
+    stored = round_stochastic(values, torch.Generator().manual_seed(0)).float()
+    up, down = stored[:20000], stored[20000:]
+    assert set(up.tolist()) == {1.0, 1.0 + 2**-7} and set(down.tolist()) == {-2.0, -(2.0 + 2**-6)}
+    assert (up > 1.0).float().mean().item() == pytest.approx(0.25, abs=0.01)
+    assert (down < -2.0).float().mean().item() == pytest.approx(0.75, abs=0.01)
+    again = round_stochastic(values, torch.Generator().manual_seed(0)).float()
+    assert torch.equal(stored, again)
+    exact = torch.tensor([0.5, -3.0, 1.0 + 2**-7])  # already on the grid: kept
+    assert torch.equal(round_stochastic(exact, torch.Generator().manual_seed(1)).float(), exact)
+
+
+def test_error_feedback_rounding_is_round_to_nearest_for_uncorrelated_inputs_and_beats_it_for_correlated_ones():
+    from ppo_affine.release_files import output_kept_share, round_error_feedback
+
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(24, 64, generator=generator).bfloat16().float()
+    update = 1e-3 * torch.randn(24, 64, generator=generator) * base.abs().mean()  # far under half a bf16 step
+    merged = base + update
+    assert torch.equal(round_error_feedback(merged, torch.diag(torch.rand(64, generator=generator) + 0.5)),
+                       merged.bfloat16())
+    # inputs on a few directions (as a layer's are): errors cancel along them
+    directions = torch.randn(4, 64, generator=generator)
+    inputs = torch.randn(4096, 4, generator=generator) @ directions + 1e-3 * torch.randn(4096, 64, generator=generator)
+    moment = inputs.T @ inputs / len(inputs)
+    nearest = output_kept_share(update, merged.bfloat16().float() - merged, moment)
+    feedback = output_kept_share(update, round_error_feedback(merged, moment).float() - merged, moment)
+    assert nearest < 0.2 and feedback > 0.9
+
+
+def test_the_kept_share_of_an_update_by_hand():
+    from ppo_affine.release_files import output_kept_share
+
+    update = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    moment = torch.tensor([[1.0, 0.0], [0.0, 0.25]])  # E|x·updateᵀ|² = 1·1 + 4·0.25 = 2
+    assert output_kept_share(update, torch.zeros(2, 2), moment) == 1.0
+    assert output_kept_share(update, -update, moment) == 0.0  # the base stored: nothing kept
+    assert output_kept_share(update, torch.tensor([[0.5, 0.0], [0.0, 0.0]]), moment) == pytest.approx(1 - 0.25 / 2)
