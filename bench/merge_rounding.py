@@ -30,12 +30,12 @@ GAMES = ("leduc_poker", "liars_dice", "goofspiel", "gin_rummy", "tic_tac_toe", "
 REPLY_TOKENS = 24
 
 
-def prompts(tokenizer) -> list[list[int]]:
+def prompts(tokenizer, per_game: int) -> list[list[int]]:
     builder = PromptBuilder(tokenizer, 10**6)
-    return [builder.encode([{"role": "system", "content": f"You are playing {game} as Player {seat}."},
+    return [builder.encode([{"role": "system", "content": f"You are playing {game} as Player {turn % 2}."},
                             {"role": "user", "content": f"Turn {turn}. Legal actions:\n0 -> Fold\n1 -> Call\n"
                                                         f"2 -> Raise\nExplain briefly, then reply with the action ID."}])
-            for game in GAMES for seat, turn in ((0, 1), (1, 3))]
+            for game in GAMES for turn in range(1, per_game + 1)]
 
 
 def random_updates(layers: dict[str, torch.nn.Linear], relative: float, rank: int = 16) -> dict[str, torch.Tensor]:
@@ -95,6 +95,10 @@ def set_weights(layers: dict[str, torch.nn.Linear], weights: dict[str, torch.Ten
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--update", type=float, default=1e-3, help="the update's RMS over the weight's (default 1e-3)")
+    parser.add_argument("--prompts-per-game", type=int, default=2,
+                        help="prompts per game (8 games; half calibrate, half are judged; default 2)")
+    parser.add_argument("--dampings", default="0.01",
+                        help="error feedback's damping(s), a share of the second moment's mean diagonal (default 0.01)")
     args = parser.parse_args()
     model_cfg = load_config(presets=["cpu"]).train.model
     tokenizer = load_tokenizer(model_cfg)
@@ -106,7 +110,7 @@ def main() -> None:
     merged = {name: base[name] + updates[name] for name in layers}
 
     set_weights(layers, merged)  # the trained model: base + update in float32
-    all_prompts = prompts(tokenizer)
+    all_prompts = prompts(tokenizer, args.prompts_per_game)
     calibration, held_out = all_prompts[0::2], all_prompts[1::2]
     torch.manual_seed(0)
     replies = [model.generate(torch.tensor([p]), max_new_tokens=REPLY_TOKENS, do_sample=True, top_k=0,
@@ -116,12 +120,14 @@ def main() -> None:
                                       pad_token_id=tokenizer.eos_token_id)[0, len(p):].tolist() for p in calibration]
     trained = reply_logprobs(model, judged)
     calibration_moments = second_moments(model, layers, calibrating)
-    held_out_moments = second_moments(model, layers, [p + r for p, r in judged])
+    held_out_moments = {n: m.float() for n, m in second_moments(model, layers, [p + r for p, r in judged]).items()}
     set_weights(layers, base)
     kl_base = mean_kl(trained, reply_logprobs(model, judged))
 
     generator = torch.Generator().manual_seed(0)
-    for method in ROUNDINGS:
+    tokens = sum(map(len, calibrating))
+    for method, damping in [(m, None) for m in ROUNDINGS[:2]] + [(ROUNDINGS[2], float(d))
+                                                                 for d in args.dampings.split(",")]:
         stored = {}
         for name in layers:
             if method == "nearest":
@@ -129,11 +135,12 @@ def main() -> None:
             elif method == "stochastic":
                 stored[name] = round_stochastic(merged[name], generator).float()
             else:
-                stored[name] = round_error_feedback(merged[name], calibration_moments[name]).float()
+                stored[name] = round_error_feedback(merged[name], calibration_moments[name], damping=damping).float()
         set_weights(layers, stored)
         kl_merged = mean_kl(trained, reply_logprobs(model, judged))
         shares = [output_kept_share(updates[n], stored[n] - merged[n], held_out_moments[n]) for n in layers]
-        print(json.dumps({"model": "smollm2 (bf16)", "update_rms": args.update, "method": method,
+        print(json.dumps({"model": "smollm2 (bf16)", "update_rms": args.update, "method": method, "damping": damping,
+                          "calibration_tokens": tokens, "judged_tokens": sum(map(len, replies)),
                           "kept": round(1 - kl_merged / kl_base, 4), "kl_trained_merged": kl_merged,
                           "kl_trained_base": kl_base, "layer_kept_min": round(min(shares), 4),
                           "layer_kept_median": round(statistics.median(shares), 4),
