@@ -195,7 +195,8 @@ class Trainer:
         self.ranks.broadcast_parameters(p for group in self.optimizer.param_groups for p in group["params"])
         if isinstance(self.generator, VLLMServers):
             await self.ranks.all_succeed_async(self.generator.check_server(sampler_logprobs=True))
-            await self.check_adapter_reaches_engine()
+            if cfg.generation.check_adapter:
+                await self.check_adapter_reaches_engine()
             await self.push_adapter(self.step)
         take_step = self.step_overlapped if cfg.async_steps else self.step_in_turn
         while self.step < cfg.run.max_steps and not self.stopping():

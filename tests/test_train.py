@@ -310,6 +310,21 @@ def test_a_server_that_ignores_adapters_is_caught_before_training(tiny_model_dir
 
 
 @pytest.mark.slow
+def test_without_the_probe_the_logprob_gap_exposes_a_server_that_ignores_the_adapter(tiny_model_dir, tmp_path,
+                                                                                      fake_vllm_ignoring_adapters):
+    """generation.check_adapter=false (for stand-in servers that run no model) trains on; the gap metric then shows
+    what the probe would have stopped."""
+    code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3", "--set", "generation.backend=vllm",
+                                    "--set", f"env.vllm_url={fake_vllm_ignoring_adapters}",
+                                    "--set", "generation.check_adapter=false", "--set", "ppo.learning_rate=3e-2",
+                                    "--set", "ppo.kl_stop=null"))
+    assert code == 0
+    records = metrics(tmp_path / "t")
+    assert records[0]["vllm/logprob_gap"] < 1e-3  # step 1 samples the initial (zero) adapter == base
+    assert records[-1]["vllm/logprob_gap"] > 1e-2  # later the trainer's weights moved, the server's did not
+
+
+@pytest.mark.slow
 def test_a_server_that_applies_adapters_passes_the_probe(tiny_model_dir, tmp_path, fake_vllm, capsys):
     code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "1", "--set", "generation.backend=vllm",
                                     "--set", f"env.vllm_url={fake_vllm}"))
