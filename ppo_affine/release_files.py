@@ -225,6 +225,7 @@ class MergeReport:
     files: list[str] = field(default_factory=list)
     tensors: int = 0
     worst: float = 0.0
+    kept: dict[str, float] = field(default_factory=dict)  # tensor -> share of its update the stored weight keeps
 
 
 def write_merged_release(base: Path, updates: dict[str, Update], staging: Path, dtype: torch.dtype | None = None,
@@ -267,12 +268,14 @@ def _merge_shard(source: Path, target: Path, updates: dict[str, Update], dtype: 
             if name in updates:
                 update = updates[name]
                 start = rounding(weight) if rounding is not None and not update.is_expert else weight.float()
-                merged = start + update.delta()
+                delta = update.delta()
+                merged = start + delta
                 report.worst = max(report.worst, _checked(name, update.mismatch(start, merged, generator)))
                 weight = merged.to(stored)
+                report.kept[name] = output_kept_share(delta, weight.float() - merged)
                 digests[name] = tensor_digest(weight)
                 report.tensors += 1
-                del start, merged
+                del start, delta, merged
             tensors[name] = weight.to(stored).contiguous()
     save_file(tensors, str(target), metadata=metadata or {"format": "pt"})
     return digests
@@ -391,12 +394,20 @@ def round_error_feedback(merged: torch.Tensor, second_moment: torch.Tensor, dtyp
     return stored.to(dtype)
 
 
-def output_kept_share(update: torch.Tensor, stored_error: torch.Tensor, second_moment: torch.Tensor) -> float:
+def output_kept_share(update: torch.Tensor, stored_error: torch.Tensor,
+                      second_moment: torch.Tensor | None = None) -> float:
     """The share of an update's effect on a layer's outputs that the stored weight keeps, over inputs of second
-    moment E[x xᵀ] = `second_moment`: 1 − E|x·(stored − merged)ᵀ|² / E|x·updateᵀ|² (1: all of it; 0: as little as
-    storing the base weight unchanged; below 0: the rounding moved the layer further than the update)."""
+    moment E[x xᵀ] = `second_moment` (None: uncorrelated inputs of unit variance, the identity): 1 −
+    E|x·(stored − merged)ᵀ|² / E|x·updateᵀ|² (1: all of it; 0: as little as storing the base weight unchanged;
+    below 0: the rounding moved the layer further than the update). An update of zero keeps all of itself."""
     def energy(matrix: torch.Tensor) -> float:
-        matrix = matrix.double()
+        matrix = matrix.double().reshape(-1, matrix.shape[-1])
+        if second_moment is None:
+            return float(matrix.pow(2).sum())
         return float(((matrix @ second_moment.double()) * matrix).sum())
 
-    return 1.0 - energy(stored_error) / energy(update)
+    total = energy(update)
+    if total == 0.0:
+        return 1.0
+    return 1.0 - energy(stored_error) / total
+

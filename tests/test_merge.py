@@ -217,3 +217,40 @@ def test_the_kept_share_of_an_update_by_hand():
     assert output_kept_share(update, torch.zeros(2, 2), moment) == 1.0
     assert output_kept_share(update, -update, moment) == 0.0  # the base stored: nothing kept
     assert output_kept_share(update, torch.tensor([[0.5, 0.0], [0.0, 0.0]]), moment) == pytest.approx(1 - 0.25 / 2)
+
+
+def test_the_kept_share_without_a_second_moment_weighs_every_input_alike_and_a_zero_update_keeps_itself():
+    from ppo_affine.release_files import output_kept_share
+
+    update = torch.tensor([[1.0, 0.0], [0.0, 2.0]])  # |update|² = 5
+    assert output_kept_share(update, torch.tensor([[0.0, 1.0], [0.0, 0.0]])) == pytest.approx(0.8)
+    assert output_kept_share(torch.zeros(2, 2), torch.zeros(2, 2)) == 1.0
+
+
+@pytest.mark.slow
+def test_a_small_update_rounded_away_in_bfloat16_is_reported_with_a_warning(tmp_path, capsys):
+    """A bf16 release and an update of ~1e-4 of its weights: rounding to nearest gives back nearly every base weight;
+    merge.py says how much each tensor kept and warns (the folder is still written: the goal is not a check)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ppo_affine.testing.sharded import write_random_adapter
+    from ppo_affine.testing.tiny import make_tiny_model_dir
+
+    base = make_tiny_model_dir(tmp_path / "base")
+    with safe_open(str(base / "model.safetensors"), "pt") as handle:
+        tensors = {name: handle.get_tensor(name).bfloat16() for name in handle.keys()}
+    save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
+    adapter = tmp_path / "adapter"
+    write_random_adapter(base, adapter)
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as handle:
+        factors = {name: handle.get_tensor(name) * (0.03 if "lora_B" in name else 1.0) for name in handle.keys()}
+    save_file(factors, str(adapter / "adapter_model.safetensors"))
+    output = tmp_path / "merged"
+    args = ["--adapter", str(adapter), "--output", str(output), "--set", f"model.name_or_path={base}",
+            "--set", "model.use_4bit=false", "--set", "run.device=cpu"]
+    assert merge.main(args) == 0
+    printed = capsys.readouterr().out
+    [line] = [line for line in printed.splitlines() if "the tensors keep a median" in line]
+    median = float(line.split("median ")[1].split("%")[0]) / 100
+    assert median < 0.5 and "of 14 merged tensors keep under 90% of their update" in printed
