@@ -45,10 +45,9 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str | None, into: str)
     """Stream the base's release files into a temporary folder with the adapter's updates merged shard by shard
     (each tensor checked as it is merged and as written), then rename it into place. The base model is never
     loaded: its skeleton on the meta device gives peft the adapter's layers."""
-    from ppo_affine.release_files import adapted_layers, adapter_on_skeleton
     from ppo_affine.model_files import model_source, pick_device, torch_dtype
-    from ppo_affine.release_files import (local_release_folder, nf4_rounding, release_tensor_files, release_updates,
-                                          replace_folder, write_merged_release)
+    from ppo_affine.release_files import (adapted_layers, adapter_on_skeleton, local_release_folder, nf4_rounding,
+                                          release_tensor_files, release_updates, replace_folder, write_merged_release)
 
     model_cfg = config.train.model
     source = model_source(model_cfg)

@@ -1,5 +1,5 @@
 """After a 4-bit run, which base should the adapter be merged into? The logit gap of each merge to the model the run
-trained (the NF4-rounded base + adapter), on merge.py's own check prompt, side by side.
+trained (the NF4-rounded base + adapter), on a fixed chat prompt (the one merge.py once checked with), side by side.
 
 For each base: an adapter whose B matrices are drawn at a scale (`--scales`: trained adapters' deltas are small),
 merged by merge.py's own code `--into full-precision` (the release's weights + update) and `--into nf4` (the
