@@ -68,7 +68,7 @@ from ppo_affine.batching import build_sequences, scoring_sequences
 from ppo_affine.endpoint import EndpointUnused, endpoint_for
 from ppo_affine.experience import correct_for_the_sampler, sampler_gap, score_sequences
 from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
-from ppo_affine.generation import VLLMError, VLLMServers, eos_token_ids
+from ppo_affine.generation import PROBE_TEXT, VLLMError, VLLMServers, eos_token_ids
 from ppo_affine.local_generation import LocalGenerator
 from ppo_affine.model_files import check_4bit_support, model_source, pick_device
 from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, load_policy
@@ -201,6 +201,8 @@ class Trainer:
         self.ranks.broadcast_parameters(p for group in self.optimizer.param_groups for p in group["params"])
         if isinstance(self.generator, VLLMServers):
             await self.ranks.all_succeed_async(self.generator.check_server(sampler_logprobs=True))
+            if cfg.generation.check_adapter:
+                await self.check_adapter_reaches_engine()
             await self.push_adapter(self.step)
         take_step = (self.step_on_cells if cfg.distill.only else self.step_overlapped if cfg.async_steps
                      else self.step_in_turn)
@@ -556,6 +558,31 @@ class Trainer:
                            cfg.generation, cfg.lora.r,
                            eos_token_ids(self.policy.tokenizer, self.policy.model.generation_config), api_key=api_key,
                            served_from=served_folder(cfg.model))
+
+    async def check_adapter_reaches_engine(self) -> None:
+        """Before any sample: rank 0 loads a probe adapter (non-zero B) into every vLLM server and checks that the
+        servers' log-probs of a few tokens sampled with it are the trainer's (engines with LoRA bugs serve the
+        base model's and would have the run learn from base-model samples); a VLLMError stops the run."""
+
+        async def probe() -> None:
+            prompt = self.policy.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+            folder = self.run_dir / "vllm_adapters" / "probe"
+            shutil.rmtree(folder, ignore_errors=True)
+            with self.policy.probe_adapter(prompt):
+                with writing("the probe adapter for vLLM", folder):
+                    self.policy.model.save_pretrained(folder, selected_adapters=["default"])
+
+                def trainer_logprobs(tokens: list[int]) -> tuple[list[float], list[float]]:
+                    with self.policy.base():
+                        base = self.policy.token_logprobs(prompt, tokens).tolist()
+                    return base, self.policy.token_logprobs(prompt, tokens).tolist()
+
+                try:
+                    await self.generator.check_adapter_applied(folder, prompt, trainer_logprobs)
+                finally:
+                    shutil.rmtree(folder, ignore_errors=True)
+
+        await self.ranks.from_main_async(probe)
 
     async def push_adapter(self, step: int, activate: bool = True) -> None:
         """Rank 0 saves the LoRA weights (those after `step` updates) alone and hot-loads them into every vLLM

@@ -288,6 +288,10 @@ class GenerationConfig(Strict):
     server_wait_seconds: float = Field(
         900.0, ge=0, description="How long a vLLM server that stopped answering is waited for (a restart), logged "
         "once a minute; its interrupted episodes are replayed. Past it the run stops; 0 = stop at once.")
+    check_adapter: bool = Field(
+        True, description="Default true: before the first sample a run generating through vLLM loads a probe adapter "
+        "(random B) into each server and stops, naming the likely upstream LoRA bug, unless the server's log-probs of "
+        "tokens sampled with it are the trainer's. false skips it (a stand-in server that runs no model).")
     vllm_server: VLLMServerConfig = Field(default_factory=VLLMServerConfig,
                                           description="A vLLM server the trainer starts and owns (set its python).")
 

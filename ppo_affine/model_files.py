@@ -291,7 +291,7 @@ def pick_device(requested: str) -> torch.device:
     return device
 
 
-def _torch_dtype(name: str, device: torch.device) -> torch.dtype:
+def torch_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
@@ -364,7 +364,7 @@ def load_base_model(model_cfg: ModelConfig, device: torch.device):
 
     path = model_source(model_cfg)
     kwargs: dict = {"trust_remote_code": model_cfg.trust_remote_code}
-    dtype = _torch_dtype(model_cfg.dtype, device)
+    dtype = torch_dtype(model_cfg.dtype, device)
     if model_cfg.use_4bit:
         check_4bit_support(device, dtype)
         kwargs["quantization_config"] = nf4_quantization(dtype)
@@ -403,7 +403,7 @@ def load_dequantised_base(model_cfg: ModelConfig, device: torch.device):
     model = load_base_model(model_cfg, device)
     if not model_cfg.use_4bit:
         return model
-    dtype = _torch_dtype(model_cfg.dtype, device)
+    dtype = torch_dtype(model_cfg.dtype, device)
     bnb_log = logging.getLogger("transformers.integrations.bitsandbytes")
     level = bnb_log.level
     bnb_log.setLevel(logging.ERROR)  # it announces the dtype it dequantises to, as a warning

@@ -33,6 +33,7 @@ ADAPTER_DIR = "adapter"  # the only folder vLLM loads: LoRA weights + adapter_co
 VALUE_HEAD_FILE = "value_head.pt"
 REFERENCE_ADAPTER_DIR = "reference_adapter"  # the frozen KL anchor, when it is not the base model
 _REFERENCE = "reference"  # its peft adapter name beside the trained "default"
+PROBE_SHIFT = 2.0  # nats (RMS over the vocabulary) a probe adapter moves the next-token log-probs by
 
 
 def _adapter_does_not_fit(adapter_dir: Path, exc: Exception) -> ConfigError:
@@ -244,6 +245,44 @@ class Policy(nn.Module):
         name = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") else \
             "is_gradient_checkpointing"
         return not getattr(base, name, False)
+
+    # ------------------------------------------------------------------ the engine check
+    @contextlib.contextmanager
+    def probe_adapter(self, prompt_ids: list[int], seed: int = 0):
+        """Meanwhile the adapter is a probe that must move any engine that applies it: its B matrices drawn at random
+        (seeded; a fresh adapter's B is zero and moves nothing), scaled up until the next-token log-probs after
+        `prompt_ids` move by PROBE_SHIFT nats (RMS over the vocabulary). Its own B matrices are restored exactly
+        after."""
+        weights = [p for name, p in self.model.named_parameters() if ".lora_B.default." in name]
+        kept = [p.detach().clone() for p in weights]
+        generator = torch.Generator().manual_seed(seed)
+        noise = [torch.randn(p.shape, generator=generator) for p in weights]
+        try:
+            with torch.no_grad():
+                with self.base():
+                    base = self.token_logprobs(prompt_ids, [])
+                for scale in (1e-3 * 2.0**k for k in range(20)):
+                    for p, drawn in zip(weights, noise):
+                        p.copy_(drawn.to(p.device, p.dtype) * scale)
+                    if (self.token_logprobs(prompt_ids, []) - base).pow(2).mean().sqrt() >= PROBE_SHIFT:
+                        break
+            yield
+        finally:
+            with torch.no_grad():
+                for p, own in zip(weights, kept):
+                    p.copy_(own)
+
+    @torch.no_grad()
+    def token_logprobs(self, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
+        """log p(token | prompt, earlier tokens) of each of `tokens` ([len(tokens)], float32, on the CPU); with no
+        tokens, the next-token log-probs after the prompt over the vocabulary."""
+        with self.evaluating():
+            ids = torch.tensor([prompt_ids + tokens], device=self.device)
+            logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1:].float().cpu()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        if not tokens:
+            return logprobs[0]
+        return logprobs[:-1].gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
 
     # ------------------------------------------------------------------ persistence
     def save(self, folder: Path) -> None:

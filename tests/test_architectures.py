@@ -176,6 +176,11 @@ def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@torch.no_grad()
+def prompt_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model.eval()(input_ids=ids).logits[0].float()
+
+
 def active_adapter(folder: Path, out: Path, **lora) -> Path:
     policy = policy_of(folder, **lora)
     activate_adapter(policy.model, 0.1)
@@ -225,6 +230,28 @@ def test_merge_rewrites_only_the_adapted_tensors_of_the_release_files(arch_dirs,
 
 
 @pytest.mark.slow
+def test_the_streamed_updates_are_peft_s_own_deltas_expert_by_expert(arch_dirs, tmp_path):
+    """The merge builds each update from the adapter file on a meta-device skeleton, one expert at a time: the same
+    numbers as peft's get_delta_weight on the loaded model, for every adapted weight (the fused
+    [experts, 2·width, hidden] gate_up split into gate rows then up rows, as the release stores them)."""
+    from ppo_affine.release_files import Update, adapted_layers, adapter_on_skeleton
+
+    policy = policy_of(arch_dirs["qwen3_5_moe"], adapt_experts=True, dropout=0.0)
+    activate_adapter(policy.model, 0.1)
+    policy.save(tmp_path / "ckpt")
+    loaded = adapted_layers(policy.model)
+    streamed = adapted_layers(adapter_on_skeleton(str(arch_dirs["qwen3_5_moe"]), tmp_path / "ckpt" / "adapter", "t"))
+    assert set(streamed) == set(loaded) and any(name.endswith("experts.gate_up_proj") for name in streamed)
+    for name, layer in streamed.items():
+        expected = loaded[name].get_delta_weight("default").float()
+        assert torch.allclose(Update(layer).delta(), expected, atol=1e-6), name
+        if name.endswith("gate_up_proj"):  # [4 experts, 2·16, 32]
+            gate, up = expected.chunk(2, dim=1)
+            assert torch.allclose(Update(layer, 3, slice(0, 16)).delta(), gate[3], atol=1e-6)
+            assert torch.allclose(Update(layer, 3, slice(16, 32)).delta(), up[3], atol=1e-6)
+
+
+@pytest.mark.slow
 def test_after_a_4bit_run_the_merge_lands_on_the_model_that_was_trained(arch_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -241,8 +268,8 @@ def test_after_a_4bit_run_the_merge_lands_on_the_model_that_was_trained(arch_dir
     assert merge.main(args + ["--output", str(tmp_path / "m")] + [a for s in sets for a in ("--set", s)]) == 0
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
     trained = load_adapter_model(load_dequantised_base(model_cfg, torch.device("cpu")), tmp_path / "ckpt" / "adapter", "t")
-    expected = merge.prompt_logits(trained, ids)
-    merged = merge.prompt_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32), ids)
+    expected = prompt_logits(trained, ids)
+    merged = prompt_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32), ids)
     assert (merged - expected).abs().max() < 1e-4 * expected.abs().max()  # into the NF4-rounded weights (auto)
 
 

@@ -294,3 +294,20 @@ def test_reference_adapter_is_a_frozen_kl_anchor_that_checkpoints_carry(tiny_pol
     resumed.load(tmp_path / "ppo")
     assert torch.allclose(logprobs(resumed), logprobs(tiny_policy), atol=1e-6)
     assert torch.allclose(logprobs(resumed, resumed.reference()), sft, atol=1e-6)
+
+
+def test_the_probe_adapter_moves_the_log_probs_and_puts_the_adapter_back_exactly(tiny_policy):
+    from ppo_affine.policy import PROBE_SHIFT
+
+    prompt = tiny_policy.tokenizer.encode("The game begins.", add_special_tokens=False)
+    before = {n: p.detach().clone() for n, p in tiny_policy.model.named_parameters() if "lora_" in n}
+    with tiny_policy.base():
+        base = tiny_policy.token_logprobs(prompt, [])
+    assert torch.allclose(tiny_policy.token_logprobs(prompt, []), base)  # a fresh adapter (B = 0) moves nothing
+    with tiny_policy.probe_adapter(prompt):
+        moved = tiny_policy.token_logprobs(prompt, [])
+        tokens = moved.topk(3).indices.tolist()
+        assert torch.allclose(tiny_policy.token_logprobs(prompt, tokens[:1]), moved[tokens[:1]])
+    assert (moved - base).pow(2).mean().sqrt() >= PROBE_SHIFT
+    after = {n: p.detach() for n, p in tiny_policy.model.named_parameters() if "lora_" in n}
+    assert all(torch.equal(before[n], after[n]) for n in before)

@@ -2,6 +2,7 @@
 import asyncio
 import json
 import logging
+import re
 import os
 import shutil
 import signal
@@ -297,15 +298,44 @@ def test_a_vllm_serving_another_model_name_is_refused_with_the_flag(tiny_model_d
 
 
 @pytest.mark.slow
-def test_logprob_gap_exposes_a_server_that_ignores_the_adapter(tiny_model_dir, tmp_path, fake_vllm_ignoring_adapters):
+def test_a_server_that_ignores_adapters_is_caught_before_training(tiny_model_dir, tmp_path, fake_vllm_ignoring_adapters,
+                                                                  capsys):
+    """The start-up probe: a server that accepts adapters but serves the base model stops the run before its first
+    sample, in one line naming the likely upstream bugs; the probe adapter is unloaded and its folder removed."""
+    code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3", "--set", "generation.backend=vllm",
+                                    "--set", f"env.vllm_url={fake_vllm_ignoring_adapters}"))
+    assert code == 1
+    message = capsys.readouterr().err
+    assert "does not apply LoRA adapters as the trainer does" in message and "vLLM #49354" in message
+    assert "SGLang #30499" in message and "Traceback" not in message
+    assert not (tmp_path / "t" / "metrics.jsonl").exists() or metrics(tmp_path / "t") == []
+    assert not (tmp_path / "t" / "vllm_adapters" / "probe").exists()
+    assert served_adapters(fake_vllm_ignoring_adapters) == []
+
+
+@pytest.mark.slow
+def test_without_the_probe_the_logprob_gap_exposes_a_server_that_ignores_the_adapter(tiny_model_dir, tmp_path,
+                                                                                      fake_vllm_ignoring_adapters):
+    """generation.check_adapter=false (for stand-in servers that run no model) trains on; the gap metric then shows
+    what the probe would have stopped."""
     code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3", "--set", "generation.backend=vllm",
                                     "--set", f"env.vllm_url={fake_vllm_ignoring_adapters}",
-                                    "--set", "ppo.learning_rate=3e-2",
+                                    "--set", "generation.check_adapter=false", "--set", "ppo.learning_rate=3e-2",
                                     "--set", "ppo.kl_stop=null"))
     assert code == 0
     records = metrics(tmp_path / "t")
     assert records[0]["vllm/logprob_gap"] < 1e-3  # step 1 samples the initial (zero) adapter == base
     assert records[-1]["vllm/logprob_gap"] > 1e-2  # later the trainer's weights moved, the server's did not
+
+
+@pytest.mark.slow
+def test_a_server_that_applies_adapters_passes_the_probe(tiny_model_dir, tmp_path, fake_vllm, capsys):
+    code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "1", "--set", "generation.backend=vllm",
+                                    "--set", f"env.vllm_url={fake_vllm}"))
+    assert code == 0
+    [line] = [line for line in capsys.readouterr().out.splitlines() if "applies the adapter" in line]
+    moved, gap = (float(x) for x in re.findall(r"by up to ([0-9.e-]+) nats.*within ([0-9.e-]+) of", line)[0])
+    assert moved >= 0.5 and gap < 1e-3  # the fake server runs the trainer's float32 weights
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
