@@ -85,26 +85,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_plan(config, gpu_gb: float, port: int) -> int:
-    from transformers import AutoConfig
-
-    from ppo_affine.memory_plan import GB, RunShape, describe, fitting_settings
-    from ppo_affine.model_files import model_source
+    from ppo_affine.memory_plan import (GB, RunShape, cards_that_fit, describe, describe_cards, fitting_settings,
+                                        longest_that_fits, meta_model)
+    from ppo_affine.model_files import model_source, planning_config
 
     train = config.train
     if gpu_gb <= 0:
         raise ConfigError(f"--gpu-memory {gpu_gb}: give the GPU's memory in GB, e.g. 80 or 141.")
-    model_config = AutoConfig.from_pretrained(model_source(train.model), trust_remote_code=train.model.trust_remote_code)
-    chosen, changes = fitting_settings(model_config, RunShape.of(train), gpu_gb * GB)
+    model_config = planning_config(train.model)
+    shape = RunShape.of(train)
+    model, probes = meta_model(model_config), {}  # measuring a layer at full width takes about a minute: once
+    chosen, changes = fitting_settings(model_config, shape, gpu_gb * GB, probes, model)
     print("\n".join(describe(chosen, train.model.name_or_path)))
+    longest = longest_that_fits(model_config, chosen.shape, gpu_gb * GB, probes[chosen.shape.use_4bit], model)
+    gen = train.generation
+    print(f"longest sequence one pass holds here: {longest} tokens" + (
+        f" (--set ppo.max_sequence_tokens={longest} drops longer episodes before the update)" if longest else ""))
+    print("\n".join(describe_cards(cards_that_fit(model_config, shape, probes, model))))
     if not chosen.fits:
-        print("no setting the plan tries makes this run fit: a larger GPU, a second GPU for vLLM "
-              "(env.vllm_url), or shorter contexts (generation.max_prompt_tokens)")
+        shorter = (f"generation.max_prompt_tokens={longest - gen.max_new_tokens}"
+                   if longest > gen.max_new_tokens else "generation.max_prompt_tokens")
+        print(f"no setting the plan tries makes this run fit: a larger GPU, a second GPU for vLLM (env.vllm_url), "
+              f"or shorter contexts ({shorter})")
         return 1
     sets = changes + ([f"generation.vllm_server.gpu_memory_utilization={chosen.vllm_share:.2f}"] if chosen.vllm else [])
     if sets:
         print("settings: " + " ".join(f"--set {setting}" for setting in sets))
     if chosen.vllm:
-        gen = train.generation
         command = vllm_serve_command(model_source(train.model), train.model.name_or_path, train.lora.r,
                                      gen.max_prompt_tokens + gen.max_new_tokens, gen.temperature)
         print(f"vLLM on this GPU:\n  {command} --gpu-memory-utilization {chosen.vllm_share:.2f} --port {port}")

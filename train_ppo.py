@@ -68,7 +68,7 @@ from ppo_affine.batching import build_sequences, scoring_sequences
 from ppo_affine.endpoint import EndpointUnused, endpoint_for
 from ppo_affine.experience import correct_for_the_sampler, sampler_gap, score_sequences
 from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
-from ppo_affine.generation import VLLMError, VLLMServers, eos_token_ids
+from ppo_affine.generation import PROBE_TEXT, VLLMError, VLLMServers, eos_token_ids
 from ppo_affine.local_generation import LocalGenerator
 from ppo_affine.model_files import check_4bit_support, model_source, pick_device
 from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, load_policy
@@ -80,9 +80,11 @@ from ppo_affine.run_log import (RunLogger, close_run_log, episode_summary, hold_
                                 report_failure, rollout_progress, say, setup_logging, steps_behind)
 from ppo_affine.file_writes import WriteFailed, probe_writable, writing
 from ppo_affine.vllm_server import ManagedVLLMServer, VLLMServerError
+from ppo_affine.oom_recovery import EpisodeOutOfMemory, TokenBudget, drop_too_long, longest_sequences
 from ppo_affine.update import (TooManySkips, TrainingSnapshot, UpdateSettings, UpdateState, build_optimizer, ppo_update,
                                update_signal)
 from ppo_affine.config import Config, ConfigError, TrainConfig
+from ppo_affine.distill.training import CellTraining
 from ppo_affine.seeds import derive_seed
 from utils import add_config_arguments, config_for_adapter, config_for_checkpoint, config_from_arguments, program_parser
 
@@ -146,6 +148,8 @@ class Trainer:
         self.config, self.run_dir, self.ranks = config, run_dir, ranks
         cfg = config.train
         self.device = ranks.local_device(pick_device(cfg.run.device))
+        # DISTILL-V2 cells (distill.*) are read before the model loads: a bad folder or URL is one line, not a wait
+        self.cells = CellTraining(cfg.distill, seed=derive_seed(cfg.run.seed, "distill")) if cfg.distill.cells else None
         return_freed_memory_to_the_os()
         self.policy = load_policy(cfg.model, cfg.lora, self.device)
         if cfg.ppo.disable_dropout:
@@ -162,7 +166,9 @@ class Trainer:
         except (ConnectionError, RuntimeError) as exc:  # an env server that is down, a container that won't start
             raise StartupError(f"Could not start the environments: {exc}") from None
         self.update_state = UpdateState()
-        self.micro_batch_tokens = cfg.ppo.micro_batch_tokens  # halved after a CUDA out-of-memory error
+        # halved after CUDA runs out of memory twice in a step, grown back after clean steps (oom_recovery.py)
+        self.token_budget = TokenBudget(cfg.ppo.micro_batch_tokens, cfg.ppo.micro_batch_regrow_steps,
+                                        cfg.ppo.micro_batch_tokens)
         self._warned_cut_off = False
         self.step = self.saved_step = 0
         self.saved_path: Path | None = None  # the newest checkpoint this run wrote or resumed from
@@ -195,8 +201,11 @@ class Trainer:
         self.ranks.broadcast_parameters(p for group in self.optimizer.param_groups for p in group["params"])
         if isinstance(self.generator, VLLMServers):
             await self.ranks.all_succeed_async(self.generator.check_server(sampler_logprobs=True))
+            if cfg.generation.check_adapter:
+                await self.check_adapter_reaches_engine()
             await self.push_adapter(self.step)
-        take_step = self.step_overlapped if cfg.async_steps else self.step_in_turn
+        take_step = (self.step_on_cells if cfg.distill.only else self.step_overlapped if cfg.async_steps
+                     else self.step_in_turn)
         while self.step < cfg.run.max_steps and not self.stopping():
             if not await take_step():  # interrupted: the step is undone
                 break
@@ -222,12 +231,29 @@ class Trainer:
                 return False
             metrics.update(learned)
         self.pending = None
+        if self.cells is not None:  # DISTILL-V2 cells beside the episodes: an optimizer step of their own
+            metrics.update(self.cells.step(self.policy, self.optimizer, self.config.train.ppo.max_grad_norm))
         self.step += 1
         metrics.update(self.advance_curriculum(played.episodes))
+        metrics.update(self.held_out_cell_metrics())
         if isinstance(self.generator, VLLMServers) and usable:
             await self.push_adapter(self.step)
         self.finish_step(played, metrics, started)
         return True
+
+    async def step_on_cells(self) -> bool:
+        """One step of the offline mode (`distill.only`): an optimizer step on DISTILL-V2 cells, no episode played."""
+        started = time.perf_counter()
+        metrics = self.cells.step(self.policy, self.optimizer, self.config.train.ppo.max_grad_norm)
+        self.step += 1
+        metrics.update(self.held_out_cell_metrics())
+        metrics["perf/step_seconds"] = time.perf_counter() - started
+        self.logger.log(self.step, metrics)
+        return True
+
+    def held_out_cell_metrics(self) -> dict[str, float]:
+        """The held-out cells' DISTILL-V2 score, at the steps that save a checkpoint."""
+        return self.cells.held_out_metrics(self.policy) if self.cells is not None and self.save_due() else {}
 
     async def step_overlapped(self) -> bool:
         """One step under `async_steps: 1`: this step's episodes (played during the last update, by the adapter
@@ -365,18 +391,34 @@ class Trainer:
                         cut_off, len(episodes), self.config.train.generation.max_turns)
         return [episodes[i] for i in keep], ([group_ids[i] for i in keep] if group_ids is not None else None)
 
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.token_budget.tokens
+
+    @micro_batch_tokens.setter
+    def micro_batch_tokens(self, tokens: int) -> None:
+        self.token_budget.tokens = tokens
+
     def learn_with_oom_retry(self, episodes: list[Episode], group_ids: list[int] | None,
                              snapshot: TrainingSnapshot | None = None) -> dict[str, float] | None:
-        """`score_and_update`, undone when it cannot finish: CUDA out of memory retries it with half the token
-        budget (every rank together); a stop signal returns None, the weights back where the step began (as
-        `snapshot` holds them, when the caller took it)."""
+        """`score_and_update`, undone when it cannot finish (oom_recovery.py): an episode longer than
+        ppo.max_sequence_tokens is dropped first; CUDA out of memory drops the episode that raised it and runs the
+        step again, a second one in the step halves the token budget where that splits the micro-batch (with
+        several ranks: every rank halves together, as before); a stop signal returns None, the weights back where
+        the step began (as `snapshot` holds them, when the caller took it)."""
         snapshot = snapshot or TrainingSnapshot.take(self.optimizer, self.update_state)
-        retries = 0
+        episodes, group_ids, dropped = drop_too_long(episodes, group_ids, longest_sequences(episodes),
+                                                     self.config.train.ppo.max_sequence_tokens)
+        retries = dropped_oom = 0
         while True:
             try:
-                metrics = self.score_and_update(episodes, group_ids)
-                metrics["train/micro_batch_tokens"] = self.micro_batch_tokens
-                metrics["train/oom_retries"] = retries
+                metrics = self.score_and_update(episodes, group_ids) if episodes else {}
+                if self.token_budget.step_finished(ran_out=retries > 0) and self.ranks.is_main:
+                    log.info("ppo.micro_batch_tokens back up to %d after %d steps without running out of memory",
+                             self.micro_batch_tokens, self.token_budget.regrow_after)
+                metrics.update(dropped)
+                metrics.update({"train/micro_batch_tokens": self.micro_batch_tokens, "train/oom_retries": retries,
+                                "train/episodes_dropped_oom": dropped_oom})
                 return metrics
             except StepInterrupted:
                 snapshot.restore(self.optimizer, self.update_state)
@@ -388,14 +430,33 @@ class Trainer:
                 if self.ranks.world_size > 1 and not isinstance(exc, OutOfMemoryOnRanks):
                     raise
                 ran_out = getattr(exc, "ranks", [self.ranks.rank])
+                # numbers only: the error's traceback holds the failed pass's tensors. With several ranks only this
+                # rank knows its episode: they halve together instead
+                blamed = None if self.ranks.world_size > 1 else (
+                    (exc.episode, exc.tokens) if isinstance(exc, EpisodeOutOfMemory) else getattr(exc, "blamed", None))
                 snapshot.restore(self.optimizer, self.update_state)
             # outside the except block: the traceback's references to the failed pass's tensors are gone
             retries += 1
-            self.halve_micro_batch_tokens(episodes, ran_out)
+            if blamed is None:
+                self.halve_micro_batch_tokens(episodes, ran_out)
+            elif self.token_budget.after_out_of_memory(blamed[1], retries) == "drop":
+                log.warning("CUDA out of memory in step %d on a sequence of %d tokens: its episode (task %s) is "
+                            "dropped and the step runs again", self.step + 1, blamed[1],
+                            episodes[blamed[0]].task.task_id)
+                episodes = [e for i, e in enumerate(episodes) if i != blamed[0]]
+                group_ids = [g for i, g in enumerate(group_ids) if i != blamed[0]] if group_ids is not None else None
+                dropped_oom += 1
+            else:
+                log.warning("CUDA out of memory again in step %d: ppo.micro_batch_tokens halved to %d until %d "
+                            "steps run without it; retrying the step", self.step + 1, self.micro_batch_tokens,
+                            self.token_budget.regrow_after)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def halve_micro_batch_tokens(self, episodes: list[Episode], ran_out: list[int]) -> None:
-        """After CUDA ran out of memory on the ranks `ran_out`: halve the token budget on every rank for the
-        rest of the run, unless the longest sequence already has a micro-batch of its own."""
+        """After CUDA ran out of memory on the ranks `ran_out` (several ranks: which episode raised it is not known
+        on every rank): halve the token budget on every rank, unless the longest sequence already has a micro-batch
+        of its own."""
         gen = self.config.train.generation
         longest = max(len(sequence.input_ids) for sequence in build_sequences(episodes))
         if self.micro_batch_tokens <= longest:
@@ -410,8 +471,9 @@ class Trainer:
             torch.cuda.empty_cache()
         where = f" on rank {', '.join(map(str, ran_out))}" if self.ranks.world_size > 1 else ""
         if self.ranks.is_main:  # every rank halves; one line says so
-            log.warning("CUDA out of memory in step %d%s: ppo.micro_batch_tokens halved to %d for the rest of the "
-                        "run; retrying the step", self.step + 1, where, self.micro_batch_tokens)
+            log.warning("CUDA out of memory in step %d%s: ppo.micro_batch_tokens halved to %d until %d steps run "
+                        "without it; retrying the step", self.step + 1, where, self.micro_batch_tokens,
+                        self.token_budget.regrow_after)
 
     def score_and_update(self, episodes: list[Episode], group_ids: list[int] | None) -> dict[str, float]:
         """score -> advantages -> PPO update -> adapt beta, on this rank's share of the episodes."""
@@ -474,6 +536,9 @@ class Trainer:
         metrics["dist/world_size"] = self.ranks.world_size
         if isinstance(self.generator, LocalGenerator):  # the KV budget's readings over the rollout (perf/kv_*)
             metrics.update(self.generator.memory_metrics())
+            # beside perf/prefill_tokens: what the episodes hold at their end (each last sequence ends with its last
+            # reply), the least a rollout that continued every turn from the last one's cache would prefill
+            metrics["perf/final_tokens"] = float(sum(len(e.sequences[-1]) for e in episodes if e.sequences))
         for name, (_, env) in self.envs.items():
             counts = self.ranks.sum_stats(env.error_counts() if hasattr(env, "error_counts") else {})
             metrics.update({f"env_errors/{name}/{k}": v for k, v in counts.items()})
@@ -493,6 +558,31 @@ class Trainer:
                            cfg.generation, cfg.lora.r,
                            eos_token_ids(self.policy.tokenizer, self.policy.model.generation_config), api_key=api_key,
                            served_from=served_folder(cfg.model))
+
+    async def check_adapter_reaches_engine(self) -> None:
+        """Before any sample: rank 0 loads a probe adapter (non-zero B) into every vLLM server and checks that the
+        servers' log-probs of a few tokens sampled with it are the trainer's (engines with LoRA bugs serve the
+        base model's and would have the run learn from base-model samples); a VLLMError stops the run."""
+
+        async def probe() -> None:
+            prompt = self.policy.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+            folder = self.run_dir / "vllm_adapters" / "probe"
+            shutil.rmtree(folder, ignore_errors=True)
+            with self.policy.probe_adapter(prompt):
+                with writing("the probe adapter for vLLM", folder):
+                    self.policy.model.save_pretrained(folder, selected_adapters=["default"])
+
+                def trainer_logprobs(tokens: list[int]) -> tuple[list[float], list[float]]:
+                    with self.policy.base():
+                        base = self.policy.token_logprobs(prompt, tokens).tolist()
+                    return base, self.policy.token_logprobs(prompt, tokens).tolist()
+
+                try:
+                    await self.generator.check_adapter_applied(folder, prompt, trainer_logprobs)
+                finally:
+                    shutil.rmtree(folder, ignore_errors=True)
+
+        await self.ranks.from_main_async(probe)
 
     async def push_adapter(self, step: int, activate: bool = True) -> None:
         """Rank 0 saves the LoRA weights (those after `step` updates) alone and hot-loads them into every vLLM
@@ -528,6 +618,7 @@ class Trainer:
             "micro_batch_tokens": self.micro_batch_tokens,  # below the config's after an out-of-memory error
             # async_steps: the next step's episodes, played during this step's update (a dict: the class lives here)
             "pending": vars(self.pending) if self.pending is not None else None,
+            "distill": self.cells.state_dict() if self.cells is not None else None,  # the cells' draws
         }
         path = self.ranks.from_main(lambda: self.write_checkpoint(state))
         self.saved_step, self.saved_path, self.saved_at = self.step, path, time.monotonic()
@@ -557,6 +648,8 @@ class Trainer:
         self.totals = state["totals"]
         self.step = self.saved_step = state["step"]
         self.pending = PlayedStep(**state["pending"]) if state.get("pending") else None
+        if self.cells is not None and state.get("distill"):
+            self.cells.load_state_dict(state["distill"])
         self.saved_path = self.branch_point = checkpoint
         self._keep_a_halved_token_budget(state)
         rng = rng_state_of(self.ranks, state["rng"])
@@ -630,6 +723,9 @@ def check_can_train(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError("generation.temperature=0 samples nothing for PPO to learn from (greedy replies): "
                           "train with a temperature > 0; evaluate.py plays greedily on its own.")
     check_world_size(cfg.ppo, world_size)
+    if cfg.distill.cells and world_size > 1:
+        raise ConfigError("distill.cells trains in one process (its optimizer step exchanges no gradients between "
+                          "ranks): run it without torchrun, or leave distill.cells unset.")
     if cfg.async_steps and world_size > 1:
         raise ConfigError("async_steps=1 runs in one process: with several ranks the update's exchanges would "
                           "interleave with the rollout's; set async_steps=0 for data-parallel runs.")

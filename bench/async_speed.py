@@ -74,6 +74,7 @@ def run_args(model_args: list[str], url: str, episodes: int, epochs: int, extra:
         "generation.max_concurrent_episodes": str(episodes), "generation.max_turns": "6",
         "ppo.batch_size": str(episodes), "ppo.ppo_epochs": str(epochs), "ppo.micro_batch_tokens": "16384",
         "ppo.sampler_correction": "true", "ppo.kl_stop": "null",
+        "generation.check_adapter": "false",  # the scripted stand-in runs no model: no adapter to find in it
         "curriculum.stages": '[{"name": "s", "opponent": "random", "min_episodes": 100000, '
                              '"tasks": [{"env": "openspiel", "games": ["leduc_poker"]}]}]',
     }

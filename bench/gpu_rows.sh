@@ -17,6 +17,14 @@
 #   bash bench/gpu_rows.sh admitted  # one call (carry .whl): one PPO step of Qwen3-32B (NF4) and Qwen3.6-35B-A3B (bf16)
 #                                    # built from their configs in GPU memory: time and peak against the memory plan
 #                                    # (bench/random_model_step.py; $OUT/admitted.json, one line each)
+#   bash bench/gpu_rows.sh long      # one call (carry .whl), an H200 (~70 GB of bf16 weights): Qwen3.6-35B-A3B built
+#                                    # from its config on the GPU, 4 agent turns growing to 32 k tokens, each continued
+#                                    # from the last one's cache, then re-prefilled whole: prefill and decode seconds
+#                                    # per turn, peak memory (bench/long_episode.py; $OUT/long.json);
+#                                    # LONG_MODEL=tiny LONG_DEVICE=cpu LONG_TURNS=3 LONG_FINAL_TOKENS=400 at CI size
+#   bash bench/gpu_rows.sh long-update  # one call (carry .whl), H200: one PPO update of a 32 k- and a 64 k-token
+#                                    # episode of Qwen3.6-35B-A3B (bf16, random weights built on the GPU): peak against
+#                                    # the memory plan, seconds (bench/long_update.py; $OUT/long_update.json)
 #
 # Results go to $OUT (the device tool's folder), one JSON file per bench and the whole log.
 set -u
@@ -95,4 +103,30 @@ admitted() {
         | grep -v "Loading weights" | tail -3 | tee -a "$OUT/admitted.json"
 }
 
+long() {
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || exit 1
+    fi
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    # at most 8 minutes; continuation first, so its rows come back even if the re-prefill runs out of time
+    timeout 470 python3 -m bench.long_episode --model "${LONG_MODEL:-qwen3.6-35b-a3b}" --device "${LONG_DEVICE:-cuda}" \
+        --turns "${LONG_TURNS:-4}" --final-tokens "${LONG_FINAL_TOKENS:-32768}" --modes continue reprefill \
+        --json "$OUT/long.json" 2>&1 | grep -v "Loading weights\|Writing model shards" | tail -20
+}
+
+long_update() {
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || exit 1
+    fi
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    # one model built once in GPU memory, then one update of a 32 k- and a 64 k-token episode; 8 minutes at most
+    timeout 480 python3 -m bench.long_update --model qwen3.6-35b-a3b --device cuda --tokens 32768,65536 2>&1 \
+        | grep -v "Loading weights" | grep '^{' | tee -a "$OUT/long_update.json"
+}
+
+case "${1:-}" in
+    long-update) shift; set -- long_update "$@" ;;
+esac
 "$@" 2>&1 | tee -a "$OUT/log.txt"

@@ -19,6 +19,8 @@ import json
 import subprocess
 import sys
 
+from ppo_affine.testing.live_bytes import LiveBytes
+
 CASES = {  # name: (model type, fields)
     "qwen3-s": ("qwen3", dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                               num_key_value_heads=2, head_dim=64, vocab_size=32000)),
@@ -32,45 +34,6 @@ CASES = {  # name: (model type, fields)
         moe_intermediate_size=256, shared_expert_intermediate_size=256, num_experts=16, num_experts_per_tok=4,
         vocab_size=32000, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2)),
 }
-
-
-class LiveBytes:
-    """The most bytes of tensor storage alive at once while it is entered (what a CUDA allocator's
-    max_memory_allocated counts), tracked through every operation's outputs, the backward pass's included."""
-
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        tracker = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                tracker.track(out)
-                return out
-
-        self.mode, self.live, self.peak, self.seen = Mode(), 0, 0, set()
-
-    def track(self, out) -> None:
-        import weakref
-
-        import torch
-
-        for tensor in (out if isinstance(out, (list, tuple)) else [out]):
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if key in self.seen or storage.nbytes() == 0:
-                continue
-            self.seen.add(key)
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._freed, key, storage.nbytes())
-
-    def _freed(self, key: int, size: int) -> None:
-        self.seen.discard(key)
-        self.live -= size
 
 
 def measure(name: str, tokens: int, checkpointing: bool) -> dict:

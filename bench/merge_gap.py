@@ -1,5 +1,5 @@
 """After a 4-bit run, which base should the adapter be merged into? The logit gap of each merge to the model the run
-trained (the NF4-rounded base + adapter), on merge.py's own check prompt, side by side.
+trained (the NF4-rounded base + adapter), on a fixed chat prompt (the one merge.py once checked with), side by side.
 
 For each base: an adapter whose B matrices are drawn at a scale (`--scales`: trained adapters' deltas are small),
 merged by merge.py's own code `--into full-precision` (the release's weights + update) and `--into nf4` (the
@@ -18,15 +18,26 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 import merge
 from ppo_affine.config import LoraConfig, load_config
-from ppo_affine.model_files import load_dequantised_base, load_tokenizer, pick_device
+from ppo_affine.model_files import load_adapter_model, load_dequantised_base, load_tokenizer, pick_device
 from ppo_affine.policy import load_policy
 from ppo_affine.prompts import PromptBuilder
 from ppo_affine.testing.tiny import activate_adapter, make_tiny_architecture_dir
 
 TINY = ("qwen3", "qwen3_5_moe")
+CHECK_MESSAGES = [
+    {"role": "system", "content": "You are playing leduc_poker as Player 0."},
+    {"role": "user", "content": "Legal actions:\n0 -> Fold\n1 -> Call\n2 -> Raise\nReply with the action ID."},
+]
+
+
+@torch.no_grad()
+def prompt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """[T, V] float32 logits of one prompt."""
+    return model.eval()(input_ids=input_ids.to(model.device)).logits[0].float().cpu()
 
 
 def model_sets(name: str, work: Path) -> list[str]:
@@ -47,26 +58,31 @@ def gaps(name: str, scale: float, work: Path) -> dict:
     policy.save(checkpoint)
     del policy
     row = {"model": name, "b_scale": scale}
+    ids = check_prompt(model_cfg)
+    trained = prompt_logits(load_adapter_model(load_dequantised_base(model_cfg, pick_device("cpu")),
+                                               checkpoint / "adapter", name), ids)
     for into in ("full-precision", "nf4"):
         for dtype in ("float32", None):
             output = work / f"{name}-{scale}-{into}-{dtype}"
-            differences = merge.merge(config, checkpoint / "adapter", output, dtype, into)
-            row[f"{into}/{dtype or 'stored'}"] = differences["saved"]
+            merge.merge(config, checkpoint / "adapter", output, dtype, into)
+            merged = prompt_logits(AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32), ids)
+            row[f"{into}/{dtype or 'stored'}"] = float((merged - trained).abs().max())
     row["base_vs_nf4_base"] = base_gap(config)
     return row
 
 
+def check_prompt(model_cfg) -> torch.Tensor:
+    return torch.tensor([PromptBuilder(load_tokenizer(model_cfg), 10**6).encode(CHECK_MESSAGES)])
+
+
 def base_gap(config) -> float:
     """The release's logits against its NF4 rounding's, no adapter: what quantisation alone moves."""
-    from transformers import AutoModelForCausalLM
-
     from ppo_affine.model_files import model_source
 
     model_cfg = config.train.model
-    tokenizer = load_tokenizer(model_cfg)
-    ids = torch.tensor([PromptBuilder(tokenizer, 10**6).encode(merge.CHECK_MESSAGES)])
-    rounded = merge.prompt_logits(load_dequantised_base(model_cfg, pick_device("cpu")), ids)
-    full = merge.prompt_logits(AutoModelForCausalLM.from_pretrained(model_source(model_cfg), dtype=torch.float32), ids)
+    ids = check_prompt(model_cfg)
+    rounded = prompt_logits(load_dequantised_base(model_cfg, pick_device("cpu")), ids)
+    full = prompt_logits(AutoModelForCausalLM.from_pretrained(model_source(model_cfg), dtype=torch.float32), ids)
     return float((rounded - full).abs().max())
 
 

@@ -6,12 +6,13 @@ A row names the model types it covers and what differs between them:
   3-D parameters that peft adapts by parameter, not by module);
 - whether layers keep a recurrent state (Gated DeltaNet linear attention: a causal convolution and a state
   that folds in the whole history). Such a model cannot score a prefix tree with a 4-D mask (a recurrent
-  state cannot follow branches), and a turn does not continue from an earlier turn's kept state (the next
-  prompt would have to be prefilled per row, with no padding between the state and its new tokens); both are
-  switched off with one logged line; so is a shared prefix's cache in a pass with gradients (transformers
-updates those states in place). Left padding is exact for it when a row starts from an empty state:
-  transformers zeroes padded inputs, and a zero input leaves an empty conv window and state empty. A shared
-  prefix is exact too: its states are copied into every row (`repeat_cache_rows`);
+  state cannot follow branches), switched off with one logged line, and neither can a pass with gradients
+  continue rows from a shared prefix's cache (transformers updates those states in place). A turn continues
+  from a state an earlier turn kept only where its prompt begins with exactly the tokens the state folded in
+  (a state cannot be cut back), each such row prefilled alone (no padding between the state and its new
+  tokens). Left padding is exact for it when a row starts from an empty state: transformers zeroes padded
+  inputs, and a zero input leaves an empty conv window and state empty. A shared prefix is exact too: its
+  states are copied into every row (`repeat_cache_rows`);
 - how the release files name the weights the loaded model holds (the multimodal Qwen3.5/3.6 release keeps its
   language model under `model.language_model.`, and its routed experts one tensor per expert), which the merge
   needs to rewrite only what the adapter touched.
@@ -90,13 +91,18 @@ def one_mask_serves_every_layer(config) -> bool:
 
 
 def kv_reuse_across_turns(config) -> tuple[bool, str]:
-    """Whether an episode's next turn may continue from its last turn's kept cache, and why not."""
-    if has_recurrent_layers(config):
-        return False, ("its linear-attention layers keep a recurrent state, which a joining row cannot continue "
-                       "inside a padded batch: each turn's prompt is prefilled whole")
+    """Whether an episode's next turn may continue from its last turn's kept cache, and why not (linear attention
+    may: see kept_cache_cuts_back)."""
     if has_sliding_window(config):
         return False, "a sliding-window layer keeps only its window: each turn's prompt is prefilled whole"
     return True, ""
+
+
+def kept_cache_cuts_back(config) -> bool:
+    """Whether a kept cache can continue from any prefix of what it holds (keys/values can be cut), or only from
+    exactly the tokens it folded into its states (linear attention: from its end, or from where a state was kept),
+    prefilled with no padding after the state."""
+    return not has_recurrent_layers(config)
 
 
 def tree_masks(config) -> tuple[bool, str]:

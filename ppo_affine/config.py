@@ -131,6 +131,16 @@ class PPOConfig(Strict):
     micro_batch_tokens: int = Field(
         4096, ge=64, description="Token budget of one forward/backward pass (gradient accumulation)."
     )
+    max_sequence_tokens: int | None = Field(
+        None, ge=64, description="An episode with a sequence longer than this is dropped before the update (logged "
+        "with its length; train/episodes_too_long): `prepare_model.py --plan` prints the longest the GPU holds. "
+        "Default None: no limit (CUDA out of memory on it then drops the episode, see micro_batch_regrow_steps)."
+    )
+    micro_batch_regrow_steps: int = Field(
+        20, ge=1, description="CUDA out of memory in the update drops the episode that raised it and runs the step "
+        "again; a second one in the same step halves micro_batch_tokens, which doubles back to its configured "
+        "value after this many steps in a row without one. Default 20."
+    )
     tree_scoring: Literal["auto", "always", "off"] = Field(
         "auto", description="Where an episode is several sequences (earlier reasoning stripped from the history), "
         "score and train them as one prefix tree that runs their shared history once (same numbers). auto = "
@@ -227,7 +237,8 @@ class VLLMServerConfig(Strict):
 
 class GenerationConfig(Strict):
     backend: Literal["local", "vllm"] = Field("vllm", description="local = the training model generates.")
-    max_new_tokens: int = Field(512, ge=1, description="Most tokens of one reply.")
+    max_new_tokens: int = Field(512, ge=1, description="Most tokens of one reply (default 512); an evaluate() "
+                                "harness's own max_tokens applies below it.")
     temperature: float = Field(1.0, ge=0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; keep 1 for training (the update scores "
                          "the full distribution).")
@@ -236,7 +247,9 @@ class GenerationConfig(Strict):
         "full", description="What the model sees each turn: full = the whole conversation as validators' client keeps it "
         "(earlier replies think- and whitespace-stripped); truncated = earlier thinking replaced by a marker; last = system prompt + the pending decision only."
     )
-    max_prompt_tokens: int = Field(4096, ge=16, description="Oldest turns are dropped past this budget.")
+    max_prompt_tokens: int = Field(4096, ge=16, description="Prompt budget (default 4096). Native envs: oldest turns "
+                                   "are dropped past it. evaluate envs: a longer prompt is answered as the validators' "
+                                   "server answers a context overflow (400) and the episode is cut off.")
     max_concurrent_episodes: int = Field(32, ge=1, description="Episodes played at once (local: the most rows "
                                          "of a decode step).")
     reuse_kv_cache: bool = Field(True, description="local backend: keep each episode's KV cache between its turns.")
@@ -247,6 +260,14 @@ class GenerationConfig(Strict):
         "recently used dropped first (its episode's next turn is prefilled again). null = half of the device's free "
         "memory at the first decode step (CUDA, counting blocks PyTorch holds unused; on CPU, the available memory), "
         "in tokens of this model's cache. 0: one row at a time, no cache kept.")
+    prefill_chunk_tokens: int = Field(
+        4096, ge=1, description="local backend: a prompt's new tokens are prefilled in forward calls of at most this "
+        "many columns, each continuing the cache of the one before (default 4096, as the validators' SGLang server's "
+        "chunked prefill): the attention mask and scores of a call are rows x chunk x context, not rows x context^2.")
+    caps_grow_back_steps: int = Field(
+        100, ge=1, description="local backend: after running out of memory halved the rows a step may run and the KV "
+        "budget, each doubles back (up to where it was) after this many steps in a row without running out of memory "
+        "(default 100, a few seconds of decoding on a GPU: a cap grown too far costs one retried step per 100).")
     local_batching: Literal["continuous", "wave"] = Field(
         "continuous", description="local backend: continuous = a reply request joins the next decode step as soon as "
         "its episode asks; wave = the old barrier, a batch starts when every live episode has asked (for comparison).")
@@ -259,12 +280,18 @@ class GenerationConfig(Strict):
         False, description="A reply ends once it has closed a ``` fenced block (both backends): a trace reply whose "
         "answer is fenced stops there instead of looping to max_new_tokens. The trace preset sets it; a game reply "
         "(an ID) never opens a fence.")
-    max_turns: int = Field(200, ge=1, description="Model decisions per episode before it is cut off.")
+    max_turns: int = Field(200, ge=1, description="Model decisions per episode before it is cut off (default 200); an "
+                           "evaluate() harness's calls past it are answered as a context overflow. Keep it above the "
+                           "harness's own step limit.")
     request_timeout: float = Field(300.0, gt=0, description="Seconds per vLLM request.")
     request_retries: int = Field(3, ge=0, description="Retries of a failed vLLM request (transient errors only).")
     server_wait_seconds: float = Field(
         900.0, ge=0, description="How long a vLLM server that stopped answering is waited for (a restart), logged "
         "once a minute; its interrupted episodes are replayed. Past it the run stops; 0 = stop at once.")
+    check_adapter: bool = Field(
+        True, description="Default true: before the first sample a run generating through vLLM loads a probe adapter "
+        "(random B) into each server and stops, naming the likely upstream LoRA bug, unless the server's log-probs of "
+        "tokens sampled with it are the trainer's. false skips it (a stand-in server that runs no model).")
     vllm_server: VLLMServerConfig = Field(default_factory=VLLMServerConfig,
                                           description="A vLLM server the trainer starts and owns (set its python).")
 
@@ -280,7 +307,10 @@ class LoggingConfig(Strict):
     wandb_project: str | None = Field(None, description="Set to log to Weights & Biases.")
     wandb_mode: Literal["online", "offline", "disabled"] = Field("offline", description="wandb.init mode "
                                                                  "(offline: sync later with `wandb sync`).")
-    log_samples_every: int = Field(0, ge=0, description="Append one played conversation to samples.jsonl every N steps (0 = never).")
+    log_samples_every: int = Field(0, ge=0, description="Append one played episode to samples.jsonl every N steps "
+                                   "(default 0 = never): its conversation and each model call as recorded (prompt and "
+                                   "sampled ids, parsed reply, log-probs, adapter step, reward), which `python -m "
+                                   "ppo_affine.episodes show RUN --step S` prints.")
     signal_check_every: int = Field(
         0, ge=0, description="Every N steps re-score the batch after the update and log how each reply's "
         "log-probability moved against its advantage (signal/*; one extra forward pass); 0 = never."
@@ -296,6 +326,38 @@ class CheckpointConfig(Strict):
     keep_last: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are pruned after a save.")
 
 
+class DistillConfig(Strict):
+    cells: str | None = Field(
+        None, description="DISTILL-V2 cells to train on beside (or instead of) episodes: a base URL in the published "
+        "layout (the public bucket; shards cached in cache_dir) or a local folder; null = off (the default).")
+    held_out_cells: str | None = Field(
+        None, description="Cells never trained on, scored at every checkpoint as the env scores them "
+        "(distill/held_out_score); null = none (the default). Must not be `cells`.")
+    cache_dir: str | None = Field(None, description="Where downloaded shards are kept; null = "
+                                  "~/.cache/ppo-affine/distill-v2 (the default).")
+    only: bool = Field(False, description="Train on the cells alone: no episode is played, each step is one "
+                       "optimizer step on cells_per_step cells (the offline mode); false = beside PPO (the default).")
+    weight: float = Field(1.0, gt=0, description="The cells' loss is -weight * their mean DISTILL-V2 score, in an "
+                          "optimizer step of its own after each PPO update (default 1.0).")
+    cells_per_step: int = Field(4, ge=1, description="Training cells drawn (seeded, without replacement) a step "
+                                "(default 4).")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of a KL anchor to the PPO reference on the cells' loss "
+                           "tokens (k2 per token: the tokens are the teacher's, not the policy's samples); 0 = none "
+                           "(the default).")
+    mask_reasoning: bool = Field(True, description="Reasoning is context, not loss, as the env scores by default "
+                                 "(default true).")
+    max_seq_len: int = Field(32_768, ge=64, description="Renderings longer than this keep their head and tail, as "
+                             "the env truncates (default 32768, the env's).")
+
+    @model_validator(mode="after")
+    def _held_out_is_apart(self) -> "DistillConfig":
+        if self.only and not self.cells:
+            raise ValueError("distill.only trains on cells alone: set distill.cells (a folder or the bucket's URL)")
+        if self.held_out_cells and self.held_out_cells == self.cells:
+            raise ValueError("distill.held_out_cells is distill.cells: a held-out score needs cells never trained on")
+        return self
+
+
 class TrainConfig(Strict):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -305,6 +367,8 @@ class TrainConfig(Strict):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig, description="DISTILL-V2 cells trained on beside "
+                                   "PPO or alone (docs/training.md).")
     async_steps: int = Field(
         0, ge=0, le=1, description="vLLM backend: 1 = the next step's episodes are generated (with the adapter of "
         "the step before) while this step's update runs; the update trains one step off-policy, corrected by "
@@ -329,9 +393,19 @@ class TrainConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _cells_train_without_dropout(self) -> "TrainConfig":
+        if self.distill.cells and not self.ppo.disable_dropout:
+            raise ValueError("distill.cells trains in two passes that must see the same model: keep "
+                             "ppo.disable_dropout=true")
+        return self
+
+    @model_validator(mode="after")
     def _async_steps_need_a_server_and_the_correction(self) -> "TrainConfig":
         if not self.async_steps:
             return self
+        if self.distill.cells:
+            raise ValueError("async_steps=1 overlaps episodes with the update; training on distill.cells takes a step "
+                             "of its own after it: set async_steps=0 to train on cells")
         if self.generation.backend != "vllm":
             raise ValueError("async_steps=1 overlaps a vLLM server's generation with the update; with "
                              "generation.backend=local the model being trained generates, on the same device, so "

@@ -57,9 +57,12 @@ class OutOfMemoryOnRanks(torch.cuda.OutOfMemoryError):
     """CUDA ran out of memory on `ranks` in work every rank had to finish first (`Ranks.agree_on_memory`); raised
     on every rank at the same point, so that all of them can retry the step together."""
 
-    def __init__(self, ranks: list[int]):
+    def __init__(self, ranks: list[int], blamed: tuple[int, int] | None = None):
         super().__init__(f"CUDA ran out of memory on rank {', '.join(map(str, ranks))}")
         self.ranks = ranks
+        # this rank's (episode, tokens) when its error named the episode whose sequence raised it
+        # (oom_recovery.EpisodeOutOfMemory); the other ranks' are not known here
+        self.blamed = blamed
 
 
 def check_world_size(ppo: PPOConfig, world_size: int) -> None:
@@ -193,15 +196,18 @@ class Ranks:
         """`work()`: this rank's own computation, with no exchange inside. When CUDA runs out of memory in it on
         any rank, every rank raises OutOfMemoryOnRanks here once all have finished their part, instead of the
         others waiting for that rank in their next exchange."""
+        blamed = None
         try:
             result, ran_out = work(), False
-        except torch.cuda.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError as exc:
             result, ran_out = None, True
+            if hasattr(exc, "episode"):  # numbers only: the error's traceback holds the failed pass's tensors
+                blamed = (exc.episode, exc.tokens)
         # past the except block: the failed pass's tensors are freed before the exchange allocates
         flags = self.sum(torch.nn.functional.one_hot(torch.tensor(self.rank), self.world_size).float() * ran_out)
         ranks = [rank for rank, flag in enumerate(flags.tolist()) if flag]
         if ranks:
-            raise OutOfMemoryOnRanks(ranks)
+            raise OutOfMemoryOnRanks(ranks, blamed)
         return result
 
     def sum_stats(self, stats: dict[str, float]) -> dict[str, float]:
@@ -334,7 +340,7 @@ class SilentLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         pass
 
-    def log_sample(self, step: int, episode: Any) -> None:
+    def log_sample(self, step: int, episode: Any, index: int = 0) -> None:
         pass
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from ppo_affine.batching import TrainSequence, micro_batches
+from ppo_affine.oom_recovery import blamed_on
 from ppo_affine.policy import Policy, common_prefix_length
 from ppo_affine.prefixes import padded_cost
 from ppo_affine.ppo import truncated_importance_weights
@@ -37,11 +38,12 @@ def score_sequences(policy: Policy, sequences: list[TrainSequence], token_budget
         for batch in micro_batches(sequences, token_budget, policy.tokenizer.pad_token_id, policy.device):
             processed += batch_cost(batch.input_ids, batch.tree)
             mask = batch.response_mask.bool()
-            scored = policy.score(batch.input_ids, None, batch.response_mask, tree=batch.tree, with_values=with_values,
-                                  with_entropy=True, temperature=temperature)
-            with policy.reference():
-                ref = policy.score(batch.input_ids, None, batch.response_mask, tree=batch.tree, with_values=False,
-                                   temperature=temperature)
+            with blamed_on(batch):  # out of memory names the episode of its longest sequence
+                scored = policy.score(batch.input_ids, None, batch.response_mask, tree=batch.tree,
+                                      with_values=with_values, with_entropy=True, temperature=temperature)
+                with policy.reference():
+                    ref = policy.score(batch.input_ids, None, batch.response_mask, tree=batch.tree, with_values=False,
+                                       temperature=temperature)
             for row, sequence in enumerate(batch.sequences):
                 sequence.old_logprobs = scored.logprobs[row][mask[row]].cpu()
                 sequence.ref_logprobs = ref.logprobs[row][mask[row]].cpu()

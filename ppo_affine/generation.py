@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 from ppo_affine.envs.base import EpisodeLost
@@ -67,6 +67,35 @@ class VLLMError(RuntimeError):
 # the start-up check of processed log-probs: a short prompt, and how many top log-probs it compares
 PROBE_TEXT = "The game begins."
 PROBE_LOGPROBS = 5
+# the start-up check that an adapter reaches the engine: tokens sampled with a probe adapter, and how far the
+# server's log-probs of them may be from the trainer's, as a share of how far the probe moved the trainer's
+ADAPTER_PROBE_TOKENS = 8
+ADAPTER_PROBE_TOLERANCE = 0.25
+UPSTREAM_LORA_BUGS = ("vLLM #49354 (LoRA gives the base model's output on Qwen3.5/3.6), #41384 (expert LoRA silently "
+                      "dropped) or SGLang #30499 (in_proj_ba LoRA weights dropped)")
+
+
+@dataclass
+class ProbeReading:
+    """The sampled tokens' log-probs: the server's with the probe adapter, and the trainer's without and with it."""
+
+    served: list[float]
+    trainer_base: list[float]
+    trainer_probe: list[float]
+
+    @property
+    def moved(self) -> float:
+        """How far the probe moved the trainer's log-probs (largest over the tokens, nats)."""
+        return max(abs(p - b) for p, b in zip(self.trainer_probe, self.trainer_base))
+
+    @property
+    def gap(self) -> float:
+        """How far the server's log-probs are from the trainer's with the probe (largest over the tokens, nats)."""
+        return max(abs(s - p) for s, p in zip(self.served, self.trainer_probe))
+
+    @property
+    def applied(self) -> bool:
+        return self.gap <= ADAPTER_PROBE_TOLERANCE * self.moved  # also False for NaN
 
 
 def vllm_serve_command(served_from: str, served_name: str, lora_rank: int, max_model_len: int,
@@ -328,6 +357,36 @@ class VLLMGenerator:
             self.active_adapter, self.staged_adapter = self.staged_adapter, None
             await self.unload_unused()
 
+    async def check_adapter_applied(self, probe_dir: Path, prompt_ids: list[int],
+                                    trainer_logprobs: Callable[[list[int]], tuple[list[float], list[float]]]
+                                    ) -> ProbeReading:
+        """Load the probe adapter in `probe_dir` (non-zero B), sample a few tokens with it after `prompt_ids` at
+        temperature 1, and compare the server's log-probs of them with the trainer's (`trainer_logprobs(tokens)`:
+        without and with the probe). An engine that drops the adapter, or part of it, answers with the base
+        model's log-probs: a VLLMError naming the likely upstream bug, before any training on such samples."""
+        name = await self.load_adapter(probe_dir, "adapter-probe", activate=False)
+        try:
+            response = await self._post("/v1/completions", {
+                "model": name, "prompt": prompt_ids, "max_tokens": ADAPTER_PROBE_TOKENS, "temperature": 1.0,
+                "logprobs": 1, "return_tokens_as_token_ids": True, "seed": 0})
+            if response.status_code >= 400:
+                raise VLLMError(f"/v1/completions (adapter check): HTTP {response.status_code} {response.text[:300]}")
+            tokens, served = self._parse_logprobs(response.json()["choices"][0])
+        finally:
+            self.staged_adapter = None
+            await self.unload_unused()
+        reading = ProbeReading(served, *trainer_logprobs(tokens))
+        if not reading.applied:
+            raise VLLMError(
+                f"The server at {self.base_url} does not apply LoRA adapters as the trainer does: with a probe "
+                f"adapter its log-probs of {len(tokens)} sampled tokens are up to {reading.gap:.2f} nats from the "
+                f"trainer's, which the probe moved by up to {reading.moved:.2f} (allowed {ADAPTER_PROBE_TOLERANCE:g} "
+                f"of that), so it would sample from the base model; likely {UPSTREAM_LORA_BUGS}. Stopped before "
+                "training: use an engine version without the bug, or generation.backend=local.")
+        log.info("vLLM at %s applies the adapter: a probe moved the trainer's log-probs by up to %.2f nats, the "
+                 "server's are within %.2g of them", self.base_url, reading.moved, reading.gap)
+        return reading
+
     async def unload_unused(self) -> None:
         keep = {self.active_adapter, self.staged_adapter}
         for name in [n for n in self.loaded if n not in keep and not self.in_flight.get(n)]:
@@ -445,6 +504,13 @@ class VLLMServers:
         """Every server answers and fits the configuration (the first failure is raised)."""
         for server in self.servers:
             await server.check_server(sampler_logprobs)
+
+    async def check_adapter_applied(self, probe_dir: Path, prompt_ids: list[int],
+                                    trainer_logprobs: Callable[[list[int]], tuple[list[float], list[float]]]
+                                    ) -> list[ProbeReading]:
+        """Every server applies a probe adapter as the trainer does (`VLLMGenerator.check_adapter_applied`)."""
+        return [await server.check_adapter_applied(probe_dir, prompt_ids, trainer_logprobs)
+                for server in self.servers]
 
     async def load_adapter(self, adapter_dir: Path, label: str, step: int | None = None,
                            activate: bool = True) -> list[str]:

@@ -5,17 +5,21 @@ each step's kernels itself and waits for the device in a thread (the loop steps 
 Python thread contends for the GIL); on CPU the whole step runs in a thread. A step copies everything it needs
 from the host (new tokens, masks, positions, the draws' keys) before its first kernel: a copy from the host
 after a launch would wait for the launched work. A request (an episode's prompt for its next turn) joins at the
-next step: its new tokens are prefilled, from its episode's kept keys/values where they match, and its row is
-appended to the batch; a row leaves when it samples an end-of-sequence id, reaches `max_new_tokens` or (with
-`stop_at_closing_fence`) closes a fenced block, and its keys/values are kept for the episode's next turn.
-`generation.kv_cache_budget` bounds the keys/values a rollout holds, in tokens: a request joins only while the
-running batch it joins fits (its rows × (the longest row + max_new_tokens), the padded cache it may grow to; a
-batch of one row always runs), and kept caches get what the running batch leaves, the least recently used dropped
-first. Out of memory in a step puts its rows back with their replies so far and halves the rows a step may run
-(and the budget). So an episode waiting on its
-opponent's search holds up no other episode's reply (`generation.local_batching: continuous`). `wave` keeps the
-old barrier for comparison: a batch starts only when every live episode has asked and runs until its last row
-ends.
+next step: its new tokens are prefilled (in forward calls of at most `generation.prefill_chunk_tokens` columns),
+from its episode's kept keys/values where they match, and its row is appended to the batch; a row leaves when it
+samples an end-of-sequence id, reaches `max_new_tokens` or (with `stop_at_closing_fence`) closes a fenced block,
+and its keys/values are kept for the episode's next turn. A linear-attention model keeps each row's states
+instead, at the turn's end and at its prompt's last message boundary (the prefill is cut there), and a row that
+continues one is prefilled alone: no padding may sit between a state and its new tokens.
+`generation.kv_cache_budget` bounds the keys/values a rollout holds, in tokens (the caches are `decode_caches`'s
+job): a request joins only while the running batch it joins fits (its rows × (the longest row + max_new_tokens),
+the padded cache it may grow to; a batch of one row always runs), and kept caches get what the running batch
+leaves, the least recently used dropped first. Out of memory in a step puts its rows back with their replies
+so far and halves the rows a step may run (and the budget); each doubles back after
+`generation.caps_grow_back_steps` steps that did not run out of memory. Continuous batching
+(`generation.local_batching: continuous`) means an episode waiting on its opponent's search holds up no other
+episode's reply; `wave` keeps the old barrier for comparison: a batch starts only when every live episode has
+asked and runs until its last row ends.
 
 Rows sit right-aligned in one padded batch ([left padding | row's tokens], an attention mask hides
 the padding; positions are each row's own). Draws come from `sampling.sample_tokens`, keyed by the
@@ -37,16 +41,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ppo_affine import prefixes
 from ppo_affine.architectures import (append_cache_rows, keep_cache_columns, kv_reuse_across_turns,
                                       one_mask_serves_every_layer, select_cache_rows, switched_off)
 from ppo_affine.config import GenerationConfig
+from ppo_affine.decode_caches import DecodeCaches, EpisodeCache, free_memory_bytes, last_index, message_start_id
 from ppo_affine.seeds import derive_seed
 from ppo_affine.generation import Generation, closes_fence, eos_token_ids
 from ppo_affine.memory_plan import kv_bytes_per_token
@@ -77,27 +80,6 @@ def decode_bias_dtype(model) -> torch.dtype | None:
 
 
 @dataclass
-class EpisodeCache:
-    """The keys/values an episode's last turn left behind: `ids[i]` sits at position i."""
-    ids: list[int]
-    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [heads, len(ids), dim]
-
-    def bytes_per_token(self) -> float:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers) / len(self.ids)
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """What the device can still allocate: CUDA's free memory and the blocks PyTorch holds unused (the last
-    update's activations), or the machine's available memory."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
-            torch.cuda.memory_allocated(device)
-    import psutil
-
-    return psutil.virtual_memory().available
-
-
-@dataclass
 class Request:
     key: int  # the episode's place in the step's batch
     prompt: list[int]
@@ -106,6 +88,8 @@ class Request:
     reply: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # each reply token's, from the distribution it was drawn from
     arrived: float = field(default_factory=time.monotonic)
+    # (length, linear-attention states after prompt[:length]) kept at the prompt's last message boundary
+    boundary: tuple[int, dict] | None = None
 
     @property
     def fed(self) -> list[int]:
@@ -164,6 +148,10 @@ class StagedPrefill:
     next_positions: torch.Tensor  # [rows]
     keys: torch.Tensor  # [rows]
     shared: list[tuple[list[int], list[int], torch.Tensor]]
+    # a linear-attention model's rows whose states are kept at their prompt's last message boundary, which sits at
+    # this column of the new tokens in each of them (None: no row)
+    boundary_column: int | None = None
+    boundary_rows: list[int] = field(default_factory=list)
 
     @property
     def cached_width(self) -> int:
@@ -254,18 +242,15 @@ class LocalGenerator:
         self._vocab = policy.model.config.get_text_config().vocab_size  # the logits' width
         self.live_episodes = 0
         self._pending: list[Request] = []
-        self._caches: OrderedDict[int, EpisodeCache] = OrderedDict()  # least recently used first
-        self.cache_budget = gen_cfg.kv_cache_budget  # tokens; None until the first step sets the default
-        # what a token of this model's cache takes, and a row's fixed share (linear-attention layers keep a state
-        # per row, not per token) in tokens of it
+        # what a token of this model's cache takes, and a row's fixed share (a linear-attention state)
         per_token, per_row = kv_bytes_per_token(policy.model.config, self._cache_element_bytes(policy.model))
-        self.cache_bytes_per_token = max(per_token, 1.0)
-        self._row_tokens = int(per_row // self.cache_bytes_per_token)
-        self.evicted_caches = 0
-        self.steps_held_back = 0  # steps that left a waiting request out for want of room in the budget
-        self.cache_tokens = 0  # the tokens the running batch and kept caches held at the last step
-        self.peak_cache_tokens = 0  # the most they held at once
+        self.caches = DecodeCaches(gen_cfg.kv_cache_budget, per_token, per_row, self.reuse_cache, policy.model.config)
+        if self.caches.exact_prefix_only:  # states are kept where the prompt's last message ends
+            self.caches.message_start = message_start_id(self.tokenizer)
+        self._prefilled_before_rollout = 0
         self.row_cap: int | None = None  # the most rows a step runs, set after running out of memory
+        self._uncapped_rows = 0  # the rows a step ran out of memory with before any cap: the cap lifts there
+        self.clean_steps = 0  # steps in a row without running out of memory, since the caps last changed
         self.out_of_memory_retries = 0
         self._running: Running | None = None
         self._work: asyncio.Event | None = None  # set when something may let a step start
@@ -284,7 +269,7 @@ class LocalGenerator:
 
     def episode_finished(self, order_key: int | None = None) -> None:
         self.live_episodes -= 1
-        self._caches.pop(order_key, None)
+        self.caches.forget(order_key)
         self._wake()
 
     async def generate(self, prompt_ids: list[int], order_key: int, seed: int) -> Generation:
@@ -306,13 +291,37 @@ class LocalGenerator:
         return model.get_input_embeddings().weight.element_size()
 
     def budget(self) -> int:
-        """`generation.kv_cache_budget` in tokens; by default half of the device's free memory when first asked (at
-        a rollout's first step, when the update's activations are gone), for the running batch and the kept caches."""
-        if self.cache_budget is None:
-            self.cache_budget = int(free_memory_bytes(self.policy.device) / 2 / self.cache_bytes_per_token)
-            log.info("generation.kv_cache_budget: %d tokens of keys/values (half of the free memory, %.0f bytes a "
-                     "token)", self.cache_budget, self.cache_bytes_per_token)
-        return self.cache_budget
+        """`generation.kv_cache_budget` in tokens; by default half of the device's free memory when first asked."""
+        return self.caches.budget(lambda: free_memory_bytes(self.policy.device))
+
+    # the caches' readings, under the names the loop's callers and tests know
+    @property
+    def cache_budget(self) -> int | None:
+        return self.caches.budget_tokens
+
+    @property
+    def cache_bytes_per_token(self) -> float:
+        return self.caches.bytes_per_token
+
+    @property
+    def evicted_caches(self) -> int:
+        return self.caches.evicted
+
+    @property
+    def steps_held_back(self) -> int:
+        return self.caches.steps_held_back
+
+    @property
+    def cache_tokens(self) -> int:
+        return self.caches.held_tokens
+
+    @property
+    def peak_cache_tokens(self) -> int:
+        return self.caches.peak_tokens
+
+    @property
+    def _caches(self):
+        return self.caches.kept
 
     def memory_metrics(self) -> dict[str, float]:
         """The budget's readings over the last rollout, for the step's metrics: under perf/, as they depend on the
@@ -320,20 +329,26 @@ class LocalGenerator:
         return {"perf/kv_budget_tokens": float(self.budget()), "perf/kv_peak_tokens": float(self.peak_cache_tokens),
                 "perf/kv_evicted_caches": float(self.evicted_caches),
                 "perf/kv_steps_held_back": float(self.steps_held_back),
-                "perf/out_of_memory_retries": float(self.out_of_memory_retries)}
+                "perf/out_of_memory_retries": float(self.out_of_memory_retries),
+                "perf/prefill_tokens": float(self.prefilled_tokens - self._prefilled_before_rollout),
+                **({"perf/prefix_break_rate": self.prefix_break_rate()} if self.caches.exact_prefix_only else {})}
+
+    def prefix_break_rate(self) -> float:
+        """Of this rollout's turns that had a kept linear-attention state, the share whose prompt did not begin with
+        the tokens it folded in (prefilled whole)."""
+        asked = self.caches.continued + self.caches.broken
+        return self.caches.broken / asked if asked else 0.0
 
     def _running_tokens(self, rows: int, width: int) -> int:
-        return rows * (width + self._row_tokens)
-
-    def _kept_tokens(self) -> int:
-        return sum(len(kept.ids) for kept in self._caches.values())
+        return self.caches.running_tokens(rows, width)
 
     @contextlib.asynccontextmanager
     async def rollout(self, step: int):
         """One batch of episodes: the model in eval mode (and the adapter folded) from start to end, no kept
         cache outliving its episodes; on exit (also when cancelled) no step is left running on the model."""
-        self._caches.clear()
-        self.evicted_caches = self.steps_held_back = self.peak_cache_tokens = self.out_of_memory_retries = 0
+        self.caches.start_rollout()
+        self.out_of_memory_retries = 0
+        self._prefilled_before_rollout = self.prefilled_tokens
         with contextlib.ExitStack() as held:
             held.enter_context(self.policy.evaluating())
             if self.folds_adapter():
@@ -342,7 +357,7 @@ class LocalGenerator:
                 yield
             finally:
                 await self._stop_engine()
-                self._caches.clear()
+                self.caches.clear()
 
     def folds_adapter(self) -> bool:
         """Whether rollouts fold the adapter: asked for, foldable, and in weights that keep the delta."""
@@ -359,7 +374,7 @@ class LocalGenerator:
 
     async def close(self) -> None:
         await self._stop_engine()
-        self._caches.clear()
+        self.caches.clear()
 
     async def _stop_engine(self) -> None:
         """Cancel what is queued or decoding; a step in flight finishes on the device first."""
@@ -430,7 +445,7 @@ class LocalGenerator:
         budget, room = self.budget(), 0
         for joined in self._widths_as_they_join(self._pending):
             if rows + room and self._running_tokens(rows + room + 1, joined + self.cfg.max_new_tokens) > budget:
-                self.steps_held_back += 1
+                self.caches.steps_held_back += 1
                 break
             room += 1
         return room
@@ -441,16 +456,8 @@ class LocalGenerator:
         return max([running, *self._widths_as_they_join(joining)])
 
     def _widths_as_they_join(self, requests: list[Request]):
-        """The running batch's width after each of `requests` in turn joins it (one pass: each request's kept
-        prefix is compared once): their prefill is [kept prefix | new tokens], each part as wide as its widest row
-        (prefixes fresh rows share are not foreseen)."""
-        running = self._running.width if self._running is not None else 0
-        widest_kept = widest_new = 0
-        for request in requests:
-            kept = self._caches.get(request.key) if self.reuse_cache else None
-            reuse = min(prefixes.common_prefix(kept.ids, request.fed), len(request.fed) - 1) if kept else 0
-            widest_kept, widest_new = max(widest_kept, reuse), max(widest_new, len(request.fed) - reuse)
-            yield max(running, widest_kept + widest_new)
+        """The running batch's width after each of `requests` in turn joins it (see DecodeCaches)."""
+        return self.caches.widths_as_they_join(self._running.width if self._running is not None else 0, requests)
 
     async def _serve(self) -> None:
         while True:
@@ -471,6 +478,7 @@ class LocalGenerator:
                 values = await asyncio.shield(self._in_flight)
                 self._in_flight = None
                 self._finish_step(values)
+                self._grow_caps_back()
             except asyncio.CancelledError:
                 raise
             except torch.OutOfMemoryError as exc:
@@ -490,22 +498,40 @@ class LocalGenerator:
         tokens it would have drawn). A step of one row that runs out of memory fails that row's request."""
         running = self._running
         rows = (running.requests if running is not None else []) + joining
-        held = self._kept_tokens() + (self._running_tokens(len(running.requests), running.width) if running else 0)
+        held = self.caches.kept_tokens() + (self._running_tokens(len(running.requests), running.width) if running
+                                            else 0)
         self._running = None
-        self._caches.clear()
-        if held:
-            self.cache_budget = min(self.budget(), held // 2)
+        self.budget()  # the default budget is set before it is halved
+        self.caches.halve_budget(held)
+        self.clean_steps = 0
         if len(rows) <= 1:
             log.warning("local generation ran out of memory on a single row: %s", exc)
             for request in rows:
                 request.resolve(exc)
             return
+        self._uncapped_rows = self._uncapped_rows if self.row_cap is not None else len(rows)
         self.row_cap = len(rows) // 2
         self.out_of_memory_retries += 1
         log.warning("local generation ran out of memory with %d rows: the kept caches are dropped (budget %s "
                     "tokens) and at most %d rows decode at once from now on", len(rows), self.cache_budget,
                     self.row_cap)
         self._pending = sorted(rows, key=lambda r: r.key) + self._pending
+
+    def _grow_caps_back(self) -> None:
+        """After `caps_grow_back_steps` steps in a row that did not run out of memory, the row cap and the budget
+        each double back, up to where they were (the row cap lifts at the rows that ran out uncapped)."""
+        if self.row_cap is None and self.caches.full_budget is None:
+            return
+        self.clean_steps += 1
+        if self.clean_steps < self.cfg.caps_grow_back_steps:
+            return
+        self.clean_steps = 0
+        if self.row_cap is not None:
+            self.row_cap = 2 * self.row_cap if 2 * self.row_cap < self._uncapped_rows else None
+        self.caches.grow_budget_back()
+        log.info("local generation: %d steps without running out of memory, the caps grow back: at most %s rows a "
+                 "step, budget %d tokens", self.cfg.caps_grow_back_steps,
+                 self.row_cap if self.row_cap is not None else "any", self.budget())
 
     def launches_inline(self) -> bool:
         """Whether a step's forward call only launches work on an accelerator (it then runs on the event loop,
@@ -542,14 +568,35 @@ class LocalGenerator:
         queued before it (PyTorch synchronises the stream), so one made after the first launch would hold the
         event loop until the device had run the forward (tests/test_generation.py records the order on CPU)."""
         decode = self._stage_decode() if self._running is not None else None
-        prefill = self._stage_prefill(joining) if joining else None
+        prefills = self._stage_prefills(joining) if joining else []
         if decode is not None:
             self._decode_step(decode)
-        if prefill is not None:
+        for prefill in prefills:
             self._merge(self._prefill(prefill))
         return torch.stack([self._running.next_tokens.double(), self._running.next_logprobs])
 
-    def _forward(self, input_ids, mask, positions, cache, cache_position: torch.Tensor):
+    def _forward_in_chunks(self, input_ids, mask, positions, cache, cache_position, split: int | None = None,
+                           at_split=None):
+        """A prefill of `input_ids` [rows, new width] as forward calls of at most `prefill_chunk_tokens` columns,
+        each continuing the cache the last one left (a chunk's 2D mask covers the cached columns and the chunk's own):
+        transformers builds a [rows, 1, chunk, columns so far] mask, never [rows, 1, new, new]. The chunks are views of
+        the staged tensors: no copy from the host. `mask`, `positions` and `cache_position` may be None (a shared
+        prefix of one row with no padding: transformers counts positions from the cache). A call also ends at column
+        `split`, after which `at_split(cache)` runs (states kept at a message boundary)."""
+        chunk, width = self.cfg.prefill_chunk_tokens, input_ids.shape[1]
+        cached = mask.shape[1] - width if mask is not None else 0
+        ends = sorted(set(range(chunk, width, chunk)) | {width} | ({split} if split else set()))
+        start = 0
+        for end in ends:
+            logits, cache = self._forward(input_ids[:, start:end], None if mask is None else mask[:, :cached + end],
+                                          None if positions is None else positions[:, start:end], cache,
+                                          None if cache_position is None else cache_position[start:end])
+            if end == split:
+                at_split(cache)
+            start = end
+        return logits, cache
+
+    def _forward(self, input_ids, mask, positions, cache, cache_position: torch.Tensor | None):
         self.forward_calls += 1
         out = self.policy.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                                 cache_position=cache_position, use_cache=True, logits_to_keep=1,
@@ -579,10 +626,21 @@ class LocalGenerator:
         running.mask, running.positions = mask, running.positions + 1
         running.next_tokens, running.next_logprobs = self._choose(logits, running.requests, staged.keys)
 
-    def _stage_prefill(self, joining: list[Request]) -> StagedPrefill:
+    def _stage_prefills(self, joining: list[Request]) -> list[StagedPrefill]:
+        """The joining rows' inputs: one padded prefill, or for a linear-attention model one of the fresh rows and
+        one for each row that continues a kept state (no padding may sit between a state and its new tokens)."""
+        reuse, kept, shared = self.caches.reused_lengths(joining)
+        if not self.caches.exact_prefix_only:
+            return [self._stage_prefill(joining, reuse, kept, shared)]
+        fresh = [row for row, n in enumerate(reuse) if n == 0]
+        groups = ([fresh] if fresh else []) + [[row] for row, n in enumerate(reuse) if n]
+        return [self._stage_prefill([joining[r] for r in group], [reuse[r] for r in group], [kept[r] for r in group],
+                                    []) for group in groups]
+
+    def _stage_prefill(self, joining: list[Request], reuse: list[int], kept: list[EpisodeCache | None],
+                       shared: list[tuple[list[int], list[int]]]) -> StagedPrefill:
         """The joining rows' inputs, built on the host and copied to the device in one go each."""
         device = self.policy.device
-        reuse, kept, shared = self._reused_lengths(joining)
         cached_width = max(reuse)
         new_width = max(len(r.fed) - n for r, n in zip(joining, reuse))
         width = cached_width + new_width
@@ -601,7 +659,8 @@ class LocalGenerator:
             cache_position=torch.arange(cached_width, width, device=device),
             next_positions=torch.tensor([len(r.fed) for r in joining], dtype=torch.long, device=device),
             keys=self._draw_keys(joining, device),
-            shared=[(rows, prefix, torch.tensor([prefix], device=device)) for rows, prefix in shared])
+            shared=[(rows, prefix, torch.tensor([prefix], device=device)) for rows, prefix in shared],
+            **self.caches.boundary_rows(joining, reuse, new_width))
 
     def _prefill(self, staged: StagedPrefill) -> Running:
         """The joining rows' forward call, after the prefixes fresh rows share have run once."""
@@ -612,8 +671,21 @@ class LocalGenerator:
                 caches[row] = shared
         self.prompt_tokens += sum(len(r.prompt) for r in joining)
         self.prefilled_tokens += sum(len(r.fed) - n for r, n in zip(joining, reuse))
-        cache = self._joining_cache(caches, reuse, staged.cached_width) if staged.cached_width else None
-        logits, cache = self._forward(staged.input_ids, staged.mask, staged.positions, cache, staged.cache_position)
+        if not staged.cached_width:
+            cache = None
+        elif self.caches.exact_prefix_only:  # a row of its own, continuing its kept state
+            cache = self.caches.continuing_cache(caches[0], reuse[0])
+        else:
+            cache = self.caches.joining_cache(caches, reuse, staged.cached_width)
+
+        def keep_boundary_states(cache) -> None:
+            for row in staged.boundary_rows:
+                request = joining[row]
+                length = last_index(request.prompt, self.caches.message_start)
+                request.boundary = (length, self.caches.states_of_row(cache, row))
+
+        logits, cache = self._forward_in_chunks(staged.input_ids, staged.mask, staged.positions, cache,
+                                                staged.cache_position, staged.boundary_column, keep_boundary_states)
         return Running(list(joining), cache, staged.mask, staged.next_positions,
                        *self._choose(logits, joining, staged.keys))
 
@@ -634,31 +706,14 @@ class LocalGenerator:
     def _finish_step(self, sampled: list[list[float]]) -> None:
         running = self._running
         for request in running.requests:  # the batch holds these keys/values now; a new cache is kept at the end
-            self._caches.pop(request.key, None)
-        self.cache_tokens = self._kept_tokens() + self._running_tokens(len(running.requests), running.width)
-        self.peak_cache_tokens = max(self.peak_cache_tokens, self.cache_tokens)
+            self.caches.forget(request.key)
+        self.caches.note_held(self._running_tokens(len(running.requests), running.width))
         tokens, logprobs = sampled
         for request, token, logprob in zip(self._running.requests, tokens, logprobs):
             request.reply.append(int(token))
             request.logprobs.append(logprob)
         self.generated_tokens += len(tokens)
         self._retire_finished()
-
-    def _joining_cache(self, caches: list[EpisodeCache | None], reuse: list[int], width: int):
-        """One DynamicCache holding each joining row's reused prefix (from `caches`), right-aligned to `width`."""
-        from transformers import DynamicCache
-
-        kept = [(row, cache, n) for row, (cache, n) in enumerate(zip(caches, reuse)) if n]
-        sample = kept[0][1].layers[0][0]
-        layers = []
-        for layer in range(len(kept[0][1].layers)):
-            keys = sample.new_zeros((len(caches), sample.shape[0], width, sample.shape[2]))
-            values = keys.clone()
-            for row, cache, n in kept:
-                keys[row, :, width - n:] = cache.layers[layer][0][:, :n]
-                values[row, :, width - n:] = cache.layers[layer][1][:, :n]
-            layers.append((keys, values))
-        return DynamicCache(ddp_cache_data=layers)
 
     def _finished(self, request: Request) -> bool:
         last = request.reply[-1]
@@ -696,71 +751,28 @@ class LocalGenerator:
     def _keep_cache(self, running: Running, row: int) -> None:
         """The row's keys/values of prompt + reply (all but the last reply token, which was never fed)."""
         request = running.requests[row]
-        columns = running.mask[row].nonzero().squeeze(-1)
-        layers = [(layer.keys[row].index_select(1, columns), layer.values[row].index_select(1, columns))
-                  for layer in running.cache.layers]
-        self._remember(request.key, EpisodeCache(ids=request.prompt + request.reply[:-1], layers=layers))
+        self._remember(request.key, self.caches.kept_from(running.cache, running.mask, row,
+                                                          request.prompt + request.reply[:-1], request.boundary))
 
     def _remember(self, key: int, cache: EpisodeCache) -> None:
         """Keep an episode's cache as the most recently used, then drop the least recently used ones past what
         the running batch leaves of the budget; a dropped episode's next turn is prefilled from its tokens."""
-        self._caches[key] = cache
-        self._caches.move_to_end(key)
+        self.caches.remember(key, cache)
         self._fit_kept_caches()
 
     def _fit_kept_caches(self, joining: list[Request] = ()) -> None:
-        """Drop the least recently used kept caches until they fit in what the running batch, with `joining` in it,
-        leaves of the budget (never a joining row's own: its prefill starts from it, and it is dropped then)."""
+        """Fit the kept caches in what the running batch, with `joining` in it, leaves of the budget (never
+        dropping a joining row's own)."""
         rows = (len(self._running.requests) if self._running is not None else 0) + len(joining)
         room = self.budget() - (self._running_tokens(rows, self._width_with(joining)) if rows else 0)
-        spared = {request.key for request in joining}
-        held = self._kept_tokens()
-        for key in [key for key in self._caches if key not in spared]:  # least recently used first
-            if held <= room:
-                break
-            held -= len(self._caches.pop(key).ids)
-            self.evicted_caches += 1
-
-    def _reused_lengths(self, requests: list[Request]
-                        ) -> tuple[list[int], list[EpisodeCache | None], list[tuple[list[int], list[int]]]]:
-        """How many leading prompt tokens of each request its episode's kept cache already holds (each row keeps
-        at least one token to feed), those caches, and the prefixes fresh rows that begin alike share: (rows,
-        prefix ids), each to be run once and handed to its rows as their cache (counted in the lengths already)."""
-        reuse = []
-        caches = [self._caches.get(r.key) if self.reuse_cache else None for r in requests]
-        for request, cache in zip(requests, caches):
-            if cache is not None:
-                self._caches.move_to_end(request.key)  # used: the last to be dropped
-        for request, cache in zip(requests, caches):
-            reuse.append(min(prefixes.common_prefix(cache.ids, request.fed), len(request.fed) - 1)
-                         if cache else 0)
-        shared = self._shared_prefixes(requests, reuse) if self.reuse_cache else []
-        return reuse, caches, shared
-
-    def _shared_prefixes(self, requests: list[Request], reuse: list[int]) -> list[tuple[list[int], list[int]]]:
-        """Rows with no cache of their own whose prompts begin alike (a group's episodes of one task and seed,
-        one game's rules): their common prefixes, each with its rows; `reuse` is updated in place."""
-        fresh = [row for row, n in enumerate(reuse) if n == 0]
-        prompts = [requests[row].prompt for row in fresh]
-        shared_prefixes = []
-        for members, shared in prefixes.partition(prompts, prefixes.padded_cost):
-            shared = min([shared] + [len(prompts[m]) - 1 for m in members])  # each row keeps a token to feed
-            if len(members) < 2 or shared < prefixes.MIN_SHARED_PREFIX:
-                continue
-            rows = [fresh[member] for member in members]
-            for row in rows:
-                reuse[row] = shared
-            shared_prefixes.append((rows, prompts[members[0]][:shared]))
-        return shared_prefixes
+        self.caches.fit(room, {request.key for request in joining})
 
     def _run_shared_prefix(self, prefix: list[int], prefix_ids: torch.Tensor) -> EpisodeCache:
         """One forward call over a prefix some joining rows share (`prefix_ids`: its ids on the device, [1, n]); its
         keys/values are each one's cache for this prefill."""
-        self.forward_calls += 1
-        out = self.policy.model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1)
-        layers = [(layer.keys[0], layer.values[0]) for layer in getattr(out, self._cache_name).layers]
+        _, cache = self._forward_in_chunks(prefix_ids, None, None, None, None)
         self.prefilled_tokens += len(prefix)  # once; each row's rest is counted with its prefill
-        return EpisodeCache(ids=list(prefix), layers=layers)
+        return self.caches.of_prefix(cache, prefix)
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
@@ -771,4 +783,3 @@ def _left_pad(tensor: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[dim] = missing
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-

@@ -12,10 +12,12 @@ Terms of the trainer:
   preparation keeps every other floating weight in float32; an MoE's fused routed experts are no nn.Linear, so
   they stay, in float32. Without 4-bit every weight is model.dtype;
 - the adapter and its optimizer: float32 weights, gradients and AdamW's two moments: 16 bytes a trainable weight;
-- activations of one micro-batch of ppo.micro_batch_tokens: every layer's saved tensors, or with gradient
-  checkpointing every layer's input plus one layer's saved tensors (recomputed in the backward), and the backward's
-  gradients of one layer;
-- the log-probs' logits over the vocabulary for one micro-batch, their gradients and float32 copies;
+- activations of the largest pass: a micro-batch of ppo.micro_batch_tokens, or the longest sequence the run can
+  produce (max_prompt_tokens + max_new_tokens), which gets a micro-batch of its own: every layer's saved tensors, or
+  with gradient checkpointing every layer's input plus one layer's saved tensors (recomputed in the backward), and
+  the backward's gradients of one layer;
+- the LM head's logits for one chunk of reply tokens (it runs per chunk, again in backward), their gradients and
+  float32 copies, and the reply tokens' hidden states gathered for it;
 - local generation's caches: every live episode's keys and values (and linear-attention states) at its longest
   context, generation.max_concurrent_episodes x (max_prompt_tokens + max_new_tokens);
 - a fixed reserve for the CUDA context and allocator slack.
@@ -39,6 +41,10 @@ CUDA_RESERVE = 2.0 * GB  # context, cuBLAS workspaces, allocator slack
 VLLM_RESERVE = 3.0 * GB  # vLLM's activations, sampler and CUDA graphs beside weights and KV cache
 HEADROOM = 0.95  # a plan fits in 95 % of the GPU: the CUDA allocator fragments what it caches
 PROBE_TOKENS = 64
+# With gradient checkpointing, a recomputed layer's backward holds its saved tensors and the gradients it makes, which
+# free as they are used: measured at 1.14 times the saved tensors (tiny qwen3_5_moe, 16 k tokens, float32:
+# tests/test_memory_plan.py), rounded up
+RECOMPUTED_LAYER = 1.25
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -54,15 +60,18 @@ class RunShape:
     adapt_experts: bool
     backend: str
     episodes: int
-    context_tokens: int
+    context_tokens: int  # generation's longest context: max_prompt_tokens + max_new_tokens
+    longest_sequence: int | None = None  # the longest sequence a pass trains on; None: context_tokens
 
     @classmethod
     def of(cls, train, gpu: bool = True) -> "RunShape":
         dtype = train.model.dtype if train.model.dtype != "auto" else ("bfloat16" if gpu else "float32")
         gen = train.generation
+        context = gen.max_prompt_tokens + gen.max_new_tokens
         return cls(DTYPE_BYTES[dtype], train.model.use_4bit, train.model.gradient_checkpointing,
                    train.ppo.micro_batch_tokens, train.lora.r, train.lora.target_modules, train.lora.adapt_experts,
-                   gen.backend, gen.max_concurrent_episodes, gen.max_prompt_tokens + gen.max_new_tokens)
+                   gen.backend, gen.max_concurrent_episodes, context,
+                   min(context, train.ppo.max_sequence_tokens or context))
 
     @property
     def activation_bytes(self) -> int:
@@ -196,14 +205,77 @@ def probe_activations(config, shape: RunShape, device: str = "cpu") -> dict[str,
     return per_kind
 
 
+def pass_tokens(shape: RunShape) -> int:
+    """The most tokens one forward and backward holds: a micro-batch of ppo.micro_batch_tokens, or the longest
+    sequence the run can produce (max_prompt_tokens + max_new_tokens: an agent episode whose turns extend each other
+    is one such sequence), which gets a micro-batch of its own whatever the budget."""
+    return max(shape.micro_batch_tokens, _longest(shape))
+
+
+def _longest(shape: RunShape) -> int:
+    return shape.context_tokens if shape.longest_sequence is None else shape.longest_sequence
+
+
+def _largest_pass(shape: RunShape) -> str:
+    return "the longest sequence" if _longest(shape) >= shape.micro_batch_tokens else "a micro-batch"
+
+
+def longest_that_fits(config, shape: RunShape, gpu_bytes: float, per_kind: dict[str, float] | None = None,
+                      model=None) -> int:
+    """The longest sequence one training pass of this run holds on the GPU, every other term as it is (the value for
+    ppo.max_sequence_tokens); 0 when not even a micro-batch does."""
+    model = model if model is not None else meta_model(config)
+    per_kind = per_kind or probe_activations(config, shape)
+
+    def fits(tokens: int) -> bool:
+        return plan(config, dataclasses.replace(shape, longest_sequence=tokens), gpu_bytes, per_kind, model).fits
+
+    low, high = 0, 1 << 22  # 4 M tokens: past any context a model takes
+    if not fits(shape.micro_batch_tokens):
+        return 0
+    low = shape.micro_batch_tokens
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def logit_bytes(shape: RunShape, vocab: int, hidden: int) -> float:
+    """The LM head's memory in one pass: it runs on one chunk of reply tokens at a time (ppo.CHUNK_ELEMENTS logits)
+    and again in backward, so one chunk's logits, their gradient and float32 log-softmax copies (measured at 3
+    model-dtype copies and one float32 one per logit), plus every reply token's gathered hidden state and its
+    gradient, which grow with the sequence."""
+    from ppo_affine.ppo import CHUNK_ELEMENTS
+
+    tokens = pass_tokens(shape)
+    chunk_rows = min(tokens, max(1, CHUNK_ELEMENTS // vocab))
+    return chunk_rows * vocab * (3 * shape.activation_bytes + 4) + tokens * hidden * 2 * shape.activation_bytes
+
+
+def _recomputed_layer_bytes(shape: RunShape, per_kind: dict[str, float]) -> float:
+    """With gradient checkpointing, the backward of the largest layer: its recomputed saved tensors and the
+    gradients it makes, which free as it goes (RECOMPUTED_LAYER times the saved tensors)."""
+    return pass_tokens(shape) * RECOMPUTED_LAYER * max(per_kind.values())
+
+
 def activation_bytes(config, shape: RunShape, per_kind: dict[str, float]) -> float:
     text = config.get_text_config()
     kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    tokens = shape.micro_batch_tokens
-    # the backward pass holds one layer's gradients beside what is saved: about that layer's saved tensors again
+    tokens = pass_tokens(shape)
     if shape.gradient_checkpointing:  # each layer's input kept, one layer's saved tensors alive at a time
-        return tokens * (len(kinds) * text.hidden_size * shape.activation_bytes + 2 * max(per_kind.values()))
+        return tokens * len(kinds) * text.hidden_size * shape.activation_bytes + _recomputed_layer_bytes(shape, per_kind)
+    # the backward pass holds one layer's gradients beside what is saved: about that layer's saved tensors again
     return tokens * (sum(per_kind[kind] for kind in kinds) + max(per_kind.values()))
+
+
+def head_bytes(shape: RunShape, per_kind: dict[str, float], vocab: int, hidden: int) -> float:
+    """The LM head's memory beyond the activations: all of it without checkpointing (every layer's saved tensors
+    wait for the backward meanwhile); with checkpointing the head's forward and backward finish before any layer is
+    recomputed, so only what it holds beyond the recomputed layer's memory."""
+    logits = logit_bytes(shape, vocab, hidden)
+    if not shape.gradient_checkpointing:
+        return logits
+    return max(0.0, logits - _recomputed_layer_bytes(shape, per_kind))
 
 
 def plan(config, shape: RunShape, gpu_bytes: float, per_kind: dict[str, float] | None = None, model=None) -> Plan:
@@ -217,11 +289,11 @@ def plan(config, shape: RunShape, gpu_bytes: float, per_kind: dict[str, float] |
     trainer = weight_terms(model, shape) + [
         Term("adapter + AdamW", trainable * ADAPTER_BYTES, f"{trainable / 1e6:.1f} M trainable weights"),
         Term("activations", activation_bytes(config, shape, per_kind),
-             f"{shape.micro_batch_tokens} tokens, checkpointing {'on' if shape.gradient_checkpointing else 'off'}"),
-        # kept for the backward, their gradient, the gradient through the float32 log-softmax: measured
-        # (bench/memory_plan_check.py) at 3 model-dtype copies and one float32 one per logit
-        Term("logits", shape.micro_batch_tokens * vocab * (3 * shape.activation_bytes + 4),
-             "log-probs of a micro-batch, at most every token a reply token"),
+             f"{pass_tokens(shape)} tokens ({_largest_pass(shape)}), checkpointing "
+             f"{'on' if shape.gradient_checkpointing else 'off'}"),
+        Term("logits", head_bytes(shape, per_kind, vocab, config.get_text_config().hidden_size),
+             "one chunk of the LM head, every token a reply token" + (
+                 "; beyond the recomputed layer's (never alive together)" if shape.gradient_checkpointing else "")),
         Term("CUDA reserve", CUDA_RESERVE),
     ]
     kv_token, state = kv_bytes_per_token(config, shape.activation_bytes)
@@ -239,12 +311,15 @@ def plan(config, shape: RunShape, gpu_bytes: float, per_kind: dict[str, float] |
     return Plan(gpu_bytes, trainer, vllm, shape)
 
 
-def fitting_settings(config, shape: RunShape, gpu_bytes: float) -> tuple[Plan, list[str]]:
+def fitting_settings(config, shape: RunShape, gpu_bytes: float, probes: dict | None = None,
+                     model=None) -> tuple[Plan, list[str]]:
     """The run's own plan if it fits; else, of the settings that fit, the one that changes least, in this order of
     reluctance: keeping vLLM (sampling is faster there), not quantising, episodes at once, micro-batch size, then
     gradient checkpointing. Returns that plan and the settings it changes, or the run's own plan and no changes
-    when nothing fits."""
-    model, probes = meta_model(config), {}
+    when nothing fits. `probes` (use_4bit -> measured activations) and `model` (its meta_model) may be shared
+    between calls for several GPUs: measuring a layer at full width takes about a minute."""
+    model = model if model is not None else meta_model(config)
+    probes = probes if probes is not None else {}
 
     def plan_of(candidate: RunShape) -> Plan:
         if candidate.use_4bit not in probes:
@@ -271,6 +346,28 @@ def fitting_settings(config, shape: RunShape, gpu_bytes: float) -> tuple[Plan, l
         if trial.fits:
             return trial, _changes(shape, candidate)
     return own, []
+
+
+# The data-centre cards a run is planned on, by their memory: what `prepare_model.py --plan` names
+CARDS = (("H100 / A100 80 GB", 80.0), ("H200 141 GB", 141.0), ("B200 192 GB", 192.0))
+
+
+def cards_that_fit(config, shape: RunShape, probes: dict | None = None, model=None
+                   ) -> list[tuple[str, Plan, list[str]]]:
+    """For each of CARDS: its plan and the settings it changes (the run's own plan and none where nothing fits).
+    `probes` and `model` as fitting_settings takes them."""
+    model = model if model is not None else meta_model(config)
+    probes = probes if probes is not None else {}
+    return [(card, *fitting_settings(config, shape, gb * GB, probes, model)) for card, gb in CARDS]
+
+
+def describe_cards(cards: list[tuple[str, Plan, list[str]]]) -> list[str]:
+    lines = ["cards (the trainer and any vLLM on one GPU):"]
+    for card, chosen, changes in cards:
+        verdict = ("does NOT fit" if not chosen.fits else "fits as configured" if not changes
+                   else "fits with " + " ".join(f"--set {change}" for change in changes))
+        lines.append(f"  {card:<18} {verdict}")
+    return lines
 
 
 def _halvings(value: int, floor: int) -> int:

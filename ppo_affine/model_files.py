@@ -67,6 +67,38 @@ def model_source(model: ModelConfig) -> str:
     return str(converted_folder(gguf, Path(model.cache_dir).expanduser(), model.trust_remote_code))
 
 
+# The admitted models' config.json as their releases ship it (Hub id -> folder): the memory plan reads only that
+# file, so it runs with no Hub. The release is fixed, so a shipped copy is read even when the Hub is reachable.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "config" / "models"
+
+
+def shipped_config_folder(name_or_path: str) -> Path | None:
+    """The folder holding the shipped config.json of this Hub id (`Qwen/Qwen3.6-35B-A3B`), or None."""
+    folder = SHIPPED_CONFIGS / name_or_path
+    if "/" in name_or_path and ".." not in name_or_path and (folder / "config.json").is_file():
+        return folder
+    return None
+
+
+def planning_config(model: ModelConfig):
+    """The model's transformers config for the memory plan: the shipped copy of an admitted model's, else the
+    folder's, GGUF's or Hub's. Any failure is one ConfigError line."""
+    from transformers import AutoConfig
+
+    source = shipped_config_folder(model.name_or_path) or model_source(model)
+    try:
+        return AutoConfig.from_pretrained(str(source), trust_remote_code=model.trust_remote_code)
+    except (OSError, ValueError, KeyError) as exc:  # no network, no such repo, an unknown model type
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ConfigError(f"model.name_or_path {model.name_or_path!r}: its config.json cannot be read "
+                          f"({first[:200]}); give a local model folder, or one of the shipped configs: "
+                          f"{', '.join(shipped_model_ids())}.") from None
+
+
+def shipped_model_ids() -> list[str]:
+    return sorted(str(path.parent.relative_to(SHIPPED_CONFIGS)) for path in SHIPPED_CONFIGS.glob("*/*/config.json"))
+
+
 CONVERSION_VERSION = 1  # raise when _convert writes something else from the same GGUF
 
 
@@ -259,7 +291,7 @@ def pick_device(requested: str) -> torch.device:
     return device
 
 
-def _torch_dtype(name: str, device: torch.device) -> torch.dtype:
+def torch_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
@@ -332,7 +364,7 @@ def load_base_model(model_cfg: ModelConfig, device: torch.device):
 
     path = model_source(model_cfg)
     kwargs: dict = {"trust_remote_code": model_cfg.trust_remote_code}
-    dtype = _torch_dtype(model_cfg.dtype, device)
+    dtype = torch_dtype(model_cfg.dtype, device)
     if model_cfg.use_4bit:
         check_4bit_support(device, dtype)
         kwargs["quantization_config"] = nf4_quantization(dtype)
@@ -371,7 +403,7 @@ def load_dequantised_base(model_cfg: ModelConfig, device: torch.device):
     model = load_base_model(model_cfg, device)
     if not model_cfg.use_4bit:
         return model
-    dtype = _torch_dtype(model_cfg.dtype, device)
+    dtype = torch_dtype(model_cfg.dtype, device)
     bnb_log = logging.getLogger("transformers.integrations.bitsandbytes")
     level = bnb_log.level
     bnb_log.setLevel(logging.ERROR)  # it announces the dtype it dequantises to, as a warning

@@ -3,7 +3,8 @@
 Token alignment used everywhere: for a sequence `ids[0..T)`, `logprobs[t]` is
 log p(ids[t] | ids[:t]) and `values[t]` is the value of the state *before* token t is generated
 (the hidden state at t-1). Both are 0 at t = 0. Only positions in `response_mask` are computed
-through the LM head, so a full-vocabulary tensor is never built for prompt tokens.
+through the LM head, a chunk of them at a time (recomputed in backward), so a full-vocabulary tensor is never
+built for the whole sequence.
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ppo_affine.ppo import logprobs_and_entropy_from_logits, logprobs_from_logits
+from ppo_affine.ppo import logprobs_from_hidden
 from ppo_affine import prefixes
 from ppo_affine.architectures import (default_lora_targets, expert_lora_parameters, prefix_cache_with_gradients,
                                       repeat_cache_rows, switched_off, tree_masks)
+from ppo_affine.kernels import layer_implementations, slow_on_the_gpu
 from ppo_affine.token_trees import TreeRows
 from ppo_affine.model_files import load_base_model, load_tokenizer
 from ppo_affine.config import ConfigError, LoraConfig, ModelConfig
@@ -31,6 +33,7 @@ ADAPTER_DIR = "adapter"  # the only folder vLLM loads: LoRA weights + adapter_co
 VALUE_HEAD_FILE = "value_head.pt"
 REFERENCE_ADAPTER_DIR = "reference_adapter"  # the frozen KL anchor, when it is not the base model
 _REFERENCE = "reference"  # its peft adapter name beside the trained "default"
+PROBE_SHIFT = 2.0  # nats (RMS over the vocabulary) a probe adapter moves the next-token log-probs by
 
 
 def _adapter_does_not_fit(adapter_dir: Path, exc: Exception) -> ConfigError:
@@ -168,18 +171,12 @@ class Policy(nn.Module):
             return full
 
         logprobs = entropy = values = None
-        if with_logprobs or with_entropy:
+        if with_logprobs or with_entropy:  # the LM head runs per chunk of tokens: no [N, V] logits at once
             lm_head = self.model.get_base_model().get_output_embeddings()
-            logits = lm_head(predicting)  # [N, V]; fp32 happens per chunk in ppo.py
-            if temperature > 0 and temperature != 1.0:  # score the distribution that was sampled from
-                logits = logits / temperature
-            labels = input_ids[target].unsqueeze(0)
-            if with_entropy:
-                token_logprobs, token_entropy = logprobs_and_entropy_from_logits(logits.unsqueeze(0), labels)
-                entropy = scatter(token_entropy.squeeze(0))
-            else:
-                token_logprobs = logprobs_from_logits(logits.unsqueeze(0), labels)
-            logprobs = scatter(token_logprobs.squeeze(0))
+            token_logprobs, token_entropy = logprobs_from_hidden(
+                predicting, lm_head, input_ids[target], temperature=temperature, with_entropy=with_entropy)
+            logprobs = scatter(token_logprobs)
+            entropy = scatter(token_entropy) if with_entropy else None
         if with_values:
             values = scatter(self.value_head(predicting.float()).squeeze(-1))
         return ScoredTokens(logprobs=logprobs, values=values, entropy=entropy)
@@ -248,6 +245,44 @@ class Policy(nn.Module):
         name = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") else \
             "is_gradient_checkpointing"
         return not getattr(base, name, False)
+
+    # ------------------------------------------------------------------ the engine check
+    @contextlib.contextmanager
+    def probe_adapter(self, prompt_ids: list[int], seed: int = 0):
+        """Meanwhile the adapter is a probe that must move any engine that applies it: its B matrices drawn at random
+        (seeded; a fresh adapter's B is zero and moves nothing), scaled up until the next-token log-probs after
+        `prompt_ids` move by PROBE_SHIFT nats (RMS over the vocabulary). Its own B matrices are restored exactly
+        after."""
+        weights = [p for name, p in self.model.named_parameters() if ".lora_B.default." in name]
+        kept = [p.detach().clone() for p in weights]
+        generator = torch.Generator().manual_seed(seed)
+        noise = [torch.randn(p.shape, generator=generator) for p in weights]
+        try:
+            with torch.no_grad():
+                with self.base():
+                    base = self.token_logprobs(prompt_ids, [])
+                for scale in (1e-3 * 2.0**k for k in range(20)):
+                    for p, drawn in zip(weights, noise):
+                        p.copy_(drawn.to(p.device, p.dtype) * scale)
+                    if (self.token_logprobs(prompt_ids, []) - base).pow(2).mean().sqrt() >= PROBE_SHIFT:
+                        break
+            yield
+        finally:
+            with torch.no_grad():
+                for p, own in zip(weights, kept):
+                    p.copy_(own)
+
+    @torch.no_grad()
+    def token_logprobs(self, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
+        """log p(token | prompt, earlier tokens) of each of `tokens` ([len(tokens)], float32, on the CPU); with no
+        tokens, the next-token log-probs after the prompt over the vocabulary."""
+        with self.evaluating():
+            ids = torch.tensor([prompt_ids + tokens], device=self.device)
+            logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1:].float().cpu()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        if not tokens:
+            return logprobs[0]
+        return logprobs[:-1].gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
 
     # ------------------------------------------------------------------ persistence
     def save(self, folder: Path) -> None:
@@ -351,4 +386,10 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, device: torch.devi
     total = sum(p.numel() for p in policy.parameters())
     log.info("policy: %s, LoRA on %s, %s trainable of %s parameters", type(base).__name__, targets + experts,
              f"{trainable:,}", f"{total:,}")
+    implementations = layer_implementations(base)
+    log.info("layer implementations: %s", ", ".join(f"{kind}: {chosen}" for kind, chosen in implementations.items()))
+    slow = slow_on_the_gpu(implementations, device)
+    if slow:
+        log.warning("%s run the PyTorch reference on the GPU (a Python loop, many times slower): "
+                    "pip install -e .[cuda] (docs/architectures.md)", ", ".join(slow))
     return policy.eval()  # the update switches to train mode itself

@@ -85,6 +85,40 @@ def logprobs_and_entropy_from_logits(
     return both[..., 0], both[..., 1]
 
 
+def logprobs_from_hidden(
+    hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, *, temperature: float = 1.0,
+    with_entropy: bool = False, chunk_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 log-probability of each label (and the entropy of its distribution) from the hidden states that
+    predict it: hidden [N, H], labels [N] -> ([N], [N] or None). `head` (the LM head, [H] -> [V]) runs on one chunk
+    of rows at a time and, with gradients, again in backward: the [N, V] logits never exist at once, so their memory
+    is one chunk's whatever N is (a 64 k-token episode would need 64 GB of fp32 logits at a 248 k vocabulary).
+    `temperature` (> 0, not 1) divides the logits: the distribution that was sampled from. The numbers are those of
+    the full logits through `logprobs_from_logits` / `logprobs_and_entropy_from_logits`."""
+    vocab = head.weight.shape[0]
+    rows = chunk_size or max(1, CHUNK_ELEMENTS // vocab)
+    scaled = temperature > 0 and temperature != 1.0
+
+    def chunk_terms(hidden_rows: torch.Tensor, label_rows: torch.Tensor) -> torch.Tensor:
+        logits = head(hidden_rows)  # [n, V] in the head's dtype, as the whole model's forward makes them
+        if scaled:
+            logits = logits / temperature
+        if with_entropy:
+            return _label_logprob_and_entropy(logits, label_rows)  # [n, 2]
+        return _label_logprob(logits, label_rows)  # [n]
+
+    # checkpoint keeps only each chunk's input rows for backward and recomputes its logits there
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    outputs = [checkpoint(chunk_terms, hidden[start: start + rows], labels[start: start + rows], use_reentrant=False)
+               if recompute else chunk_terms(hidden[start: start + rows], labels[start: start + rows])
+               for start in range(0, hidden.shape[0], rows)]
+    if not outputs:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    merged = torch.cat(outputs)
+    return (merged[:, 0], merged[:, 1]) if with_entropy else (merged, None)
+
+
 def entropy_from_logits(
     logits: torch.Tensor, mask: torch.Tensor, *, chunk_size: int | None = None
 ) -> torch.Tensor:

@@ -1,14 +1,25 @@
 """A reply's text split the way the validators' server returns it: `reasoning_content`, `content`, `tool_calls`.
 
 What a chat server hands a harness depends on the parsers it runs for the model; training must see the text that
-validation sees. One row per model family (`model_type` of the model's config) names them:
-- `qwen3_5_moe` (Qwen3.6-35B-A3B): a `<think>` reasoning parser (the reasoning ends at `</think>`; the template may
-  open the block in the generation prompt, so a reply can hold only its end) and XML tool calls in the qwen3_coder
-  style (`<tool_call><function=NAME><parameter=ARG>VALUE</parameter></function></tool_call>`).
+validation sees. The validators serve with SGLang v0.5.14; one row per model family (`model_type` of the model's
+config) names its parsers:
+- `qwen3_5_moe` (Qwen3.6-35B-A3B): `--reasoning-parser qwen3 --tool-call-parser qwen3_coder` (qwen3_coder.py).
 - `qwen3` (dense Qwen3-32B): no reasoning parser, so `<think>...</think>` stays in the content; tool calls as
   Hermes-style JSON (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), the form its chat template renders
   them in (the validators' notes name no tool parser for it: this row is our reading).
 - any other family: the text is the content, no tool calls.
+
+The request decides what is parsed, as SGLang decides it:
+- tool calls only when the request has `tools` (a non-empty list) and `tool_choice` is not "none";
+- the `qwen3` reasoning parser assumes the reply starts inside a reasoning block (the template opened `<think>`)
+  unless thinking is switched off (`chat_template_kwargs.enable_thinking` false, or `reasoning_effort` "none"); the
+  reasoning ends at `</think>`, or at a `<tool_call>` before any `</think>`; a reply cut off before either is all
+  reasoning; `separate_reasoning: false` leaves the reasoning in the content. Reasoning and content keep their
+  whitespace; the content is "" (never null) when empty.
+- `finish_reason` "stop" becomes "tool_calls" when the reply holds `<tool_call>` (whole reply) or a call was sent
+  (streamed); "length" stays.
+A streamed reply is parsed as SGLang parses it a few characters at a time (`stream_pieces`), which differs from the
+whole reply where the module qwen3_coder.py says so.
 """
 from __future__ import annotations
 
@@ -17,15 +28,17 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ppo_affine import qwen3_coder
+
 THINK_START, THINK_END = "<think>", "</think>"
-TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.DOTALL)
-XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+CALL_START = qwen3_coder.CALL_START
+JSON_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+STREAM_PIECE = re.compile(r"<[^<>\n]{0,3}|[^<]{1,3}", re.DOTALL)
 
 
 @dataclass(frozen=True)
 class ReplyFormat:
-    reasoning: bool  # a <think> reasoning parser runs
+    reasoning: bool  # the qwen3 reasoning parser runs
     tool_calls: str | None  # "qwen3_coder" (XML) or "hermes" (JSON); None: tool calls stay text
 
 
@@ -41,95 +54,146 @@ def reply_format_of(model_type: str | None) -> ReplyFormat:
     return REPLY_FORMATS.get(model_type or "", PLAIN)
 
 
+@dataclass(frozen=True)
+class ParseSettings:
+    """What one request asks of the parsers (see the module's rules)."""
+    tools: list[dict[str, Any]] | None = None  # the request's tools when its tool calls are parsed, else None
+    thinking: bool = True  # the reply starts inside a reasoning block
+    separate_reasoning: bool = True
+
+
+def parses_tool_calls(body: dict[str, Any]) -> bool:
+    """SGLang's rule: tools given and tool_choice not "none" (the default is "auto" with tools, "none" without)."""
+    tools = body.get("tools")
+    tool_choice = body.get("tool_choice") or ("none" if tools is None else "auto")
+    return bool(tools) and tool_choice != "none"
+
+
+def settings_of(body: dict[str, Any], template_kwargs: dict[str, Any]) -> ParseSettings:
+    """A request's parse settings; `template_kwargs`: the chat-template kwargs its prompt was rendered with."""
+    thinking_off = template_kwargs.get("enable_thinking") is False or (
+        "enable_thinking" not in template_kwargs and body.get("reasoning_effort") == "none")
+    return ParseSettings(tools=list(body["tools"]) if parses_tool_calls(body) else None, thinking=not thinking_off,
+                         separate_reasoning=body.get("separate_reasoning", True) is not False)
+
+
 @dataclass
 class ParsedReply:
-    content: str | None
+    content: str
     reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI shape, arguments as a JSON string
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI shape, arguments as JSON text
+    finish_reason: str = "stop"
 
 
-def parse_reply(text: str, reply_format: ReplyFormat, tools: list[dict[str, Any]] | None = None,
-                reasoning_open: bool = False, call_id: str = "call") -> ParsedReply:
-    """`text` (the decoded reply) as the server returns it. `reasoning_open`: the prompt ended inside a <think>
-    block the template opened; `tools`: the request's, whose parameter types turn XML values into JSON values;
-    tool-call ids are `<call_id>_<n>`."""
+def parse_reply(text: str, reply_format: ReplyFormat, settings: ParseSettings = ParseSettings(),
+                finish_reason: str = "stop", call_id: str = "call") -> ParsedReply:
+    """A whole reply (`text`, decoded) as the server returns it; tool-call ids are `<call_id>_<n>`."""
     reasoning = None
-    if reply_format.reasoning and (reasoning_open or THINK_START in text):
-        inner = text.replace(THINK_START, "", 1)
-        if THINK_END not in inner:  # cut off while reasoning: all of it is reasoning
-            return ParsedReply(content=None, reasoning_content=inner.strip() or None)
-        reasoning, text = inner.split(THINK_END, 1)
-        reasoning, text = reasoning.strip() or None, text.strip()
-    if reply_format.tool_calls is None or "<tool_call>" not in text:
-        # after a reasoning block an empty answer is no content; a plain reply is its text, even empty
-        content = (text or None) if reasoning is not None else text
-        return ParsedReply(content=content, reasoning_content=reasoning)
-    before = text[: text.index("<tool_call>")].strip()
-    parse = _xml_call if reply_format.tool_calls == "qwen3_coder" else _json_call
-    calls = [call for block in TOOL_CALL_BLOCK.findall(text) for call in [parse(block, tools or [])] if call]
-    if not calls:  # nothing parsable: the server leaves the text as it is
-        return ParsedReply(content=text, reasoning_content=reasoning)
-    tool_calls = [{"id": f"{call_id}_{n}", "type": "function",
-                   "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
-                  for n, (name, arguments) in enumerate(calls)]
-    return ParsedReply(content=before or None, reasoning_content=reasoning, tool_calls=tool_calls)
+    if reply_format.reasoning and settings.separate_reasoning:
+        reasoning, text = split_reasoning(text, settings.thinking)
+    if reply_format.tool_calls is None or settings.tools is None:
+        return ParsedReply(text, reasoning or None, finish_reason=finish_reason)
+    if reply_format.tool_calls == "qwen3_coder":
+        found = qwen3_coder.one_shot(text, settings.tools)
+    else:
+        found = _json_calls(text)
+    finish = "tool_calls" if finish_reason == "stop" and CALL_START in text else finish_reason
+    return ParsedReply(found.content, reasoning or None, _openai_calls(found.calls, call_id), finish)
 
 
-def _json_call(block: str, tools: list[dict[str, Any]]) -> tuple[str, dict[str, Any]] | None:
-    try:
-        call = json.loads(block.strip())
-    except ValueError:
-        return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    arguments = call.get("arguments", {})
-    return call["name"], arguments if isinstance(arguments, dict) else {"value": arguments}
+def stream_reply(text: str, reply_format: ReplyFormat, settings: ParseSettings = ParseSettings(),
+                 finish_reason: str = "stop", call_id: str = "call") -> ParsedReply:
+    """The same reply streamed: what a client that joins the deltas ends up with."""
+    if reply_format.tool_calls != "qwen3_coder" and not reply_format.reasoning:
+        return parse_reply(text, reply_format, settings, finish_reason, call_id)
+    reasoning = None
+    if reply_format.reasoning and settings.separate_reasoning:
+        reasoning, text = streamed_reasoning(text, settings.thinking)
+    if reply_format.tool_calls is None or settings.tools is None:
+        return ParsedReply(text, reasoning or None, finish_reason=finish_reason)
+    if reply_format.tool_calls == "qwen3_coder":
+        found = qwen3_coder.streamed(text, settings.tools)
+    else:
+        found = _json_calls(text)
+    finish = "tool_calls" if finish_reason == "stop" and found.calls else finish_reason
+    return ParsedReply(found.content, reasoning or None, _openai_calls(found.calls, call_id), finish)
 
 
-def _xml_call(block: str, tools: list[dict[str, Any]]) -> tuple[str, dict[str, Any]] | None:
-    found = XML_FUNCTION.search(block)
-    if found is None:
-        return None
-    name, body = found.group(1), found.group(2)
-    types = _parameter_types(name, tools)
-    arguments = {key: _typed(_trim_newlines(value), types.get(key)) for key, value in XML_PARAMETER.findall(body)}
-    return name, arguments
+def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
+    """(reasoning, the rest) of a whole reply, by the qwen3 reasoning parser's rules."""
+    if not thinking and THINK_START not in text:
+        return None, text
+    while text.startswith(THINK_START):
+        text = text[len(THINK_START):]
+    if THINK_END in text:
+        reasoning, rest = text.split(THINK_END, 1)
+        return reasoning, rest
+    if CALL_START in text:  # a tool call before any </think> ends the reasoning
+        return text[:text.index(CALL_START)], text[text.index(CALL_START):]
+    return text, ""  # cut off while reasoning
 
 
-def _trim_newlines(value: str) -> str:
-    # the format puts each value on lines of its own: one newline after the tag and one before the closing tag
-    value = value[1:] if value.startswith("\n") else value
-    return value[:-1] if value.endswith("\n") else value
+def streamed_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
+    """(reasoning, the rest) of a reply streamed in `stream_pieces`, joined as a client joins them."""
+    parser = _StreamedReasoning(thinking)
+    reasoning, rest = [], []
+    for piece in stream_pieces(text):
+        more_reasoning, more_rest = parser.feed(piece)
+        reasoning.append(more_reasoning)
+        rest.append(more_rest)
+    return "".join(reasoning) or None, "".join(rest)
 
 
-def _parameter_types(name: str, tools: list[dict[str, Any]]) -> dict[str, str]:
-    for tool in tools:
-        function = tool.get("function", tool) if isinstance(tool, dict) else {}
-        if function.get("name") == name:
-            properties = (function.get("parameters") or {}).get("properties") or {}
-            return {key: str(spec.get("type", "string")) for key, spec in properties.items() if isinstance(spec, dict)}
-    return {}
+def stream_pieces(text: str) -> list[str]:
+    """The reply in the pieces it is streamed in: a few characters (about a token) at a time, tags split apart."""
+    return STREAM_PIECE.findall(text)
 
 
-def _typed(value: str, schema_type: str | None) -> Any:
-    """An XML parameter's text as its schema type says (strings stay text; an unknown type is JSON if it parses)."""
-    if schema_type == "string":
-        return value
-    if schema_type == "integer":
+class _StreamedReasoning:
+    """The qwen3 reasoning parser fed piece by piece: it holds back a piece that may begin a tag, drops the first
+    `<think>` wherever it comes, and sends reasoning until `</think>` (or a `<tool_call>`), the rest after it."""
+
+    def __init__(self, thinking: bool):
+        self.buffer, self.in_reasoning, self.start_dropped = "", thinking, False
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        self.buffer += piece
+        text = self.buffer
+        if any(tag.startswith(text) and tag != text for tag in (THINK_START, THINK_END, CALL_START)):
+            return "", ""
+        self.buffer = ""
+        if not self.start_dropped and THINK_START in text:
+            text = text.replace(THINK_START, "", 1)
+            self.start_dropped = self.in_reasoning = True
+        if not self.in_reasoning:
+            return "", text
+        end = text.find(THINK_END)
+        if end != -1:
+            self.in_reasoning = False
+            return text[:end], text[end + len(THINK_END):]
+        if CALL_START in text:
+            self.in_reasoning = False
+            return text[:text.index(CALL_START)], text[text.index(CALL_START):]
+        return text, ""
+
+
+def _openai_calls(calls: list[tuple[str, str]], call_id: str) -> list[dict[str, Any]]:
+    return [{"id": f"{call_id}_{n}", "type": "function", "function": {"name": name, "arguments": arguments}}
+            for n, (name, arguments) in enumerate(calls)]
+
+
+def _json_calls(text: str) -> qwen3_coder.ToolCalls:
+    """Hermes-style JSON calls; the content is the text before the first call, or all of it when none parses."""
+    calls = []
+    for block in JSON_BLOCK.findall(text):
         try:
-            return int(value.strip())
+            call = json.loads(block.strip())
         except ValueError:
-            return value
-    if schema_type == "number":
-        try:
-            number = float(value.strip())
-        except ValueError:
-            return value
-        return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
-    if schema_type == "boolean":
-        lowered = value.strip().lower()
-        return lowered == "true" if lowered in ("true", "false") else value
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            arguments = call.get("arguments", {})
+            arguments = arguments if isinstance(arguments, dict) else {"value": arguments}
+            calls.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
+    if not calls:
+        return qwen3_coder.ToolCalls(text)
+    return qwen3_coder.ToolCalls(text[:text.index(CALL_START)], calls)

@@ -37,6 +37,8 @@ MAX_REPLAYS = 3
 # Replays after outages that were waited out (the server was down and came back) do not use up
 # MAX_REPLAYS, but are bounded too: a task that brought its server down each time would loop forever.
 MAX_OUTAGE_REPLAYS = 10
+# more than this share of a step's evaluate() episodes cut off at a limit is warned of
+CUT_OFF_WARNING = 0.1
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Episode:
     replays: int = 0  # times a server lost it and it was played again from the start
     game_name: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    calls: list[Any] = field(default_factory=list)  # an evaluate episode's endpoint calls (endpoint.CallRecord)
 
     @property
     def generated_tokens(self) -> int:
@@ -146,6 +149,7 @@ class RolloutRunner:
         self.endpoint = endpoint
         self.evaluate_kwargs = evaluate_kwargs or {}
         self._checked_evaluate = False
+        self._warned_cut_off: set[str] = set()
 
     async def run(self, tasks: list[Task], step: int, on_episode_done: Callable[[Episode], None] | None = None,
                   first_index: int = 0) -> list[Episode]:
@@ -157,7 +161,27 @@ class RolloutRunner:
             await self._check_evaluate_envs()
         rollout = getattr(self.generator, "rollout", None)
         async with (rollout(step) if rollout else contextlib.nullcontext()):
-            return await self._run(tasks, step, on_episode_done, first_index)
+            episodes = await self._run(tasks, step, on_episode_done, first_index)
+        self._check_harnessed(episodes)
+        return episodes
+
+    def _check_harnessed(self, episodes: list[Episode]) -> None:
+        """A step in which no `evaluate` episode called the endpoint stops the run (the env is misconfigured); more
+        than CUT_OFF_WARNING of them cut off at a limit is warned of, once per limit."""
+        harnessed = [e for e in episodes if e.env_kind == "evaluate"]
+        if not harnessed:
+            return
+        if all(e.info.get("fault") == "unused" for e in harnessed):
+            raise EndpointUnused(f"no evaluate() episode of this step called the trainer's endpoint ({len(harnessed)} "
+                                 f"returned a score without a call); first: {harnessed[0].error}")
+        for limit in ("context", "max_turns"):
+            share = sum(e.info.get("cut_off") == limit for e in harnessed) / len(harnessed)
+            if share > CUT_OFF_WARNING and limit not in self._warned_cut_off:
+                self._warned_cut_off.add(limit)
+                setting = ("generation.max_prompt_tokens" if limit == "context" else "generation.max_turns")
+                log.warning("%.0f%% of this step's evaluate() episodes were cut off at the %s limit (%s) and are not "
+                            "trained on; raise %s if the validators' server allows more", 100 * share, limit,
+                            f"{setting}={getattr(self.cfg, setting.split('.')[1])}", setting)
 
     async def _run(self, tasks: list[Task], step: int, on_episode_done: Callable[[Episode], None] | None,
                    first_index: int) -> list[Episode]:
@@ -302,7 +326,8 @@ class RolloutRunner:
     async def play_through_evaluate(self, index: int, task: Task, step: int) -> Episode:
         """One episode of an env of kind `evaluate`: one evaluate() call whose endpoint calls are the turns. A call
         that fails (timeout, exception, no score, an `error` in its result) fails the episode with the reason in
-        `error` and `info["fault"]`; a scored result without a single endpoint call raises EndpointUnused."""
+        `error` and `info["fault"]`, as does a scored result without a single endpoint call ("unused"); a call the
+        endpoint refused at a limit (context, generation.max_turns) cuts the episode off (`info["cut_off"]`)."""
         from ppo_affine.envs.affinetes_env import RemoteCallError
 
         kind, env = self.envs[task.env]
@@ -320,20 +345,29 @@ class RolloutRunner:
         finally:
             calls = self.endpoint.close_episode(door)
         episode.sequences, placements, breaks = pack_calls(calls)
+        episode.calls = calls
         episode.turns = [Turn(response_ids=call.token_ids, response_text=call.text, sampler_logprobs=call.logprobs,
                               sequence=sequence, start=start, adapter_step=call.adapter_step)
                          for call, (sequence, start) in zip(calls, placements)]
         episode.info = {"evaluate_result": result, "prefix_breaks": breaks, "calls": len(calls)}
-        episode.cut_off = door.refused > 0  # it asked past generation.max_turns
+        if door.cut_off is not None:  # the endpoint refused a call at a limit: whatever the harness made of it
+            episode.cut_off = True  # (a score, an error), the episode is cut off, neither a failure nor a score
+            episode.info["cut_off"] = door.cut_off
+            if fault is not None:
+                episode.info["harness_said"] = f"{fault[0]}: {fault[1]}"
+            return episode
         if fault is not None:
             episode.info["fault"] = fault[0]
             episode.error = f"evaluate() of env {task.env!r} failed: {fault[0]}: {fault[1]}"
             log.warning("episode %s (task %s) dropped: %s", index, task.task_id, episode.error)
             return episode
-        if not calls:
-            raise EndpointUnused(f"env {task.env!r}: evaluate() returned a score without calling the trainer's "
-                                 f"endpoint at {door.url}: it must send its requests to the base_url (and model) it "
-                                 "is given, or the run learns nothing from it")
+        if not calls:  # it talks to another model: this episode is dropped; a step of only such stops the run
+            episode.info["fault"] = "unused"
+            episode.error = (f"env {task.env!r}: evaluate() returned a score without calling the trainer's "
+                             f"endpoint at {door.url}: it must send its requests to the base_url (and model) it "
+                             "is given, or the run learns nothing from it")
+            log.warning("episode %s (task %s) dropped: %s", index, task.task_id, episode.error)
+            return episode
         conversation = (result.get("extra") or {}).get("conversation")
         episode.messages = conversation if isinstance(conversation, list) else []
         episode.done = True

@@ -156,6 +156,7 @@ class RunLogger:
         """`fresh`: a new run, not a resumed one; metrics.jsonl and samples.jsonl of an earlier run in its folder are
         renamed, not written over or appended to."""
         self.run_dir = run_dir
+        self.model = (config_dump.get("train") or {}).get("model")  # samples name it: episodes.py loads its tokenizer
         run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = run_dir / "metrics.jsonl"
         with writing("the metrics", self.metrics_path):
@@ -211,11 +212,14 @@ class RunLogger:
         check_run_log()
         self.last_step, self.last_metrics = step, record
 
-    def log_sample(self, step: int, episode) -> None:
-        """One played conversation, for reading what the model actually does."""
-        record = {"step": step, "env": episode.task.env, "task_id": episode.task.task_id, "seed": episode.task.seed,
-                  "game": episode.game_name, "score": episode.score, "error": episode.error,
-                  "messages": episode.messages}
+    def log_sample(self, step: int, episode, index: int = 0) -> None:
+        """One played episode (the step's `index`-th): its conversation, and each model call as recorded (prompt
+        and sampled ids, decoded and parsed reply, log-probs, adapter step, reward) for `python -m
+        ppo_affine.episodes show`."""
+        record = {"step": step, "episode": index, "env": episode.task.env, "task_id": episode.task.task_id,
+                  "seed": episode.task.seed, "game": episode.game_name, "score": episode.score, "error": episode.error,
+                  "cut_off": episode.cut_off, "model": self.model, "messages": episode.messages,
+                  "calls": recorded_calls(episode)}
         path = self.run_dir / SAMPLES_FILE
         with writing("the samples", path), open(path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
@@ -271,6 +275,22 @@ def steps_behind(episodes, policy_step: int) -> dict[str, float]:
     return {"async/steps_behind_mean": sum(behind) / len(behind), "async/steps_behind_max": float(max(behind))}
 
 
+def recorded_calls(episode) -> list[dict[str, Any]]:
+    """Each model call of an episode as the rollout recorded it: an evaluate episode's endpoint calls (with the
+    request, to re-render it), a native episode's turns."""
+    calls = []
+    for n, turn in enumerate(episode.turns):
+        call = {"prompt_ids": episode.prompt_ids(turn), "token_ids": list(turn.response_ids),
+                "text": turn.response_text, "logprobs": turn.sampler_logprobs, "adapter_step": turn.adapter_step,
+                "reward": turn.reward}
+        if n < len(episode.calls):  # endpoint calls: one per turn, in order
+            record = episode.calls[n]
+            call.update(prompt_ids=list(record.prompt_ids), finish_reason=record.finish_reason,
+                        parsed=record.parsed, request=record.request)
+        calls.append(call)
+    return calls
+
+
 def episode_summary(episodes, rollout_seconds: float, rewards: dict[int, float]) -> dict[str, Any]:
     """The env/ and perf/ numbers of one step's episodes; `rewards` maps id(episode) to its total reward."""
     ok = [e for e in episodes if not e.error]
@@ -297,6 +317,8 @@ def episode_summary(episodes, rollout_seconds: float, rewards: dict[int, float])
     if harnessed:  # envs that run the conversation themselves (rollout.play_through_evaluate)
         metrics["evaluate/calls"] = sum(e.info.get("calls", 0) for e in harnessed)
         metrics["evaluate/prefix_breaks"] = sum(e.info.get("prefix_breaks", 0) for e in harnessed)
+        # cut off at the endpoint's limits (context, max_turns): not trained on, not failures
+        metrics["evaluate/cut_off_rate"] = sum(bool(e.info.get("cut_off")) for e in harnessed) / len(harnessed)
         for episode in harnessed:
             if episode.info.get("fault"):
                 key = f"evaluate/dropped/{episode.info['fault']}"

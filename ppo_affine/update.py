@@ -20,6 +20,7 @@ import torch
 
 from ppo_affine.distributed import ONE_PROCESS, Ranks
 from ppo_affine.batching import Batch, TrainSequence, micro_batches
+from ppo_affine.oom_recovery import blamed_on
 from ppo_affine.policy import Policy
 from ppo_affine.ppo import (explained_variance_from_moments, explained_variance_moments, kl_penalty, pearson_correlation,
                  policy_loss, value_loss, weighted_mean)
@@ -257,15 +258,16 @@ def backward_micro_batches(policy: Policy, minibatch: list[TrainSequence], setti
     for batch in micro_batches(minibatch, settings.micro_batch_tokens, policy.tokenizer.pad_token_id, policy.device,
                                policy.shares_prefixes_with_gradients()):
         share = float(batch.response_mask.sum()) / weights.tokens  # of the minibatch's token statistics
-        part = micro_batch_loss(policy, batch, settings, weights)
-        if part.values is not None:
-            passes.values.append(part.values)
-            passes.returns.append(part.returns)
-        if not torch.isfinite(part.loss):
-            passes.finite = False
-            break
-        if part.loss.requires_grad:
-            part.loss.backward()
+        with blamed_on(batch):  # out of memory names the episode of its longest sequence
+            part = micro_batch_loss(policy, batch, settings, weights)
+            if part.values is not None:
+                passes.values.append(part.values)
+                passes.returns.append(part.returns)
+            if not torch.isfinite(part.loss):
+                passes.finite = False
+                break
+            if part.loss.requires_grad:
+                part.loss.backward()
         for key, value in part.terms.items():
             passes.sums[key] = passes.sums.get(key, 0.0) + value
         for key, value in part.means.items():

@@ -74,16 +74,17 @@ def test_adapting_experts_needs_fused_experts_and_no_dropout(arch_dirs):
 
 
 # ---------------------------------------------------------------------------------------------- exactness
-def test_linear_attention_switches_off_turn_caches_and_trees_with_one_line_each(arch_dirs, caplog):
+def test_linear_attention_switches_off_trees_with_one_line_and_keeps_turn_caches_exact_prefix_only(arch_dirs, caplog):
     architectures._said.clear()
     hybrid, dense = policy_of(arch_dirs[HYBRID]), policy_of(arch_dirs["qwen3"])
     with caplog.at_level(logging.INFO, logger="ppo_affine.architectures"):
         for _ in range(2):
-            assert not LocalGenerator(hybrid, GenerationConfig(reuse_kv_cache=True), seed=0).reuse_cache
+            generator = LocalGenerator(hybrid, GenerationConfig(reuse_kv_cache=True), seed=0)
+            assert generator.reuse_cache and generator.caches.exact_prefix_only
             assert architectures.tree_scoring_mode(hybrid.model.config, "always") == "off"
     lines = [r.getMessage() for r in caplog.records if r.name == "ppo_affine.architectures"]
-    assert len(lines) == 2 and "generation.reuse_kv_cache off for qwen3_5_moe_text" in lines[0]
-    assert "ppo.tree_scoring off" in lines[1]
+    assert len(lines) == 1 and "ppo.tree_scoring off for qwen3_5_moe_text" in lines[0]
+    assert not LocalGenerator(dense, GenerationConfig(reuse_kv_cache=True), seed=0).caches.exact_prefix_only
     assert LocalGenerator(dense, GenerationConfig(reuse_kv_cache=True), seed=0).reuse_cache
     assert architectures.tree_scoring_mode(dense.model.config, "always") == "always"
 
@@ -146,10 +147,8 @@ def test_a_reply_continued_from_kept_caches_equals_one_computed_from_scratch(arc
     scratch, fresh = play(policy, False, 1.0)
     assert kept == scratch
     assert fresh.prefilled_tokens == fresh.prompt_tokens
-    if name == HYBRID:  # switched off: every turn is prefilled whole
-        assert reused.prefilled_tokens == reused.prompt_tokens
-    else:
-        assert reused.prefilled_tokens < 0.8 * reused.prompt_tokens
+    # the second turn continues the first one's keys/values or linear-attention state
+    assert reused.prefilled_tokens < 0.8 * reused.prompt_tokens
 
 
 # ---------------------------------------------------------------------------------------------- admission
@@ -175,6 +174,11 @@ def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(file), "pt") as handle:
             out.update({name: handle.get_tensor(name) for name in handle.keys()})
     return out
+
+
+@torch.no_grad()
+def prompt_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model.eval()(input_ids=ids).logits[0].float()
 
 
 def active_adapter(folder: Path, out: Path, **lora) -> Path:
@@ -226,6 +230,28 @@ def test_merge_rewrites_only_the_adapted_tensors_of_the_release_files(arch_dirs,
 
 
 @pytest.mark.slow
+def test_the_streamed_updates_are_peft_s_own_deltas_expert_by_expert(arch_dirs, tmp_path):
+    """The merge builds each update from the adapter file on a meta-device skeleton, one expert at a time: the same
+    numbers as peft's get_delta_weight on the loaded model, for every adapted weight (the fused
+    [experts, 2·width, hidden] gate_up split into gate rows then up rows, as the release stores them)."""
+    from ppo_affine.release_files import Update, adapted_layers, adapter_on_skeleton
+
+    policy = policy_of(arch_dirs["qwen3_5_moe"], adapt_experts=True, dropout=0.0)
+    activate_adapter(policy.model, 0.1)
+    policy.save(tmp_path / "ckpt")
+    loaded = adapted_layers(policy.model)
+    streamed = adapted_layers(adapter_on_skeleton(str(arch_dirs["qwen3_5_moe"]), tmp_path / "ckpt" / "adapter", "t"))
+    assert set(streamed) == set(loaded) and any(name.endswith("experts.gate_up_proj") for name in streamed)
+    for name, layer in streamed.items():
+        expected = loaded[name].get_delta_weight("default").float()
+        assert torch.allclose(Update(layer).delta(), expected, atol=1e-6), name
+        if name.endswith("gate_up_proj"):  # [4 experts, 2·16, 32]
+            gate, up = expected.chunk(2, dim=1)
+            assert torch.allclose(Update(layer, 3, slice(0, 16)).delta(), gate[3], atol=1e-6)
+            assert torch.allclose(Update(layer, 3, slice(16, 32)).delta(), up[3], atol=1e-6)
+
+
+@pytest.mark.slow
 def test_after_a_4bit_run_the_merge_lands_on_the_model_that_was_trained(arch_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -242,8 +268,8 @@ def test_after_a_4bit_run_the_merge_lands_on_the_model_that_was_trained(arch_dir
     assert merge.main(args + ["--output", str(tmp_path / "m")] + [a for s in sets for a in ("--set", s)]) == 0
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
     trained = load_adapter_model(load_dequantised_base(model_cfg, torch.device("cpu")), tmp_path / "ckpt" / "adapter", "t")
-    expected = merge.prompt_logits(trained, ids)
-    merged = merge.prompt_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32), ids)
+    expected = prompt_logits(trained, ids)
+    merged = prompt_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32), ids)
     assert (merged - expected).abs().max() < 1e-4 * expected.abs().max()  # into the NF4-rounded weights (auto)
 
 
@@ -312,3 +338,43 @@ def test_a_qwen3_adapter_hot_loads_into_vllm_cpu_and_samples_what_the_trainer_sc
     records = metrics(tmp_path / "t")
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["vllm/logprob_gap"] < 1e-3 for r in records), [r["vllm/logprob_gap"] for r in records]
+
+
+# ---------------------------------------------------------------- which kernels each layer kind runs
+def test_the_cuda_extra_declares_the_gated_deltanet_kernels():
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    assert sorted(Requirement(r).name for r in project["optional-dependencies"]["cuda"]) == \
+        ["causal-conv1d", "flash-linear-attention"]
+
+
+def test_without_the_kernels_a_cpu_run_takes_the_torch_fallback_and_says_which_each_layer_kind_runs():
+    from transformers import AutoModelForCausalLM
+
+    from ppo_affine.kernels import layer_implementations, slow_on_the_gpu
+    from ppo_affine.testing.tiny import tiny_architecture_config
+
+    hybrid = AutoModelForCausalLM.from_config(tiny_architecture_config("qwen3_5_moe_text", 64, 0, 1))
+    found = layer_implementations(hybrid)
+    assert found == {"full_attention": "sdpa",
+                     "linear_attention chunk_gated_delta_rule": "torch fallback (fla not installed)",
+                     "linear_attention causal_conv1d_fn": "torch fallback (causal_conv1d not installed)",
+                     "experts": "grouped_mm"}
+    assert slow_on_the_gpu(found, torch.device("cpu")) == []  # the reference is what a CPU runs
+    assert slow_on_the_gpu(found, torch.device("cuda")) == ["linear_attention chunk_gated_delta_rule",
+                                                            "linear_attention causal_conv1d_fn"]
+    dense = AutoModelForCausalLM.from_config(tiny_architecture_config("qwen3", 64, 0, 1))
+    assert layer_implementations(dense) == {"full_attention": "sdpa"}
+
+
+def test_loading_the_policy_logs_which_implementation_each_layer_kind_runs(tiny_model_dir, caplog):
+    from ppo_affine.testing.tiny import load_tiny_policy
+
+    with caplog.at_level(logging.INFO, logger="ppo_affine.policy"):
+        load_tiny_policy(tiny_model_dir)
+    assert "layer implementations: full_attention: sdpa" in caplog.text
+    assert "pip install -e .[cuda]" not in caplog.text  # a CPU run is not warned about the GPU kernels

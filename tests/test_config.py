@@ -28,7 +28,7 @@ def test_a_preset_by_path_is_merged_on_top_of_the_earlier_ones(tmp_path):
 
 @pytest.mark.parametrize("name", ["nope", "train"])
 def test_an_unknown_preset_lists_the_available_ones(name):
-    with pytest.raises(ConfigError, match=rf"Preset '{name}' not found .*presets/{name}.json.*\['cpu', 'qwen3-32b', "
+    with pytest.raises(ConfigError, match=rf"Preset '{name}' not found .*presets/{name}.json.*\['agent', 'cpu', 'qwen3-32b', "
                                           r"'qwen3.6-35b-a3b', 'trace', 'warm_start'\]"):
         load_config(presets=[name])
 

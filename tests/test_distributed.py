@@ -330,8 +330,10 @@ def test_two_ranks_spread_episodes_over_two_vllm_servers_that_each_load_every_ad
         served = [httpx.get(url.removesuffix("/v1") + "/test/stats").json() for url in urls]
     # episodes 0 and 2 of each step asked the first server, 1 and 3 the second, whichever rank played them
     assert all(stats["completions"] > 0 for stats in served)
-    # rank 0 loaded each adapter once per server (the initial one, then one per update), not once per rank
-    assert [[name.split("-step-")[1].split("-")[0] for name in stats["loaded"]] for stats in served] == \
+    # rank 0 loaded the start-up probe adapter, then each adapter once per server (the initial one, then one per
+    # update), not once per rank
+    assert [stats["loaded"][0].split("-")[:2] for stats in served] == [["adapter", "probe"]] * 2
+    assert [[name.split("-step-")[1].split("-")[0] for name in stats["loaded"][1:]] for stats in served] == \
         [["0", "1", "2"], ["0", "1", "2"]]
     records = metrics(tmp_path / "t")
     assert [r["dist/world_size"] for r in records] == [2, 2]

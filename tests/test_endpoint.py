@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 from ppo_affine.config import EndpointConfig, GenerationConfig
-from ppo_affine.endpoint import CallRecord, ChatEndpoint, pack_calls
+from ppo_affine.endpoint import CallRecord, ChatEndpoint, pack_calls, tools_for_template
 from ppo_affine.generation import Generation
 from ppo_affine.prompts import PromptBuilder
-from ppo_affine.reply_parsers import PLAIN, REPLY_FORMATS, ReplyFormat, parse_reply
+from ppo_affine.reply_parsers import REPLY_FORMATS
 
 FOREIGN_ENV = Path(__file__).parent / "foreign_env"
 
@@ -71,7 +71,7 @@ class ScriptedGenerator:
 
 
 def endpoint_of(tokenizer, replies, reply_format=HERMES, eos_at_end=True, **generation) -> ChatEndpoint:
-    cfg = GenerationConfig(**{"max_new_tokens": 64, "max_prompt_tokens": 2048, "temperature": 1.0, **generation})
+    cfg = GenerationConfig(**{"max_new_tokens": 512, "max_prompt_tokens": 2048, "temperature": 1.0, **generation})
     return ChatEndpoint(ScriptedGenerator(tokenizer, replies, eos_at_end), PromptBuilder(tokenizer, cfg.max_prompt_tokens),
                         cfg, reply_format, "tiny", EndpointConfig())
 
@@ -86,39 +86,6 @@ def one_episode(endpoint: ChatEndpoint):
     return endpoint.open_episode(3, (11, 22, 0, 3))
 
 
-# ---------------------------------------------------------------------- reply parsers
-def test_qwen3_5_moe_splits_reasoning_and_xml_tool_calls_typed_by_the_tool_schema():
-    text = ("<think>\nadd them\n</think>\n\nLet me add.\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n"
-            "<parameter=b>\n3\n</parameter>\n</function>\n</tool_call>")
-    parsed = parse_reply(text, REPLY_FORMATS["qwen3_5_moe"], TOOLS, call_id="c")
-    assert parsed.reasoning_content == "add them"
-    assert parsed.content == "Let me add."
-    assert parsed.tool_calls == [{"id": "c_0", "type": "function",
-                                  "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]
-
-
-def test_a_reasoning_block_the_template_opened_ends_at_its_closing_tag():
-    parsed = parse_reply("thinking on\n</think>\n\n42", REPLY_FORMATS["qwen3_5_moe"], reasoning_open=True)
-    assert (parsed.reasoning_content, parsed.content) == ("thinking on", "42")
-
-
-def test_a_reply_cut_off_while_reasoning_is_all_reasoning():
-    parsed = parse_reply("<think>still going", REPLY_FORMATS["qwen3_5_moe"])
-    assert (parsed.reasoning_content, parsed.content, parsed.tool_calls) == ("still going", None, [])
-
-
-def test_dense_qwen3_keeps_think_in_the_content_and_parses_json_tool_calls():
-    text = '<think>x</think>ok<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-    parsed = parse_reply(text, REPLY_FORMATS["qwen3"])
-    assert parsed.reasoning_content is None and parsed.content == "<think>x</think>ok"
-    assert parsed.tool_calls[0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
-
-
-def test_an_unparsable_tool_call_stays_text_and_other_families_parse_nothing():
-    assert parse_reply("<tool_call>{oops</tool_call>", HERMES).content == "<tool_call>{oops</tool_call>"
-    assert parse_reply("<think>a</think>b", PLAIN).content == "<think>a</think>b"
-
-
 # ---------------------------------------------------------------------- chat completions
 def test_a_chat_call_answers_parsed_and_records_prompt_ids_sampled_ids_logprobs_and_adapter_step(tokenizer):
     endpoint = endpoint_of(tokenizer, ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'])
@@ -129,10 +96,11 @@ def test_a_chat_call_answers_parsed_and_records_prompt_ids_sampled_ids_logprobs_
     assert response.status_code == 200
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
-    assert choice["message"]["content"] is None
+    assert choice["message"]["content"] == ""  # SGLang never sends null content
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
     [call] = endpoint.close_episode(door)
-    rendered = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(messages, tools=tools_for_template({"tools": TOOLS}),
+                                             add_generation_prompt=True, tokenize=False)
     assert call.prompt_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert call.token_ids[-1] == tokenizer.eos_token_id
     assert call.logprobs == [-0.25] * len(call.token_ids) and call.adapter_step == 7
@@ -181,41 +149,78 @@ def test_a_reply_that_reaches_max_new_tokens_finishes_with_length(tokenizer):
     assert response.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_prompt_over_the_budget_is_a_400_naming_the_limit_and_nothing_is_generated(tokenizer):
+def test_a_prompt_over_the_budget_is_answered_as_sglang_answers_a_context_overflow_and_cuts_the_episode_off(tokenizer):
     endpoint = endpoint_of(tokenizer, ["never"], max_prompt_tokens=16, max_new_tokens=8)
     door = one_episode(endpoint)
     response = asyncio.run(post(endpoint, "/chat/completions",
                                 {"messages": [{"role": "user", "content": "word " * 40}]}, door.key))
     assert response.status_code == 400
-    message = response.json()["error"]["message"]
-    assert "maximum context length is 24 tokens" in message and "generation.max_prompt_tokens=16" in message
+    body = response.json()
+    render = tokenizer.apply_chat_template([{"role": "user", "content": "word " * 40}], add_generation_prompt=True,
+                                           tokenize=False)
+    n = len(tokenizer(render, add_special_tokens=False)["input_ids"])
+    assert body == {"object": "error", "type": "BadRequest", "param": None, "code": 400,
+                    "message": f"The input ({n} tokens) is longer than the model's context length (16 tokens)."}
+    assert door.cut_off == "context"
     assert endpoint.generator.requests == [] and endpoint.close_episode(door) == []
+
+
+def test_calls_past_max_turns_are_answered_as_a_context_limit_and_cut_the_episode_off(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["a", "b"], max_turns=1)
+    door = one_episode(endpoint)
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert asyncio.run(post(endpoint, "/chat/completions", body, door.key)).status_code == 200
+    refused = asyncio.run(post(endpoint, "/chat/completions", body, door.key))
+    assert refused.status_code == 400 and door.cut_off == "max_turns"
+    assert refused.json()["message"].startswith("The input is longer than the model's context length: this episode "
+                                                "has made 1 model calls, the trainer's limit (generation.max_turns=1)")
 
 
 def test_the_runs_sampling_settings_win_and_the_difference_is_logged_once(tokenizer, caplog):
     endpoint = endpoint_of(tokenizer, ["a", "b"], temperature=1.0, max_new_tokens=64)
     door = one_episode(endpoint)
-    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.2, "max_tokens": 5}
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.2}
     with caplog.at_level(logging.WARNING, logger="ppo_affine.endpoint"):
         for _ in range(2):
             asyncio.run(post(endpoint, "/chat/completions", body, door.key))
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["an evaluate() harness asked for temperature=0.2; the run's generation.temperature=1.0 applies",
-                     "an evaluate() harness asked for max_tokens=5; the run's generation.max_new_tokens=64 applies"]
+                     "an evaluate() harness asked for no max_tokens; the run's cap generation.max_new_tokens=64 "
+                     "applies"]
 
 
-
-def test_a_field_the_endpoint_does_not_read_is_named_in_the_log_once(tokenizer, caplog):
-    """mini-swe-agent's litellm sends `seed`; a harness may send more: each is named once, and still answered."""
-    endpoint = endpoint_of(tokenizer, ["a", "b"], temperature=1.0)
+def test_the_harnesses_max_tokens_applies_up_to_the_runs_cap(tokenizer, caplog):
+    endpoint = endpoint_of(tokenizer, ["one two three four five six"] * 3, max_new_tokens=4, eos_at_end=False)
     door = one_episode(endpoint)
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 5, "tool_choice": "auto"}
     with caplog.at_level(logging.WARNING, logger="ppo_affine.endpoint"):
-        answers = [asyncio.run(post(endpoint, "/chat/completions", {**body, "seed": seed}, door.key)) for seed in (5, 6)]
-    assert [answer.status_code for answer in answers] == [200, 200]
+        for asked in (2, 100, 100):
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": asked}
+            choice = asyncio.run(post(endpoint, "/chat/completions", body, door.key)).json()["choices"][0]
+            assert choice["finish_reason"] == "length"
+    calls = endpoint.close_episode(door)
+    full = tokenizer.encode("one two three four five six", add_special_tokens=False)
+    # the scripted model ignores the caps; a server told max_tokens=k samples its first k tokens
+    assert [call.token_ids for call in calls] == [full[:2], full[:4], full[:4]]
+    assert [len(call.logprobs) for call in calls] == [2, 4, 4]
+    assert calls[0].text == tokenizer.decode(full[:2])
     assert [r.getMessage() for r in caplog.records] == [
-        "an evaluate() harness sent 'seed', which this endpoint does not support: ignored (first value: 5)",
-        "an evaluate() harness sent 'tool_choice', which this endpoint does not support: ignored (first value: \"auto\")"]
+        "an evaluate() harness asked for max_tokens=100; the run's cap generation.max_new_tokens=4 applies"]
+
+
+def test_request_fields_the_endpoint_does_not_apply_are_named_once(tokenizer, caplog):
+    endpoint = endpoint_of(tokenizer, ["a", "b"])
+    door = one_episode(endpoint)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "seed": 3, "frequency_penalty": 0,
+            "presence_penalty": 0.5, "user": "me", "tools": TOOLS, "tool_choice": "required"}
+    with caplog.at_level(logging.WARNING, logger="ppo_affine.endpoint"):
+        for _ in range(2):
+            asyncio.run(post(endpoint, "/chat/completions", body, door.key))
+    assert [r.getMessage() for r in caplog.records] == [
+        "an evaluate() harness sent seed=3, which this endpoint does not apply",
+        "an evaluate() harness sent presence_penalty=0.5, which this endpoint does not apply",
+        'an evaluate() harness sent tool_choice="required": the reply is parsed as SGLang parses it, but generation '
+        "is not constrained to a tool call"]
+
 
 def test_calls_sample_with_seeds_of_the_episode_and_call_and_keep_the_episodes_cache_key(tokenizer):
     from ppo_affine.seeds import derive_seed
@@ -234,7 +239,7 @@ def test_an_unknown_or_finished_episode_is_a_404_and_records_nothing(tokenizer):
     endpoint.close_episode(door)
     response = asyncio.run(post(endpoint, "/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
                                 door.key))
-    assert response.status_code == 404 and "no live episode" in response.json()["error"]["message"]
+    assert response.status_code == 404 and "no live episode" in response.json()["message"]
     assert door.calls == []
 
 
@@ -273,6 +278,101 @@ def test_at_most_max_concurrent_episodes_calls_generate_at_once(tokenizer):
 
     assert [r.status_code for r in asyncio.run(all_at_once())] == [200] * 6
     assert endpoint.generator.most_in_flight == 2
+
+
+# ---------------------------------------------------------------------- as the validators' SGLang answers
+GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "sglang_0_5_14" / "replies.json").read_text())
+QWEN3_6 = REPLY_FORMATS["qwen3_5_moe"]
+XML_CALL = "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n</parameter>\n</function>\n</tool_call>"
+
+
+def chat(endpoint: ChatEndpoint, door, **body) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], **body}
+    return asyncio.run(post(endpoint, "/chat/completions", body, door.key))
+
+
+def test_tools_reach_the_template_as_sglangs_tool_model_dumps_them():
+    assert tools_for_template({"tools": GOLDEN["tools"]}) == GOLDEN["tools_as_rendered"]
+    named = {"tools": GOLDEN["tools"], "tool_choice": {"type": "function", "function": {"name": "submit"}}}
+    assert [t["function"]["name"] for t in tools_for_template(named)] == ["submit"]
+    assert tools_for_template({"tools": GOLDEN["tools"], "tool_choice": "none"}) is None
+
+
+def test_without_tools_or_with_tool_choice_none_a_tool_call_stays_content_and_the_template_gets_no_tools(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["done\n</think>\n\n" + XML_CALL] * 2, reply_format=QWEN3_6)
+    door = one_episode(endpoint)
+    for body in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        choice = chat(endpoint, door, **body).json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["message"]["tool_calls"] is None
+        assert choice["message"]["content"] == "\n\n" + XML_CALL and choice["message"]["reasoning_content"] == "done\n"
+    first, second = endpoint.close_episode(door)
+    assert first.prompt_ids == second.prompt_ids  # no tools rendered in either
+    assert "Tools:" not in tokenizer.decode(second.prompt_ids)
+
+
+def test_with_tools_the_xml_call_is_parsed_typed_by_the_schema_and_finishes_with_tool_calls(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["add\n</think>\n\n" + XML_CALL], reply_format=QWEN3_6)
+    door = one_episode(endpoint)
+    choice = chat(endpoint, door, tools=TOOLS).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert (choice["message"]["content"], choice["message"]["reasoning_content"]) == ("\n\n", "add\n")
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+
+
+def test_a_stop_string_ends_the_reply_before_it_and_keeps_only_the_tokens_sampled_up_to_it(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["add\n</think>\n\nrunning\n" + XML_CALL], reply_format=QWEN3_6)
+    door = one_episode(endpoint)
+    choice = chat(endpoint, door, tools=TOOLS, stop=["<tool_call>"]).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["tool_calls"] is None
+    assert choice["message"]["content"] == "\n\nrunning\n"
+    [call] = endpoint.close_episode(door)
+    decoded = tokenizer.decode(call.token_ids)
+    assert "<tool_call>" in decoded and "<tool_call>" not in tokenizer.decode(call.token_ids[:-1])
+    assert tokenizer.eos_token_id not in call.token_ids and len(call.logprobs) == len(call.token_ids)
+    assert call.eos_text == ""
+
+
+def test_special_tokens_stay_in_the_reply_when_tools_are_given_and_are_skipped_otherwise(tokenizer):
+    reply = "a<|im_start|>b"
+    endpoint = endpoint_of(tokenizer, [reply, reply])
+    door = one_episode(endpoint)
+    assert chat(endpoint, door, tools=TOOLS).json()["choices"][0]["message"]["content"] == "a<|im_start|>b"
+    assert chat(endpoint, door).json()["choices"][0]["message"]["content"] == "ab"
+
+
+def test_a_streamed_reply_cut_off_inside_a_call_sends_its_name_and_whole_parameters_only(tokenizer):
+    cut_off = "add\n</think>\n\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3"
+    length = len(tokenizer.encode(cut_off, add_special_tokens=False))  # the reply ran into the token limit
+    endpoint = endpoint_of(tokenizer, [cut_off, cut_off], reply_format=QWEN3_6, eos_at_end=False, max_new_tokens=length)
+    door = one_episode(endpoint)
+    events = chat(endpoint, door, tools=TOOLS, stream=True).text.splitlines()
+    chunks = [json.loads(line[6:]) for line in events if line.startswith("data: {")]
+    calls = [call for chunk in chunks for delta in [chunk["choices"][0]["delta"]] for call in delta.get("tool_calls", [])]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("add", '{"a": 2')]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    whole = chat(endpoint, door, tools=TOOLS).json()["choices"][0]  # the one-shot parser reads the cut-off value
+    assert whole["message"]["tool_calls"][0]["function"]["arguments"] == '{"a": 2, "b": 3}'
+
+
+def test_thinking_switched_off_leaves_a_reply_without_think_all_content(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["The answer is 5.", "The answer is 5."], reply_format=QWEN3_6)
+    door = one_episode(endpoint)
+    off = chat(endpoint, door, chat_template_kwargs={"enable_thinking": False}).json()["choices"][0]["message"]
+    on = chat(endpoint, door).json()["choices"][0]["message"]
+    assert (off["content"], off["reasoning_content"]) == ("The answer is 5.", None)
+    assert (on["content"], on["reasoning_content"]) == ("", "The answer is 5.")  # the template opened <think>
+
+
+def test_assistant_tool_call_arguments_that_are_not_a_json_object_are_a_400(tokenizer):
+    endpoint = endpoint_of(tokenizer, ["never"])
+    door = one_episode(endpoint)
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{oops"}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "5"}]
+    response = chat(endpoint, door, messages=messages, tools=TOOLS)
+    assert response.status_code == 400 and "must be valid JSON" in response.json()["message"]
+    assert endpoint.generator.requests == []
 
 
 # ---------------------------------------------------------------------- packing

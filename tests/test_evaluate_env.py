@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -74,8 +75,10 @@ def task(task_id: int = 32, seed: int = 5) -> Task:
     return Task(env="quiz", task_id=task_id, seed=seed, opponent=None, stage="s", replay=False)
 
 
-def runner_for(env, tokenizer, replies: list[str], max_turns: int = 200, **evaluate_kwargs) -> RolloutRunner:
-    cfg = GenerationConfig(max_new_tokens=64, max_prompt_tokens=2048, max_concurrent_episodes=2, max_turns=max_turns)
+def runner_for(env, tokenizer, replies: list[str], max_turns: int = 200, max_prompt_tokens: int = 2048,
+               **evaluate_kwargs) -> RolloutRunner:
+    cfg = GenerationConfig(max_new_tokens=64, max_prompt_tokens=max_prompt_tokens, max_concurrent_episodes=2,
+                           max_turns=max_turns)
     generator = ScriptedGenerator(tokenizer, replies)
     prompts = PromptBuilder(tokenizer, cfg.max_prompt_tokens)
     endpoint = ChatEndpoint(generator, prompts, cfg, HERMES, "tiny", EndpointConfig())
@@ -129,18 +132,61 @@ def test_an_evaluate_that_fails_drops_the_episode_with_its_reason(quiz_url, toke
 
 
 def test_calls_past_max_turns_are_refused_and_cut_the_episode_off(quiz_url, tokenizer):
-    """The quiz makes 3 calls; with generation.max_turns 2 its third is answered 400, its client raises, and the
-    episode is cut off (dropped from training, as a native episode at the limit) with the 2 calls it made."""
+    """The quiz makes 3 calls; with generation.max_turns 2 its third is answered 400 (as a server limit), its client
+    raises, and the episode is cut off (dropped from training, as a native episode at the limit, and not counted a
+    failure) with the 2 calls it made."""
     env = AffinetesEnv(mode="url", base_url=quiz_url, call_timeout=30, max_retries=0)
     [episode] = play(runner_for(env, tokenizer, [TOOL_CALL, "It is 5", "5"], max_turns=2), [task()])
     assert episode.cut_off and episode.info["calls"] == 2 and len(episode.turns) == 2
-    assert episode.error is not None and "max_turns=2" in episode.error
+    assert episode.error is None and episode.info["cut_off"] == "max_turns"
+    assert "max_turns=2" in episode.info["harness_said"]
+
+
+def test_a_context_overflow_cuts_the_episode_off_counts_it_and_warns_above_a_tenth(quiz_url, tokenizer, caplog):
+    from ppo_affine.run_log import episode_summary
+
+    env = AffinetesEnv(mode="url", base_url=quiz_url, call_timeout=30, max_retries=0)
+    with caplog.at_level(logging.WARNING, logger="ppo_affine.rollout"):
+        [episode] = play(runner_for(env, tokenizer, [], max_prompt_tokens=16), [task()])
+    assert episode.cut_off and episode.error is None and episode.info["cut_off"] == "context"
+    assert "longer than the model's context length (16 tokens)" in episode.info["harness_said"]
+    summary = episode_summary([episode], 1.0, {id(episode): 0.0})
+    assert summary["evaluate/cut_off_rate"] == 1.0 and summary["env/episodes_failed"] == 0
+    assert [r.getMessage() for r in caplog.records if "cut off" in r.getMessage()] == [
+        "100% of this step's evaluate() episodes were cut off at the context limit (generation.max_prompt_tokens=16) "
+        "and are not trained on; raise generation.max_prompt_tokens if the validators' server allows more"]
 
 
 def test_a_harness_that_never_calls_the_endpoint_stops_the_run_naming_the_env(quiz_url, tokenizer):
     env = AffinetesEnv(mode="url", base_url=quiz_url, call_timeout=30)
     with pytest.raises(EndpointUnused, match="env 'quiz': evaluate\\(\\) returned a score without calling"):
         play(runner_for(env, tokenizer, [], fault="no_call"), [task()])
+
+
+class SometimesElsewhere:
+    """An evaluate env that plays the quiz against the endpoint for even task ids and, for odd ones, returns a score
+    without calling it (it talks to another model)."""
+    call_timeout = 30
+
+    async def methods(self):
+        return ["evaluate"]
+
+    async def close(self):
+        pass
+
+    async def evaluate(self, timeout, task_id, base_url, **kwargs):
+        if task_id % 2:
+            return {"task_name": "quiz", "score": 1.0, "success": True}
+        from test_endpoint import Actor
+
+        return await Actor().evaluate(task_id=task_id, base_url=base_url, timeout=timeout)
+
+
+def test_an_episode_that_never_called_the_endpoint_is_dropped_with_its_reason_and_the_others_go_on(tokenizer):
+    called, elsewhere = play(runner_for(SometimesElsewhere(), tokenizer, [TOOL_CALL, "It is 5", "5"]),
+                             [task(32), task(33)])
+    assert called.error is None and called.score == 1.0 and called.info["calls"] == 3
+    assert elsewhere.info["fault"] == "unused" and "returned a score without calling" in elsewhere.error
 
 
 class TimingOut:
@@ -182,6 +228,7 @@ def test_step_metrics_count_calls_prefix_breaks_and_dropped_episodes(quiz_url, t
     summary = episode_summary(episodes + broken, 1.0, {id(e): 0.0 for e in episodes + broken})
     assert summary["evaluate/calls"] == 6 and summary["evaluate/prefix_breaks"] == 2
     assert summary["evaluate/dropped/http_error"] == 1 and summary["env/episodes_failed"] == 1
+    assert summary["evaluate/cut_off_rate"] == 0.0
 
 
 # ---------------------------------------------------------------------- configuration

@@ -761,3 +761,17 @@ def test_running_out_of_memory_on_a_single_row_fails_its_request(tiny_policy):
     prompt = PromptBuilder(tiny_policy.tokenizer, 4096).encode([{"role": "user", "content": "go"}])
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
         replies(generator, [prompt])
+
+
+def test_the_adapter_probe_judges_the_servers_log_probs_against_the_trainers_move():
+    """applied: the server's log-probs of the sampled tokens are within 1/4 of the probe's move of the trainer's."""
+    from ppo_affine.generation import ProbeReading
+
+    base, probe = [-1.0, -2.0, -0.5], [-3.0, -1.0, -0.4]  # the probe moved the trainer by up to 2.0 nats
+    applied = ProbeReading(served=[-2.9, -1.2, -0.4], trainer_base=base, trainer_probe=probe)
+    assert (applied.moved, round(applied.gap, 6), applied.applied) == (2.0, 0.2, True)
+    ignored = ProbeReading(served=base, trainer_base=base, trainer_probe=probe)  # the engine served the base model
+    assert (ignored.gap, ignored.applied) == (2.0, False)
+    half = ProbeReading(served=[-2.0, -1.5, -0.45], trainer_base=base, trainer_probe=probe)  # part of it dropped
+    assert (half.gap, half.applied) == (1.0, False)
+    assert not ProbeReading([float("nan")] * 3, base, probe).applied

@@ -61,10 +61,78 @@ def test_a_plan_adds_every_term_and_gives_vllm_its_share():
     adapter = next(t for t in planned.trainer if t.name == "adapter + AdamW")
     assert adapter.bytes == trainable_parameters(meta_model(config), shape()) * ADAPTER_BYTES
     activations = next(t for t in planned.trainer if t.name == "activations")
-    assert activations.bytes == 1024 * (2 * 64 * 2 + 2 * 1000)  # each layer's input, one layer saved, its backward
+    assert activations.bytes == 1024 * (2 * 64 * 2 + 1.25 * 1000)  # each layer's input, one layer recomputed
     assert planned.vllm_share == pytest.approx(-(-planned.vllm_bytes * 100 // 1e10) / 100)
     local = plan(config, shape(backend="local"), 1e10, per_kind)
     assert not local.vllm and local.trainer[-1].name == "local generation caches"
+
+
+def test_the_longest_sequence_sizes_the_pass_and_the_lm_head_holds_one_chunk():
+    config = AutoConfig.for_model("qwen3", **QWEN3)
+    per_kind = {"full_attention": 1000.0}
+
+    def terms(**changes):
+        return {t.name: t.bytes for t in plan(config, shape(**changes), 1e10, per_kind).trainer}
+
+    # 8 192 + 1 024 tokens get a pass of their own, whatever the 1 024-token micro-batch budget
+    checkpointed = terms(context_tokens=9216)
+    assert checkpointed["activations"] == 9216 * (2 * 64 * 2 + 1.25 * 1000)
+    # the head runs per chunk of 2^25 / 1000 = 33 554 rows (all 9 216 here): 3 bf16 copies and a float32 one a
+    # logit, plus the gathered hidden states and their gradient (64 x 2 bytes x 2); with checkpointing, only what
+    # exceeds the recomputed layer's 9 216 x 1 250 bytes, which is never alive beside it
+    head = 9216 * 1000 * (3 * 2 + 4) + 9216 * 64 * 2 * 2
+    assert checkpointed["logits"] == head - 9216 * 1250
+    plain = terms(context_tokens=9216, gradient_checkpointing=False)
+    assert plain["activations"] == 9216 * (2 * 1000 + 1000) and plain["logits"] == head
+    # a sequence limit below the context (ppo.max_sequence_tokens) bounds the pass instead
+    assert terms(context_tokens=9216, longest_sequence=2048)["activations"] == 2048 * (2 * 64 * 2 + 1.25 * 1000)
+
+
+def test_the_longest_sequence_that_fits_is_the_last_that_does():
+    from ppo_affine.memory_plan import longest_that_fits
+
+    config = AutoConfig.for_model("qwen3", **QWEN3)
+    per_kind = {"full_attention": 1000.0}
+    gpu = 6e9  # 5.7 GB usable, 5 GB of it the CUDA and vLLM reserves
+    longest = longest_that_fits(config, shape(), gpu, per_kind)
+    assert 1024 < longest < 1 << 22
+    assert plan(config, shape(longest_sequence=longest), gpu, per_kind).fits
+    assert not plan(config, shape(longest_sequence=longest + 1), gpu, per_kind).fits
+
+
+@pytest.mark.slow
+def test_the_plan_of_a_16k_token_sequence_is_torchs_peak_within_15_percent_on_the_cpu():
+    """The tiny qwen3_5_moe (Gated DeltaNet, full attention, experts) with LoRA, float32, checkpointing as the trainer
+    turns it on: one pass over a 16 384-token reply, backward and an AdamW step, against the plan's trainer terms
+    (no CUDA reserve, no caches: nothing is generated)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ppo_affine.architectures import default_lora_targets
+    from ppo_affine.policy import Policy, resolve_lora_targets
+    from ppo_affine.testing.live_bytes import LiveBytes
+    from ppo_affine.testing.tiny import tiny_architecture_config
+
+    tokens = 16384
+    config = tiny_architecture_config("qwen3_5_moe_text", 1024, pad_token_id=0, eos_token_id=1)
+    run = shape(dtype_bytes=4, lora_r=16, backend="local", episodes=0, context_tokens=tokens)
+    predicted = sum(t.bytes for t in plan(config, run, 1e12).trainer if t.name != "CUDA reserve")
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.enable_input_require_grads()
+    targets = resolve_lora_targets(base, default_lora_targets(config), explicit=False)
+    policy = Policy(get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets)),
+                    tokenizer=None).train()
+    optimizer = torch.optim.AdamW(policy.adapter_parameters(), lr=1e-4)
+    frozen = sum(p.numel() * p.element_size() for p in policy.parameters() if not p.requires_grad)
+    ids = torch.randint(0, 1024, (1, tokens), generator=torch.Generator().manual_seed(0))
+    live = LiveBytes()
+    with live.mode:
+        policy.score(ids, None, torch.ones_like(ids), with_values=False).logprobs.sum().backward()
+        optimizer.step()
+    peak = frozen + live.peak  # the trainable weights, gradients and moments are in live.peak
+    assert predicted == pytest.approx(peak, rel=0.15), (predicted / 1e6, peak / 1e6)
 
 
 def test_the_least_reluctant_change_that_fits_is_chosen(monkeypatch):

@@ -63,11 +63,11 @@ def test_bfloat16_output_is_saved_in_bfloat16(tiny_model_dir, checkpoint, tmp_pa
 
 @pytest.mark.slow
 def test_a_merge_that_does_not_match_fails_and_saves_nothing(tiny_model_dir, checkpoint, tmp_path, monkeypatch, capsys):
-    from ppo_affine import release_files
+    from ppo_affine.release_files import Update
 
     # updates that lost their scale: exactly the kind of mistake the check exists to catch
-    real = release_files.adapter_deltas
-    monkeypatch.setattr(release_files, "adapter_deltas", lambda model: {n: d / 2 for n, d in real(model).items()})
+    real = Update.delta
+    monkeypatch.setattr(Update, "delta", lambda update: real(update) / 2)
     output = tmp_path / "merged"
     assert merge.main(["--checkpoint", str(checkpoint), "--output", str(output), *tiny_sets(tiny_model_dir)]) == 1
     assert "base + the adapter's updates vs base + adapter: a layer's outputs differ" in capsys.readouterr().err
@@ -138,3 +138,119 @@ def test_merged_files_get_the_modes_of_the_umask(tiny_model_dir, checkpoint, tmp
     assert modes["model.safetensors"] == oct(0o666 & ~mask)  # safetensors alone would leave it 0600
     assert set(modes.values()) == {oct(0o666 & ~mask)}
     assert oct(output.stat().st_mode & 0o777) == oct(0o777 & ~mask)
+
+
+# ---------------------------------------------------------------------------------------------- at full size
+@pytest.mark.slow
+def test_a_model_four_times_its_largest_shard_merges_within_one_shard_of_memory(tmp_path):
+    """Streaming: peak memory of the merge (a fresh process, its VmHWM) is at most the largest shard + the adapter +
+    1 GB, on a 8-shard model, and the merged tensors are W + 2·B·A rounded to bfloat16."""
+    from safetensors import safe_open
+
+    from ppo_affine.testing.sharded import merge_peak, write_random_adapter, write_sharded_release
+
+    base = write_sharded_release(tmp_path / "base", layers=8)
+    adapter = write_random_adapter(base, tmp_path / "adapter")
+    shards = sorted(base.glob("*.safetensors"))
+    model_bytes, largest = sum(f.stat().st_size for f in shards), max(f.stat().st_size for f in shards)
+    assert len(shards) == 8 and model_bytes >= 4 * largest
+    output = tmp_path / "merged"
+    peak, _, printed = merge_peak(base, adapter, output)
+    bound = largest + (adapter / "adapter_model.safetensors").stat().st_size + 2**30
+    assert peak <= bound, f"peak {peak / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
+    assert "56 tensors in 8 files rewritten" in printed
+
+    name = "model.layers.5.mlp.down_proj.weight"  # one tensor by hand: W + (alpha / r)·B·A in float32, stored bf16
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as handle:
+        a = handle.get_tensor(f"base_model.model.{name.removesuffix('.weight')}.lora_A.weight")
+        b = handle.get_tensor(f"base_model.model.{name.removesuffix('.weight')}.lora_B.weight")
+    with safe_open(str(base / "model-00006-of-00008.safetensors"), "pt") as handle:
+        weight = handle.get_tensor(name)
+    with safe_open(str(output / "model-00006-of-00008.safetensors"), "pt") as handle:
+        merged, norm = handle.get_tensor(name), handle.get_tensor("model.layers.5.input_layernorm.weight")
+    assert torch.equal(merged, (weight.float() + 2.0 * b @ a).bfloat16())
+    assert not torch.equal(merged, weight)
+    with safe_open(str(base / "model-00006-of-00008.safetensors"), "pt") as handle:
+        assert torch.equal(norm, handle.get_tensor("model.layers.5.input_layernorm.weight"))
+
+
+# ---------------------------------------------------------------------------------------------- storing in bf16
+def test_stochastic_rounding_lands_on_a_neighbour_in_proportion_to_its_distance_and_is_seeded():
+    from ppo_affine.release_files import round_stochastic
+
+    # bf16's step at 1 is 2^-7: 1 + 2^-9 is a quarter of the way up, -(2 + 3·2^-8) three quarters (step 2^-6)
+    values = torch.tensor([1.0 + 2**-9] * 20000 + [-(2.0 + 3 * 2**-8)] * 20000)
+    stored = round_stochastic(values, torch.Generator().manual_seed(0)).float()
+    up, down = stored[:20000], stored[20000:]
+    assert set(up.tolist()) == {1.0, 1.0 + 2**-7} and set(down.tolist()) == {-2.0, -(2.0 + 2**-6)}
+    assert (up > 1.0).float().mean().item() == pytest.approx(0.25, abs=0.01)
+    assert (down < -2.0).float().mean().item() == pytest.approx(0.75, abs=0.01)
+    again = round_stochastic(values, torch.Generator().manual_seed(0)).float()
+    assert torch.equal(stored, again)
+    exact = torch.tensor([0.5, -3.0, 1.0 + 2**-7])  # already on the grid: kept
+    assert torch.equal(round_stochastic(exact, torch.Generator().manual_seed(1)).float(), exact)
+
+
+def test_error_feedback_rounding_is_round_to_nearest_for_uncorrelated_inputs_and_beats_it_for_correlated_ones():
+    from ppo_affine.release_files import output_kept_share, round_error_feedback
+
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(24, 64, generator=generator).bfloat16().float()
+    update = 1e-3 * torch.randn(24, 64, generator=generator) * base.abs().mean()  # far under half a bf16 step
+    merged = base + update
+    assert torch.equal(round_error_feedback(merged, torch.diag(torch.rand(64, generator=generator) + 0.5)),
+                       merged.bfloat16())
+    # inputs on a few directions (as a layer's are): errors cancel along them
+    directions = torch.randn(4, 64, generator=generator)
+    inputs = torch.randn(4096, 4, generator=generator) @ directions + 1e-3 * torch.randn(4096, 64, generator=generator)
+    moment = inputs.T @ inputs / len(inputs)
+    nearest = output_kept_share(update, merged.bfloat16().float() - merged, moment)
+    feedback = output_kept_share(update, round_error_feedback(merged, moment).float() - merged, moment)
+    assert nearest < 0.2 and feedback > 0.9
+
+
+def test_the_kept_share_of_an_update_by_hand():
+    from ppo_affine.release_files import output_kept_share
+
+    update = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    moment = torch.tensor([[1.0, 0.0], [0.0, 0.25]])  # E|x·updateᵀ|² = 1·1 + 4·0.25 = 2
+    assert output_kept_share(update, torch.zeros(2, 2), moment) == 1.0
+    assert output_kept_share(update, -update, moment) == 0.0  # the base stored: nothing kept
+    assert output_kept_share(update, torch.tensor([[0.5, 0.0], [0.0, 0.0]]), moment) == pytest.approx(1 - 0.25 / 2)
+
+
+def test_the_kept_share_without_a_second_moment_weighs_every_input_alike_and_a_zero_update_keeps_itself():
+    from ppo_affine.release_files import output_kept_share
+
+    update = torch.tensor([[1.0, 0.0], [0.0, 2.0]])  # |update|² = 5
+    assert output_kept_share(update, torch.tensor([[0.0, 1.0], [0.0, 0.0]])) == pytest.approx(0.8)
+    assert output_kept_share(torch.zeros(2, 2), torch.zeros(2, 2)) == 1.0
+
+
+@pytest.mark.slow
+def test_a_small_update_rounded_away_in_bfloat16_is_reported_with_a_warning(tmp_path, capsys):
+    """A bf16 release and an update of ~1e-4 of its weights: rounding to nearest gives back nearly every base weight;
+    merge.py says how much each tensor kept and warns (the folder is still written: the goal is not a check)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ppo_affine.testing.sharded import write_random_adapter
+    from ppo_affine.testing.tiny import make_tiny_model_dir
+
+    base = make_tiny_model_dir(tmp_path / "base")
+    with safe_open(str(base / "model.safetensors"), "pt") as handle:
+        tensors = {name: handle.get_tensor(name).bfloat16() for name in handle.keys()}
+    save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
+    adapter = tmp_path / "adapter"
+    write_random_adapter(base, adapter)
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as handle:
+        factors = {name: handle.get_tensor(name) * (0.03 if "lora_B" in name else 1.0) for name in handle.keys()}
+    save_file(factors, str(adapter / "adapter_model.safetensors"))
+    output = tmp_path / "merged"
+    args = ["--adapter", str(adapter), "--output", str(output), "--set", f"model.name_or_path={base}",
+            "--set", "model.use_4bit=false", "--set", "run.device=cpu"]
+    assert merge.main(args) == 0
+    printed = capsys.readouterr().out
+    [line] = [line for line in printed.splitlines() if "the tensors keep a median" in line]
+    median = float(line.split("median ")[1].split("%")[0]) / 100
+    assert median < 0.5 and "of 14 merged tensors keep under 90% of their update" in printed

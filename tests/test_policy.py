@@ -56,6 +56,33 @@ def test_score_matches_a_plain_forward_pass(tiny_policy):
     assert torch.all(scored.logprobs[0, ~positions] == 0)
 
 
+def test_score_equals_the_full_logits_of_every_response_token_in_float32(tiny_policy, monkeypatch):
+    """The LM head runs per chunk of tokens (here 2): log-probs, entropies and their gradients are those of the whole
+    model's logits at the sampling temperature, through the same fp32 log-softmax."""
+    import ppo_affine.ppo as ppo
+
+    activate_adapter(tiny_policy.model, 0.5)
+    ids, attention, mask = _batch(tiny_policy, response="3 7 and then 12 14")
+    positions = mask[0].bool()
+    logits = tiny_policy.model(input_ids=ids, attention_mask=attention).logits[0, :-1][positions[1:]] / 0.7
+    expected_logprobs, expected_entropy = ppo.logprobs_and_entropy_from_logits(logits[None], ids[:, 1:][:, positions[1:]])
+    (expected_logprobs.sum() + expected_entropy.sum()).backward()
+    expected_grads = {name: p.grad.clone() for name, p in tiny_policy.model.named_parameters() if p.requires_grad}
+    tiny_policy.zero_grad(set_to_none=True)
+
+    monkeypatch.setattr(ppo, "CHUNK_ELEMENTS", 2 * logits.shape[-1])  # two tokens' logits per chunk
+    scored = tiny_policy.score(ids, attention, mask, with_entropy=True, temperature=0.7)
+    (scored.logprobs.sum() + scored.entropy.sum()).backward()
+    assert positions.sum() > 4  # several chunks
+    torch.testing.assert_close(scored.logprobs[0, positions], expected_logprobs[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(scored.entropy[0, positions], expected_entropy[0], atol=1e-6, rtol=0)
+    # gradients reach ~100 here: float32 sums in another order differ by up to ~1e-6 of the largest one
+    scale = max(grad.abs().max().item() for grad in expected_grads.values())
+    for name, parameter in tiny_policy.model.named_parameters():
+        if parameter.requires_grad:
+            assert (parameter.grad - expected_grads[name]).abs().max().item() <= 1e-6 * scale, name
+
+
 def _rows_sharing_a_prefix(policy):
     """Four right-padded rows: one long shared prompt, then different replies (two rows identical)."""
     tok = policy.tokenizer
@@ -267,3 +294,20 @@ def test_reference_adapter_is_a_frozen_kl_anchor_that_checkpoints_carry(tiny_pol
     resumed.load(tmp_path / "ppo")
     assert torch.allclose(logprobs(resumed), logprobs(tiny_policy), atol=1e-6)
     assert torch.allclose(logprobs(resumed, resumed.reference()), sft, atol=1e-6)
+
+
+def test_the_probe_adapter_moves_the_log_probs_and_puts_the_adapter_back_exactly(tiny_policy):
+    from ppo_affine.policy import PROBE_SHIFT
+
+    prompt = tiny_policy.tokenizer.encode("The game begins.", add_special_tokens=False)
+    before = {n: p.detach().clone() for n, p in tiny_policy.model.named_parameters() if "lora_" in n}
+    with tiny_policy.base():
+        base = tiny_policy.token_logprobs(prompt, [])
+    assert torch.allclose(tiny_policy.token_logprobs(prompt, []), base)  # a fresh adapter (B = 0) moves nothing
+    with tiny_policy.probe_adapter(prompt):
+        moved = tiny_policy.token_logprobs(prompt, [])
+        tokens = moved.topk(3).indices.tolist()
+        assert torch.allclose(tiny_policy.token_logprobs(prompt, tokens[:1]), moved[tokens[:1]])
+    assert (moved - base).pow(2).mean().sqrt() >= PROBE_SHIFT
+    after = {n: p.detach() for n, p in tiny_policy.model.named_parameters() if "lora_" in n}
+    assert all(torch.equal(before[n], after[n]) for n in before)

@@ -13,6 +13,8 @@ from ppo_affine.ppo import (
     explained_variance_moments,
     group_advantages,
     kl_penalty,
+    logprobs_and_entropy_from_logits,
+    logprobs_from_hidden,
     logprobs_from_logits,
     masked_mean,
     masked_var,
@@ -80,6 +82,74 @@ def test_entropy_gradient_through_chunks():
     logits = torch.zeros(1, 2, 4, requires_grad=True)
     entropy_from_logits(logits, torch.ones(1, 2), chunk_size=1).backward()
     close(logits.grad, torch.zeros(1, 2, 4))
+
+
+def _head(weight):
+    head = torch.nn.Linear(len(weight[0]), len(weight), bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor(weight))
+    return head.requires_grad_(False)
+
+
+def test_logprobs_from_hidden_match_hand_softmax_per_chunk():
+    # head rows e1, e2, e1 + e2: hidden [1, 2] -> logits [1, 2, 3], hidden [0, 0] -> [0, 0, 0], [2, -3] -> [2, -3, -1]
+    # label 2 of [1, 2, 3]: -0.4076060, H = 0.8323956; label 0 of [0, 0, 0]: log(1/3), H = log 3
+    # label 1 of [2, -3, -1]: -3 - (2 + log(1 + e^-5 + e^-3)) = -5.0549852
+    #   p = [0.9464991, 0.0063775, 0.0471234], H = -sum p log p = 0.2282428
+    head = _head([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    hidden = torch.tensor([[1.0, 2.0], [0.0, 0.0], [2.0, -3.0]])
+    labels = torch.tensor([2, 0, 1])
+    for chunk_size in (1, 2, None):
+        logprobs, entropy = logprobs_from_hidden(hidden, head, labels, with_entropy=True, chunk_size=chunk_size)
+        close(logprobs, [-0.4076060, -1.0986123, -5.0549852])
+        close(entropy, [0.8323956, 1.0986123, 0.2282428])
+    assert logprobs_from_hidden(hidden, head, labels)[1] is None  # no entropy unless asked
+
+
+def test_logprobs_from_hidden_divide_by_the_temperature():
+    # hidden [2, 4] at temperature 2 -> logits [1, 2, 3]: label 2 gives -0.4076060 as above
+    head = _head([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    logprobs, _ = logprobs_from_hidden(torch.tensor([[1.0, 2.0]]) * 2, head, torch.tensor([2]), temperature=2.0,
+                                       chunk_size=1)
+    close(logprobs, [-0.4076060])
+
+
+def test_logprobs_from_hidden_gradients_flow_through_recomputed_chunks():
+    # d log p(label) / d h = W^T (onehot(label) - softmax(W h)); at h = 0 softmax is uniform over 3:
+    # label 0: W^T [2/3, -1/3, -1/3] = [2/3 - 1/3, -1/3 - 1/3] = [1/3, -2/3]
+    head = _head([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    for chunk_size in (1, None):
+        hidden = torch.zeros(2, 2, requires_grad=True)
+        logprobs, _ = logprobs_from_hidden(hidden, head, torch.tensor([0, 2]), chunk_size=chunk_size)
+        logprobs[0].backward()
+        close(hidden.grad, [[1 / 3, -2 / 3], [0.0, 0.0]])
+
+
+def test_logprobs_from_hidden_equal_the_full_logits_path_in_float32():
+    # what scoring did before the head ran per chunk: the whole [N, V] logits, then log-softmax per chunk of rows
+    generator = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 1000, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(1000, 16, generator=generator) * 0.25)  # log-probs near log(1/1000)
+    hidden = torch.randn(50, 16, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 1000, (50,), generator=generator)
+    full_logprobs, full_entropy = logprobs_and_entropy_from_logits((head(hidden) / 0.7).unsqueeze(0),
+                                                                   labels.unsqueeze(0))
+    (full_logprobs.sum() + full_entropy.sum()).backward()
+    expected_grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad = head.weight.grad = None
+    logprobs, entropy = logprobs_from_hidden(hidden, head, labels, temperature=0.7, with_entropy=True, chunk_size=7)
+    (logprobs.sum() + entropy.sum()).backward()
+    close(logprobs, full_logprobs[0])
+    close(entropy, full_entropy[0])
+    close(hidden.grad, expected_grads[0])
+    close(head.weight.grad, expected_grads[1])
+
+
+def test_logprobs_from_hidden_of_no_rows_is_empty():
+    logprobs, entropy = logprobs_from_hidden(torch.zeros(0, 2), _head([[1.0, 0.0]]), torch.zeros(0, dtype=torch.long),
+                                             with_entropy=True)
+    assert logprobs.shape == entropy.shape == (0,)
 
 
 # ---------------------------------------------------------------- masked statistics

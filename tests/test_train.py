@@ -2,6 +2,7 @@
 import asyncio
 import json
 import logging
+import re
 import os
 import shutil
 import signal
@@ -65,6 +66,8 @@ def test_real_loop_runs_and_checkpoints(tiny_model_dir, tmp_path, advantage, str
     samples = [json.loads(line) for line in (tmp_path / "t" / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1, 2]
     assert samples[0]["messages"][0]["role"] == "system" and samples[0]["messages"][-1]["role"] == "assistant"
+    first_call = samples[0]["calls"][0]  # each model call as recorded, for `python -m ppo_affine.episodes show`
+    assert first_call["prompt_ids"] and first_call["token_ids"] and samples[0]["model"]["name_or_path"]
     records = metrics(tmp_path / "t")
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
@@ -227,6 +230,8 @@ def test_local_generation_logs_its_sampling_gap_and_the_correction_weighs_its_to
         # the KV budget's readings: a default budget from free memory, the batch and caches held within it
         assert 0 < record["perf/kv_peak_tokens"] <= record["perf/kv_budget_tokens"]
         assert record["perf/out_of_memory_retries"] == 0 and record["perf/kv_evicted_caches"] >= 0
+        # the prompt tokens run through the model, beside what the episodes hold at their end
+        assert 0 < record["perf/prefill_tokens"] and 0 < record["perf/final_tokens"]
 
 
 def served_adapters(url: str) -> list[str]:
@@ -293,15 +298,44 @@ def test_a_vllm_serving_another_model_name_is_refused_with_the_flag(tiny_model_d
 
 
 @pytest.mark.slow
-def test_logprob_gap_exposes_a_server_that_ignores_the_adapter(tiny_model_dir, tmp_path, fake_vllm_ignoring_adapters):
+def test_a_server_that_ignores_adapters_is_caught_before_training(tiny_model_dir, tmp_path, fake_vllm_ignoring_adapters,
+                                                                  capsys):
+    """The start-up probe: a server that accepts adapters but serves the base model stops the run before its first
+    sample, in one line naming the likely upstream bugs; the probe adapter is unloaded and its folder removed."""
+    code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3", "--set", "generation.backend=vllm",
+                                    "--set", f"env.vllm_url={fake_vllm_ignoring_adapters}"))
+    assert code == 1
+    message = capsys.readouterr().err
+    assert "does not apply LoRA adapters as the trainer does" in message and "vLLM #49354" in message
+    assert "SGLang #30499" in message and "Traceback" not in message
+    assert not (tmp_path / "t" / "metrics.jsonl").exists() or metrics(tmp_path / "t") == []
+    assert not (tmp_path / "t" / "vllm_adapters" / "probe").exists()
+    assert served_adapters(fake_vllm_ignoring_adapters) == []
+
+
+@pytest.mark.slow
+def test_without_the_probe_the_logprob_gap_exposes_a_server_that_ignores_the_adapter(tiny_model_dir, tmp_path,
+                                                                                      fake_vllm_ignoring_adapters):
+    """generation.check_adapter=false (for stand-in servers that run no model) trains on; the gap metric then shows
+    what the probe would have stopped."""
     code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "3", "--set", "generation.backend=vllm",
                                     "--set", f"env.vllm_url={fake_vllm_ignoring_adapters}",
-                                    "--set", "ppo.learning_rate=3e-2",
+                                    "--set", "generation.check_adapter=false", "--set", "ppo.learning_rate=3e-2",
                                     "--set", "ppo.kl_stop=null"))
     assert code == 0
     records = metrics(tmp_path / "t")
     assert records[0]["vllm/logprob_gap"] < 1e-3  # step 1 samples the initial (zero) adapter == base
     assert records[-1]["vllm/logprob_gap"] > 1e-2  # later the trainer's weights moved, the server's did not
+
+
+@pytest.mark.slow
+def test_a_server_that_applies_adapters_passes_the_probe(tiny_model_dir, tmp_path, fake_vllm, capsys):
+    code = train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "1", "--set", "generation.backend=vllm",
+                                    "--set", f"env.vllm_url={fake_vllm}"))
+    assert code == 0
+    [line] = [line for line in capsys.readouterr().out.splitlines() if "applies the adapter" in line]
+    moved, gap = (float(x) for x in re.findall(r"by up to ([0-9.e-]+) nats.*within ([0-9.e-]+) of", line)[0])
+    assert moved >= 0.5 and gap < 1e-3  # the fake server runs the trainer's float32 weights
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -528,6 +562,42 @@ def test_out_of_memory_in_the_update_halves_the_token_budget_and_retries_the_ste
     assert train_ppo.main(args + ["--max-steps", "4", "--set", "ppo.micro_batch_tokens=4096"]) == 0
     assert resumed == [8192, 4096]
     assert [r["train/micro_batch_tokens"] for r in metrics(tmp_path / "t")][2:] == [8192, 4096]
+
+
+@pytest.mark.slow
+def test_out_of_memory_on_an_episode_drops_it_and_the_step_goes_on_a_second_halves_the_budget_until_clean_steps(
+        tiny_model_dir, tmp_path, monkeypatch):
+    from ppo_affine.policy import Policy
+
+    calls = []
+    score = Policy.score
+
+    def out_of_memory_twice(self, *args, **kwargs):  # the first two scoring passes of the run fail
+        calls.append(1)
+        if len(calls) <= 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return score(self, *args, **kwargs)
+
+    monkeypatch.setattr(Policy, "score", out_of_memory_twice)
+    args = tiny_args(tiny_model_dir, tmp_path, "--max-steps", "2", "--set", "ppo.micro_batch_regrow_steps=1")
+    assert train_ppo.main(args) == 0
+    records = metrics(tmp_path / "t")
+    summary = [(r["step"], r["train/episodes_dropped_oom"], r["train/oom_retries"], r["train/micro_batch_tokens"])
+               for r in records]
+    # step 1: the first error drops an episode, the second halves 16384; step 2 runs clean and doubles it back
+    assert summary == [(1, 1, 2, 8192), (2, 0, 0, 16384)]
+    assert "policy/loss" in records[0] and records[0]["env/episodes"] == 4
+
+
+@pytest.mark.slow
+def test_an_episode_longer_than_the_sequence_limit_is_dropped_before_the_update(tiny_model_dir, tmp_path, capsys):
+    # every episode of the tiny game is a few hundred tokens: a 64-token limit drops the batch, the run goes on
+    assert train_ppo.main(tiny_args(tiny_model_dir, tmp_path, "--max-steps", "1",
+                                    "--set", "ppo.max_sequence_tokens=64")) == 0
+    record = metrics(tmp_path / "t")[0]
+    assert record["train/episodes_too_long"] == 4 and record["train/longest_dropped_tokens"] > 64
+    assert "policy/loss" not in record
+    assert "over ppo.max_sequence_tokens=64" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.slow

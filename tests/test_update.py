@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ppo_affine import policy as policy_module
+from ppo_affine import ppo as ppo_module
 from ppo_affine.distributed import ONE_PROCESS
 from ppo_affine.envs.tasks import Task
 from ppo_affine.advantages import assign_advantages
@@ -79,7 +79,7 @@ def test_no_entropy_is_computed_in_the_update_when_its_coefficient_is_zero(tiny_
     def forbidden(*args, **kwargs):
         raise AssertionError("full-vocabulary entropy computed in the update")
 
-    monkeypatch.setattr(policy_module, "logprobs_and_entropy_from_logits", forbidden)
+    monkeypatch.setattr(ppo_module, "_label_logprob_and_entropy", forbidden)  # the LM head's chunks, with entropy
     stats = ppo_update(tiny_policy, build_optimizer(tiny_policy, cfg, 1e-3), sequences, settings(cfg), UpdateState())
     assert "policy/entropy_bonus" not in stats
     cfg = PPOConfig(learning_rate=1e-3, ppo_epochs=1, entropy_coef=0.01)

