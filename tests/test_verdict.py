@@ -8,6 +8,7 @@ import pytest
 import verdict
 from ppo_affine.testing.distill_cells import golden_cells, write_cells
 from ppo_affine.testing.tiny import load_tiny_policy, save_checkpoint_with_active_adapter
+from test_evaluate_env import quiz_url, tools_model_dir  # noqa: F401 (fixtures: the foreign env's server, its model)
 
 TINY = {"model.use_4bit": "false", "model.dtype": "float32", "run.device": "cpu", "generation.backend": "local",
         "generation.max_prompt_tokens": "16384", "generation.max_concurrent_episodes": "4",
@@ -141,3 +142,19 @@ def test_distill_cells_are_scored_by_each_model_and_judged_with_the_additive_ban
         "DISTILL-V2", "not_worse", 2, 2)
     assert distill["not_worse_from"] == pytest.approx(distill["champion_mean"] - 0.1)  # additive, not x 0.98
     assert summary["verdict"] == "would not"
+
+
+def test_an_env_of_kind_evaluate_is_played_through_the_endpoint_for_both_models(tools_model_dir, quiz_url, tmp_path):
+    env = {"openspiel": {"kind": "openspiel"}, "quiz": {"kind": "evaluate", "mode": "url", "url": quiz_url,
+                                                        "timeout": 120}}
+    out = tmp_path / "out"
+    # the candidate is the base model's own folder: the same model, so every quiz score ties
+    assert verdict.main(tiny_args(tools_model_dir, "--candidate", str(tools_model_dir), "--env", "quiz=0-3",
+                                  "--no-copy-check", "--output-dir", str(out), "--set", f"env.envs={json.dumps(env)}",
+                                  "--max-new-tokens", "6")) == 0
+    for side in ("champion", "candidate"):
+        records = read_jsonl(out / f"episodes-{side}.jsonl")
+        assert sorted((r["env"], r["task_id"]) for r in records) == [("quiz", t) for t in range(4)]
+        assert all(r["error"] is None and r["turns"] >= 1 for r in records)  # each evaluate() called the endpoint
+    (quiz,) = json.loads((out / "summary.json").read_text())["envs"]
+    assert (quiz["env"], quiz["shared_tasks"], quiz["difference"], quiz["bucket"]) == ("quiz", 4, 0.0, "not_worse")
