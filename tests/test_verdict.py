@@ -158,3 +158,18 @@ def test_an_env_of_kind_evaluate_is_played_through_the_endpoint_for_both_models(
         assert all(r["error"] is None and r["turns"] >= 1 for r in records)  # each evaluate() called the endpoint
     (quiz,) = json.loads((out / "summary.json").read_text())["envs"]
     assert (quiz["env"], quiz["shared_tasks"], quiz["difference"], quiz["bucket"]) == ("quiz", 4, 0.0, "not_worse")
+
+
+def test_the_copy_check_takes_each_envs_finished_episodes_with_the_highest_task_ids():
+    from ppo_affine.testing.tiny import make_tokenizer
+
+    def record(env, task_id, error=None):
+        return {"env": env, "game": env, "task_id": task_id, "seed": 7, "error": error,
+                "conversation": [{"role": "user", "content": "Your move?"},
+                                 {"role": "assistant", "content": f"Action: {task_id}"}]}
+
+    records = [record("a", 1), record("a", 3), record("a", 2), record("a", 9, error="timeout"), record("b", 5),
+               {**record("c", 4), "conversation": [{"role": "user", "content": "no reply"}]}]
+    rollouts = verdict.champion_rollouts(records, make_tokenizer(), {}, per_env=2)
+    assert [r.key for r in rollouts] == ["a#3#7", "a#2#7", "b#5#7"]
+    assert all(any(r.assistant_mask) for r in rollouts)
