@@ -46,7 +46,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-import httpx
 from rich.console import Console
 
 from ppo_affine import env_evaluate
@@ -471,17 +470,12 @@ def check_distill_options(args: argparse.Namespace) -> None:
 
 def distill_main(args: argparse.Namespace, config: Config, adapter_dir: Path | None) -> int:
     """--distill-cells: read the cells, score each model on them, print and write the scores."""
-    from ppo_affine.distill.cells import read_cells
+    from ppo_affine.distill.cells import read_cells_for
 
     check_distill_options(args)
     if args.output_dir:
         probe_writable(args.output_dir, "--output-dir")
-    try:
-        cells = read_cells(args.distill_cells, args.distill_cache_dir, limit=args.distill_limit)
-    except (OSError, httpx.HTTPError, ValueError) as exc:
-        raise ConfigError(f"--distill-cells {args.distill_cells}: cannot read the cells ({exc})") from None
-    if not cells:
-        raise ConfigError(f"--distill-cells {args.distill_cells}: no cell could be read (see the lines above).")
+    cells = read_cells_for("--distill-cells", args.distill_cells, args.distill_cache_dir, limit=args.distill_limit)
     with server_log_folder(args.output_dir) as log_dir, owned_server(config, log_dir) as config:
         scores = asyncio.run(distill_scores(config, cells, adapter_dir, args.compare_base, args.distill_max_seq_len))
     document = {"settings": {"checkpoint": str(args.checkpoint) if args.checkpoint else None,

@@ -143,18 +143,11 @@ def plan_envs(args: argparse.Namespace, config: Config) -> list[EnvPlan]:
 
 def distill_plan(args: argparse.Namespace) -> EnvPlan:
     """DISTILL-V2 from --distill-cells: the cells are read here, once, before a model loads."""
-    import httpx
-
-    from ppo_affine.distill.cells import read_cells
+    from ppo_affine.distill.cells import read_cells_for
 
     if args.distill_limit is not None and args.distill_limit < 1:
         raise ConfigError(f"--distill-limit must be at least 1, got {args.distill_limit}.")
-    try:
-        cells = read_cells(args.distill_cells, args.distill_cache_dir, limit=args.distill_limit)
-    except (OSError, httpx.HTTPError, ValueError) as exc:
-        raise ConfigError(f"--distill-cells {args.distill_cells}: cannot read the cells ({exc})") from None
-    if not cells:
-        raise ConfigError(f"--distill-cells {args.distill_cells}: no cell could be read (see the lines above).")
+    cells = read_cells_for("--distill-cells", args.distill_cells, args.distill_cache_dir, limit=args.distill_limit)
     tasks = [Task(env=DISTILL, task_id=cell.task_idx, seed=0, opponent=None, stage="eval", replay=False)
              for cell in cells]
     return EnvPlan(DISTILL, "distill", None, tasks, cells)

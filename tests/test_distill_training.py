@@ -67,7 +67,7 @@ def test_cells_that_cannot_be_read_are_one_line_before_the_model_loads(tmp_path,
                            "--set", f"distill.cells={tmp_path / 'nowhere'}"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "distill.cells=" in err and "nowhere is neither an http(s) URL nor a folder" in err
+    assert "distill.cells " in err and "nowhere is neither an http(s) URL nor a folder" in err
 
 
 @pytest.mark.parametrize("sets,message", [

@@ -243,3 +243,18 @@ def read_cells(source: str | Path, cache_dir: Path | None = None, task_indices: 
             continue
         cells.append(cell)
     return cells
+
+
+def read_cells_for(option: str, source: str | Path, cache_dir: Path | None = None, limit: int | None = None
+                   ) -> list[Cell]:
+    """`read_cells` for a program's option or config field named `option`: a source that cannot be read, or that
+    holds no readable cell, is one ConfigError line naming it."""
+    from ppo_affine.config import ConfigError
+
+    try:
+        cells = read_cells(source, cache_dir, limit=limit)
+    except (OSError, httpx.HTTPError, ValueError) as exc:
+        raise ConfigError(f"{option} {source}: cannot read the cells ({exc})") from None
+    if not cells:
+        raise ConfigError(f"{option} {source}: no cell could be read (see the lines above).")
+    return cells

@@ -13,11 +13,9 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import httpx
 import torch
 
-from ppo_affine.config import ConfigError
-from ppo_affine.distill.cells import Cell, read_cells
+from ppo_affine.distill.cells import Cell, read_cells_for
 from ppo_affine.distill.evaluation import score_cells
 from ppo_affine.distill.render import MAX_SEQ_LEN, Rendered, render_rollout
 from ppo_affine.distill.score import advantages
@@ -108,13 +106,7 @@ class CellTraining:
         self.draws = random.Random(seed)
 
     def _read(self, field: str, source: str) -> list[Cell]:
-        try:
-            cells = read_cells(source, cache_dir=self.settings.cache_dir)
-        except (OSError, httpx.HTTPError, ValueError) as exc:
-            raise ConfigError(f"{field}={source!r}: cannot read the cells ({exc})") from None
-        if not cells:
-            raise ConfigError(f"{field}={source!r}: no cell could be read (see the lines above)")
-        return cells
+        return read_cells_for(field, source, self.settings.cache_dir)
 
     def step(self, policy, optimizer, max_grad_norm: float) -> dict[str, float]:
         """One optimizer step on this step's cells; metrics under distill/."""
