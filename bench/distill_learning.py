@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     differences = [after[idx] - before[idx] for idx in before]
     difference, interval = mean_interval(differences)
     summary = {
-        "command": "python -m bench.distill_learning " + " ".join(argv or []),
+        "command": "python -m bench.distill_learning " + " ".join(sys.argv[1:] if argv is None else argv),
         "cells": {"train": len(train_cells), "held_out": len(held_cells), "samples": args.samples},
         "held_out_before": mean_interval(list(before.values())), "held_out_after": mean_interval(list(after.values())),
         "held_out_after_minus_before": {"mean": difference, "ci95": interval,
