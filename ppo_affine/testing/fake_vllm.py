@@ -90,7 +90,7 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
                     if isinstance(state["model"], PeftModel):
                         state["model"].load_adapter(path, adapter_name=name)
                     else:
-                        state["model"] = PeftModel.from_pretrained(base, path, adapter_name=name).eval()
+                        state["model"] = PeftModel.from_pretrained(state["model"], path, adapter_name=name).eval()
                 state["adapters"][name] = path
                 stats["loaded"].append(name)
 
@@ -107,7 +107,10 @@ def build_app(model_dir: str, runtime_lora: bool = True, ignore_adapters: bool =
 
         def unload() -> None:
             with lock:
-                if not ignore_adapters:
+                if not ignore_adapters and len(state["adapters"]) == 1:
+                    # the last adapter: back to the bare model (a PeftModel left with no adapter cannot disable one)
+                    state["model"] = state["model"].unload()
+                elif not ignore_adapters:
                     state["model"].delete_adapter(name)
                 del state["adapters"][name]
 

@@ -72,8 +72,11 @@ def write_random_adapter(base: Path, folder: Path, r: int = 8, alpha: int = 16) 
 
 def merge_peak(base: Path, adapter: Path, output: Path) -> tuple[int, float, str]:
     """merge.py of `adapter` into `base` in a fresh process: its peak resident memory in bytes (the kernel's
-    high-water mark), its wall seconds and what it printed; a RuntimeError with its stderr when it fails."""
-    program = ("import resource, sys, merge; code = merge.main(sys.argv[1:]); "
+    high-water mark), its wall seconds and what it printed (with `imports_kb`, the peak after the libraries' import
+    alone); a RuntimeError with its stderr when it fails."""
+    # the libraries' own import is printed apart (imports_kb): a fixed cost of the interpreter, not of the merge
+    program = ("import resource, sys, merge, torch, transformers, peft, safetensors; "
+               "print('imports_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); code = merge.main(sys.argv[1:]); "
                "print('peak_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", program, "--adapter", str(adapter), "--output", str(output),
