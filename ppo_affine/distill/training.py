@@ -19,7 +19,7 @@ from ppo_affine.distill.cells import Cell, read_cells_for
 from ppo_affine.distill.evaluation import score_cells
 from ppo_affine.distill.render import MAX_SEQ_LEN, Rendered, render_rollout
 from ppo_affine.distill.score import advantages
-from ppo_affine.ppo import kl_penalty, softmax_advantage_gradient
+from ppo_affine.ppo import kl_penalty, softmax_advantage_gradient, softmax_advantage_score
 
 # keeps tau off 0 where a cell's NLLs tie (e.g. two identical rollouts), so a tie still gets a ranking gradient
 TAU_FLOOR = 1e-3
@@ -74,7 +74,7 @@ def accumulate_cell_gradients(policy, cells: Sequence[Cell], weight: float = 1.0
                 kl_sum += sum(kl_penalty(p, q, "k2").sum().item() for p, q in zip(first_pass, reference))
         loss_tokens += sum(p.numel() for p in first_pass)
         nll = torch.stack([-p.sum() / max(p.numel(), 1) for p in first_pass])
-        scores.append(softmax_advantage_gradient(nll, cell_advantages)[0])  # the env's own score: tau unfloored
+        scores.append(softmax_advantage_score(nll, cell_advantages).item())  # the env's own score: tau unfloored
         gradient = softmax_advantage_gradient(nll, cell_advantages, tau_floor)[1]
         if not cell_advantages.any():
             silent += 1
