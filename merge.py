@@ -29,9 +29,11 @@ from pathlib import Path
 import torch
 
 from ppo_affine.admission import folder_admission
+from ppo_affine.calibration import CALIBRATION_TOKENS
 from ppo_affine.config import ConfigError
 from ppo_affine.file_writes import WriteFailed, apply_umask, probe_writable, writing
-from ppo_affine.release_files import MergeCheckFailed, MergeReport
+from ppo_affine.release_files import MergeCheckFailed, MergeReport, Storing
+from ppo_affine.rounding import ROUNDINGS
 from ppo_affine.run_log import console, report_failure, setup_logging
 from utils import add_config_arguments, config_for_adapter, program_parser
 
@@ -41,10 +43,12 @@ DTYPES = ("bfloat16", "float16", "float32")
 INTO = ("auto", "full-precision", "nf4")
 
 
-def merge(config, adapter_dir: Path, output: Path, dtype: str | None, into: str) -> MergeReport:
+def merge(config, adapter_dir: Path, output: Path, dtype: str | None, into: str,
+          storing: Storing | None = None) -> MergeReport:
     """Stream the base's release files into a temporary folder with the adapter's updates merged shard by shard
-    (each tensor checked as it is merged and as written), then rename it into place. The base model is never
-    loaded: its skeleton on the meta device gives peft the adapter's layers."""
+    (each tensor checked as it is merged and as written, rounded to its stored dtype as `storing` says), then
+    rename it into place. The base model is never loaded: its skeleton on the meta device gives peft the adapter's
+    layers."""
     from ppo_affine.model_files import model_source, pick_device, torch_dtype
     from ppo_affine.release_files import (adapted_layers, adapter_on_skeleton, local_release_folder, nf4_rounding,
                                           release_tensor_files, release_updates, replace_folder, write_merged_release)
@@ -64,7 +68,7 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str | None, into: str)
     try:
         with writing("the merged model", staging):
             report = write_merged_release(release, updates, staging, getattr(torch, dtype) if dtype else None,
-                                          rounding)
+                                          rounding, storing)
             apply_umask(staging)  # safetensors writes the weights 0600
         with writing("the merged model", output):
             replace_folder(staging, output)
@@ -74,22 +78,57 @@ def merge(config, adapter_dir: Path, output: Path, dtype: str | None, into: str)
 
 
 KEPT_GOAL = 0.9  # the share of each update the stored weights should keep
+WORST_NAMED = 3  # the layers keeping least, named
 
 
-def report_kept(report: MergeReport, stored: str) -> None:
+def storing_for(args, config, adapter_dir: Path) -> Storing:
+    """How to round: `--rounding`, by default error feedback on the run's recorded episodes where there are some
+    (--episodes, else the checkpoint's run folder), else round-to-nearest; the calibration moments computed here
+    (error feedback needs them; every method is then judged on the held-out episodes' inputs)."""
+    from ppo_affine.calibration import calibrate, episodes_file
+    from ppo_affine.model_files import pick_device
+
+    episodes = args.episodes
+    if episodes is None and args.checkpoint is not None:
+        episodes = args.checkpoint.parent.parent  # <run>/checkpoints/checkpoint-N
+    method = args.rounding
+    if method is None:
+        method = "error-feedback" if episodes is not None and episodes_file(episodes).is_file() else "nearest"
+        if method == "nearest":
+            console.print("rounding to nearest: no recorded episodes to calibrate error feedback with (pass "
+                          "--episodes RUN_FOLDER; a run records them with logging.log_samples_every=N)",
+                          highlight=False, soft_wrap=True)
+    if method != "error-feedback" and args.episodes is None:
+        return Storing(method)
+    if episodes is None:
+        raise ConfigError("--rounding error-feedback needs the run's recorded episodes: pass --episodes RUN_FOLDER "
+                          "(or its samples.jsonl).")
+    found = calibrate(config.train.model, adapter_dir, episodes, pick_device(config.train.run.device),
+                      args.calibration_tokens)
+    console.print(f"calibration: {found.calibration_tokens} tokens of {found.episodes[0]} recorded episodes; judged "
+                  f"on {found.held_out_tokens} tokens of {found.episodes[1]} others ({episodes_file(episodes)})",
+                  highlight=False, soft_wrap=True)
+    return Storing(method, found.moments, found.held_out)
+
+
+def report_kept(report: MergeReport, stored: str, storing: Storing) -> None:
     """How much of each update survived rounding to the stored dtype (a small update under half a bf16 step is
-    rounded away), weighed over uncorrelated inputs; a warning when a tensor keeps under KEPT_GOAL of it."""
+    rounded away by rounding to nearest), on the held-out episodes' inputs where there are some, else over
+    uncorrelated inputs; the layers keeping least named, and a warning when one keeps under KEPT_GOAL of it."""
     if not report.kept:
         return
     shares = sorted(report.kept.values())
     median = shares[len(shares) // 2]
-    console.print(f"stored in {stored}, the tensors keep a median {median:.1%} (least {shares[0]:.1%}) of their "
-                  "update (rounded to nearest; over uncorrelated inputs)", highlight=False, soft_wrap=True)
+    judged = "on the held-out episodes' inputs" if storing.held_out else "over uncorrelated inputs"
+    worst = sorted(report.kept, key=report.kept.get)[:WORST_NAMED]
+    console.print(f"stored in {stored} ({storing.method}), the layers keep a median {median:.1%} (least "
+                  f"{shares[0]:.1%}) of their update's effect on their outputs, {judged}; least: "
+                  + ", ".join(f"{name} {report.kept[name]:.1%}" for name in worst), highlight=False, soft_wrap=True)
     below = [name for name, share in report.kept.items() if share < KEPT_GOAL]
     if below:
-        log.warning("%d of %d merged tensors keep under %.0f%% of their update in %s (e.g. %s: %.1f%%): rounding to "
-                    "the stored dtype loses a small update; docs/architectures.md has the measurement", len(below),
-                    len(shares), 100 * KEPT_GOAL, stored, below[0], 100 * report.kept[below[0]])
+        log.warning("%d of %d merged tensors keep under %.0f%% of their update in %s (%s; e.g. %s: %.1f%%): rounding "
+                    "to the stored dtype loses a small update; docs/architectures.md has the measurement", len(below),
+                    len(shares), 100 * KEPT_GOAL, stored, storing.method, worst[0], 100 * report.kept[worst[0]])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,6 +149,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "docs/architectures.md): the merged logits' gap to the trained model is 9e-5 into nf4 and "
                              "17.6 into full precision on SmolLM2, as large as NF4's own rounding of the base (17.6): "
                              "into full precision the update lands on a model it never saw")
+    parser.add_argument("--rounding", choices=ROUNDINGS,
+                        help="how each merged tensor is rounded to its stored 16-bit dtype (default: error-feedback "
+                             "when the run's recorded episodes are found, else nearest). error-feedback: each column's "
+                             "rounding error pushed onto the next ones, weighted by the layer's input second moments on "
+                             "the run's recorded episodes (measured best: bench/merge_rounding.py, "
+                             "docs/architectures.md); stochastic: seeded, unbiased; nearest: the plain cast")
+    parser.add_argument("--episodes", type=Path,
+                        help="the run folder (or its samples.jsonl) whose recorded episodes calibrate error feedback "
+                             "and judge every rounding, split in two that never overlap (default: the checkpoint's "
+                             "run folder)")
+    parser.add_argument("--calibration-tokens", type=int, default=CALIBRATION_TOKENS,
+                        help=f"tokens of recorded episodes run through the adapted model for each of calibration and "
+                             f"judging, at most (default {CALIBRATION_TOKENS})")
     add_config_arguments(parser, set_example="model.name_or_path=...")
     return parser.parse_args(argv)
 
@@ -129,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--output {args.output} already exists and is not an empty folder; "
                               "choose a new folder so no earlier model is overwritten.")
         probe_writable(args.output.parent, "--output's folder")  # before any model loads
-        report = merge(config, adapter_dir, args.output, args.dtype, into)
+        storing = storing_for(args, config, adapter_dir)
+        report = merge(config, adapter_dir, args.output, args.dtype, into, storing)
     except ConfigError as exc:
         return report_failure("Error", exc, 2)
     except WriteFailed as exc:
@@ -141,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({stored}): {report.tensors} tensors in {len(report.files)} files rewritten; each within "
                   f"{report.worst:.1e} of base + adapter (float32, largest output difference relative to the largest "
                   "output), and written as merged.", highlight=False, soft_wrap=True)
-    report_kept(report, stored)
+    report_kept(report, stored, storing)
     admitted, reasons = folder_admission(args.output)
     console.print(f"validators' admission check: {'admitted as ' + admitted if admitted else 'not admitted: ' + '; '.join(reasons)}",
                   highlight=False, soft_wrap=True)

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from ppo_affine.config import load_config
 from ppo_affine.model_files import load_tokenizer, model_source
 from ppo_affine.prompts import PromptBuilder
-from ppo_affine.release_files import ROUNDINGS, output_kept_share, round_error_feedback, round_stochastic
+from ppo_affine.rounding import ROUNDINGS, output_kept_share, round_error_feedback, round_stochastic
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GAMES = ("leduc_poker", "liars_dice", "goofspiel", "gin_rummy", "tic_tac_toe", "connect_four", "hex", "othello")

@@ -30,6 +30,7 @@ import torch
 
 from ppo_affine.architectures import architecture_of
 from ppo_affine.config import ConfigError
+from ppo_affine.rounding import output_kept_share, store
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -123,6 +124,17 @@ class Update:
     layer: object
     expert: int | None = None
     rows: slice | None = None
+    loaded: str = ""  # the loaded model's name of the adapted weight (calibration moments are kept under it)
+
+    @property
+    def as_linear(self) -> bool:
+        """Whether the release tensor (each expert's, for a fused one) is [out, in], as nn.Linear stores it."""
+        return not (self.is_expert and self.expert is None) or bool(self.layer._did_swap_in_out_features)
+
+    def moment(self, moments: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """This tensor's input second moment in `moments` (loaded name -> [in, in], or [experts, in, in])."""
+        moment = moments.get(self.loaded)
+        return moment[self.expert] if moment is not None and self.expert is not None else moment
 
     @property
     def is_expert(self) -> bool:
@@ -185,9 +197,9 @@ def release_updates(config, layers: dict[str, object], names: set[str]) -> dict[
                                  for mine, release in row.release_prefixes if loaded.startswith(mine)]
         found = next((name for name in candidates if name in names), None)
         if found is not None:
-            mapped[found] = Update(layer)
+            mapped[found] = Update(layer, loaded=loaded)
             continue
-        split = _per_expert(candidates, layer, names)
+        split = _per_expert(candidates, layer, names, loaded)
         if split is None:
             raise ConfigError(f"the adapter changes {loaded}, which no tensor of the base's release files holds "
                               f"(tried {candidates}); is model.name_or_path the adapter's base?")
@@ -195,7 +207,7 @@ def release_updates(config, layers: dict[str, object], names: set[str]) -> dict[
     return mapped
 
 
-def _per_expert(candidates: list[str], layer, names: set[str]) -> dict[str, Update] | None:
+def _per_expert(candidates: list[str], layer, names: set[str], loaded: str) -> dict[str, Update] | None:
     """A fused expert weight's update ([experts, 2·width, hidden] for gate_up_proj, [experts, hidden, width] for
     down_proj) as the release's experts.{e}.gate_proj / up_proj / down_proj weights."""
     experts = getattr(layer, "num_experts", 1)
@@ -205,11 +217,12 @@ def _per_expert(candidates: list[str], layer, names: set[str]) -> dict[str, Upda
             lhs, rhs, _ = layer.get_delta_factors("default")
             width = (lhs.shape[1] if layer._did_swap_in_out_features else rhs.shape[2]) // 2
             # transformers concatenates gate before up when it fuses them
-            parts = {f"{stem}.{e}.gate_proj.weight": Update(layer, e, slice(0, width)) for e in range(experts)}
-            parts.update({f"{stem}.{e}.up_proj.weight": Update(layer, e, slice(width, 2 * width))
+            parts = {f"{stem}.{e}.gate_proj.weight": Update(layer, e, slice(0, width), loaded)
+                     for e in range(experts)}
+            parts.update({f"{stem}.{e}.up_proj.weight": Update(layer, e, slice(width, 2 * width), loaded)
                           for e in range(experts)})
         elif kind == "down_proj" and experts > 1:
-            parts = {f"{stem}.{e}.down_proj.weight": Update(layer, e) for e in range(experts)}
+            parts = {f"{stem}.{e}.down_proj.weight": Update(layer, e, None, loaded) for e in range(experts)}
         else:
             continue
         if set(parts) <= names:
@@ -228,14 +241,28 @@ class MergeReport:
     kept: dict[str, float] = field(default_factory=dict)  # tensor -> share of its update the stored weight keeps
 
 
+@dataclass
+class Storing:
+    """How the merged tensors are rounded to their stored dtype (one of rounding.ROUNDINGS) and on which inputs the
+    share of each update they keep is judged: `moments` (loaded name -> the layer's calibration input second moment)
+    feed error feedback, `held_out` the same from other episodes judge it (none: uncorrelated inputs)."""
+
+    method: str = "nearest"
+    moments: dict[str, torch.Tensor] = field(default_factory=dict)
+    held_out: dict[str, torch.Tensor] = field(default_factory=dict)
+    generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))  # stochastic's
+
+
 def write_merged_release(base: Path, updates: dict[str, Update], staging: Path, dtype: torch.dtype | None = None,
-                         rounding: Callable[[torch.Tensor], torch.Tensor] | None = None) -> MergeReport:
+                         rounding: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                         storing: Storing | None = None) -> MergeReport:
     """Copy `base` to `staging` byte for byte, except the safetensors files holding a tensor in `updates`, which are
     written again shard by shard: read, each adapted tensor W + update (added in float32, checked against the
     adapter's low-rank path, stored in W's own dtype), write, free, then the written shard read back and compared
     tensor by tensor with what was meant to be written. `rounding` replaces a linear layer's W by the NF4-rounded
     weights a 4-bit run trained against; `dtype` casts every floating tensor instead (and the config's dtype says
-    so). A MergeCheckFailed as soon as one tensor fails its check."""
+    so). `storing` says how a merged tensor is rounded to its stored dtype (default: to nearest) and judged. A
+    MergeCheckFailed as soon as one tensor fails its check."""
     base, files = Path(base), release_tensor_files(base)
     touched = sorted({files[name] for name in updates}) if dtype is None else sorted(set(files.values()))
     staging.mkdir(parents=True)
@@ -246,7 +273,8 @@ def write_merged_release(base: Path, updates: dict[str, Update], staging: Path, 
     report = MergeReport(files=touched)
     generator = torch.Generator().manual_seed(0)
     for file_name in touched:
-        digests = _merge_shard(base / file_name, staging / file_name, updates, dtype, rounding, generator, report)
+        digests = _merge_shard(base / file_name, staging / file_name, updates, dtype, rounding, generator, report,
+                               storing or Storing())
         _check_written(staging / file_name, digests)
     if dtype is not None:
         _set_config_dtype(staging / "config.json", str(dtype).removeprefix("torch."))
@@ -254,7 +282,7 @@ def write_merged_release(base: Path, updates: dict[str, Update], staging: Path, 
 
 
 def _merge_shard(source: Path, target: Path, updates: dict[str, Update], dtype: torch.dtype | None,
-                 rounding, generator: torch.Generator, report: MergeReport) -> dict[str, str]:
+                 rounding, generator: torch.Generator, report: MergeReport, storing: Storing) -> dict[str, str]:
     """One shard merged and written; the digest of each tensor it changed."""
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -271,11 +299,15 @@ def _merge_shard(source: Path, target: Path, updates: dict[str, Update], dtype: 
                 delta = update.delta()
                 merged = start + delta
                 report.worst = max(report.worst, _checked(name, update.mismatch(start, merged, generator)))
-                weight = merged.to(stored)
-                report.kept[name] = output_kept_share(delta, weight.float() - merged)
+                weight = store(storing.method, merged, stored, update.moment(storing.moments), storing.generator,
+                               update.as_linear)
+                error = weight.float() - merged
+                if not update.as_linear:  # a fused [experts, in, out] weight: its experts' outputs as [out, in] gives
+                    delta, error = delta.transpose(-1, -2), error.transpose(-1, -2)
+                report.kept[name] = output_kept_share(delta, error, update.moment(storing.held_out))
                 digests[name] = tensor_digest(weight)
                 report.tensors += 1
-                del start, delta, merged
+                del start, delta, merged, error
             tensors[name] = weight.to(stored).contiguous()
     save_file(tensors, str(target), metadata=metadata or {"format": "pt"})
     return digests
@@ -348,66 +380,3 @@ def replace_folder(staging: Path, output: Path) -> None:
     if output.exists():
         output.rmdir()  # only an empty folder gets here (checked before loading anything)
     os.replace(staging, output)
-
-
-# ---------------------------------------------------------------------------------------------- storing in 16 bits
-# A bf16 weight W + ΔW rounded to nearest gives back W wherever |ΔW| is under half a bf16 step: a small PPO update is
-# mostly lost in the store. These are the ways to round a merged float32 tensor to the stored dtype that
-# bench/merge_gap.py compares by the share of the update's effect the stored model keeps.
-ROUNDINGS = ("nearest", "stochastic", "error-feedback")
-
-
-def round_stochastic(merged: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """bf16 of `merged` (float32) rounded up or down at random in proportion to its distance to each neighbour (an
-    unbiased rounding: the expected stored value is `merged`), seeded by `generator`. bf16 keeps the top 16 bits of a
-    float32, so a uniform 16-bit integer is added to the magnitude's bits before they are cut."""
-    bits = merged.float().contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, generator=generator, dtype=torch.int32)
-    return ((bits + noise) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
-
-
-def round_error_feedback(merged: torch.Tensor, second_moment: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
-                         damping: float = 0.01, block: int = 128) -> torch.Tensor:
-    """`merged` ([out, in], float32) rounded to `dtype`'s grid column by column, each column's rounding error pushed
-    onto the columns not yet rounded in proportion to how the layer's inputs correlate (GPTQ's update, with the
-    rounding grid the dtype's own instead of a 4-bit one): it minimises the output error on inputs whose second
-    moment E[x xᵀ] is `second_moment` ([in, in]). With uncorrelated inputs (a diagonal second moment) no error moves
-    and it is round-to-nearest."""
-    weight = merged.float().clone()
-    columns = weight.shape[1]
-    hessian = second_moment.double().clone()
-    hessian += damping * hessian.diagonal().mean() * torch.eye(columns, dtype=torch.float64)
-    # the upper Cholesky factor of H⁻¹: row i gives how column i's error spreads onto the columns after it
-    inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian)), upper=True).float()
-    stored = torch.empty_like(weight)
-    for start in range(0, columns, block):
-        end = min(start + block, columns)
-        chunk, errors = weight[:, start:end].clone(), torch.empty(weight.shape[0], end - start)
-        for i in range(end - start):
-            column = chunk[:, i]
-            rounded = column.to(dtype).float()
-            stored[:, start + i] = rounded
-            error = (column - rounded) / inverse[start + i, start + i]
-            chunk[:, i:] -= error.unsqueeze(1) * inverse[start + i, start + i:end].unsqueeze(0)
-            errors[:, i] = error
-        weight[:, end:] -= errors @ inverse[start:end, end:]
-    return stored.to(dtype)
-
-
-def output_kept_share(update: torch.Tensor, stored_error: torch.Tensor,
-                      second_moment: torch.Tensor | None = None) -> float:
-    """The share of an update's effect on a layer's outputs that the stored weight keeps, over inputs of second
-    moment E[x xᵀ] = `second_moment` (None: uncorrelated inputs of unit variance, the identity): 1 −
-    E|x·(stored − merged)ᵀ|² / E|x·updateᵀ|² (1: all of it; 0: as little as storing the base weight unchanged;
-    below 0: the rounding moved the layer further than the update). An update of zero keeps all of itself."""
-    def energy(matrix: torch.Tensor) -> float:
-        matrix = matrix.double().reshape(-1, matrix.shape[-1])
-        if second_moment is None:
-            return float(matrix.pow(2).sum())
-        return float(((matrix @ second_moment.double()) * matrix).sum())
-
-    total = energy(update)
-    if total == 0.0:
-        return 1.0
-    return 1.0 - energy(stored_error) / total
-

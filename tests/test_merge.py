@@ -180,7 +180,7 @@ def test_a_model_four_times_its_largest_shard_merges_within_one_shard_of_memory(
 
 # ---------------------------------------------------------------------------------------------- storing in bf16
 def test_stochastic_rounding_lands_on_a_neighbour_in_proportion_to_its_distance_and_is_seeded():
-    from ppo_affine.release_files import round_stochastic
+    from ppo_affine.rounding import round_stochastic
 
     # bf16's step at 1 is 2^-7: 1 + 2^-9 is a quarter of the way up, -(2 + 3·2^-8) three quarters (step 2^-6)
     values = torch.tensor([1.0 + 2**-9] * 20000 + [-(2.0 + 3 * 2**-8)] * 20000)
@@ -196,7 +196,7 @@ def test_stochastic_rounding_lands_on_a_neighbour_in_proportion_to_its_distance_
 
 
 def test_error_feedback_rounding_is_round_to_nearest_for_uncorrelated_inputs_and_beats_it_for_correlated_ones():
-    from ppo_affine.release_files import output_kept_share, round_error_feedback
+    from ppo_affine.rounding import output_kept_share, round_error_feedback
 
     generator = torch.Generator().manual_seed(0)
     base = torch.randn(24, 64, generator=generator).bfloat16().float()
@@ -214,7 +214,7 @@ def test_error_feedback_rounding_is_round_to_nearest_for_uncorrelated_inputs_and
 
 
 def test_the_kept_share_of_an_update_by_hand():
-    from ppo_affine.release_files import output_kept_share
+    from ppo_affine.rounding import output_kept_share
 
     update = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
     moment = torch.tensor([[1.0, 0.0], [0.0, 0.25]])  # E|x·updateᵀ|² = 1·1 + 4·0.25 = 2
@@ -224,7 +224,7 @@ def test_the_kept_share_of_an_update_by_hand():
 
 
 def test_the_kept_share_without_a_second_moment_weighs_every_input_alike_and_a_zero_update_keeps_itself():
-    from ppo_affine.release_files import output_kept_share
+    from ppo_affine.rounding import output_kept_share
 
     update = torch.tensor([[1.0, 0.0], [0.0, 2.0]])  # |update|² = 5
     assert output_kept_share(update, torch.tensor([[0.0, 1.0], [0.0, 0.0]])) == pytest.approx(0.8)
@@ -255,6 +255,6 @@ def test_a_small_update_rounded_away_in_bfloat16_is_reported_with_a_warning(tmp_
             "--set", "model.use_4bit=false", "--set", "run.device=cpu"]
     assert merge.main(args) == 0
     printed = capsys.readouterr().out
-    [line] = [line for line in printed.splitlines() if "the tensors keep a median" in line]
+    [line] = [line for line in printed.splitlines() if "the layers keep a median" in line]
     median = float(line.split("median ")[1].split("%")[0]) / 100
     assert median < 0.5 and "of 14 merged tensors keep under 90% of their update" in printed
