@@ -68,7 +68,8 @@ from ppo_affine.batching import build_sequences, scoring_sequences
 from ppo_affine.endpoint import EndpointUnused, endpoint_for
 from ppo_affine.experience import correct_for_the_sampler, sampler_gap, score_sequences
 from ppo_affine.allocator import return_freed_memory_to_the_os, training_allocations
-from ppo_affine.generation import PROBE_TEXT, VLLMError, VLLMServers, eos_token_ids
+from ppo_affine.adapter_probe import check_engine_applies_adapters
+from ppo_affine.generation import VLLMError, VLLMServers, eos_token_ids
 from ppo_affine.local_generation import LocalGenerator
 from ppo_affine.model_files import check_4bit_support, model_source, pick_device
 from ppo_affine.policy import VALUE_HEAD_FILE, adapter_folder, load_policy
@@ -565,22 +566,7 @@ class Trainer:
         base model's and would have the run learn from base-model samples); a VLLMError stops the run."""
 
         async def probe() -> None:
-            prompt = self.policy.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
-            folder = self.run_dir / "vllm_adapters" / "probe"
-            shutil.rmtree(folder, ignore_errors=True)
-            with self.policy.probe_adapter(prompt):
-                with writing("the probe adapter for vLLM", folder):
-                    self.policy.model.save_pretrained(folder, selected_adapters=["default"])
-
-                def trainer_logprobs(tokens: list[int]) -> tuple[list[float], list[float]]:
-                    with self.policy.base():
-                        base = self.policy.token_logprobs(prompt, tokens).tolist()
-                    return base, self.policy.token_logprobs(prompt, tokens).tolist()
-
-                try:
-                    await self.generator.check_adapter_applied(folder, prompt, trainer_logprobs)
-                finally:
-                    shutil.rmtree(folder, ignore_errors=True)
+            await check_engine_applies_adapters(self.policy, self.generator, self.run_dir / "vllm_adapters" / "probe")
 
         await self.ranks.from_main_async(probe)
 

@@ -10,12 +10,24 @@ kept = 1 − mean KL(trained ‖ merged) / mean KL(trained ‖ base) over the re
 update's effect on its outputs the stored weight keeps on the held-out inputs (its minimum and median).
 
     OMP_NUM_THREADS=1 python -m bench.merge_rounding --update 1e-3
+
+With `--episodes RUN` it measures merge.py itself on a run's own recorded episodes: the release is SmolLM2 cast to
+bf16, the adapter a checkpoint's (`--checkpoint CKPT`, a real PPO adapter) or a random rank-16 one whose update is
+`--update` of each weight's RMS (a copy of the checkpoint's adapter with random factors), and each rounding is the
+streaming merge's (`merge.merge` with the calibration of `ppo_affine.calibration`: the run's episodes split in a
+calibration and a held-out part). Judged over the sampled tokens of the held-out episodes' model calls: kept = 1 −
+mean KL(trained ‖ merged) / mean KL(trained ‖ base), trained = the bf16 base + the adapter in float32, and the
+layers' output kept share on the held-out inputs as merge.py prints it.
+
+    python -m bench.merge_rounding --episodes ~/runs/r/cpu-demo --checkpoint ~/runs/r/cpu-demo/checkpoints/checkpoint-60
+    python -m bench.merge_rounding --episodes ~/runs/r/cpu-demo --checkpoint ... --update 1e-3
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -97,9 +109,19 @@ def main() -> None:
     parser.add_argument("--update", type=float, default=1e-3, help="the update's RMS over the weight's (default 1e-3)")
     parser.add_argument("--prompts-per-game", type=int, default=2,
                         help="prompts per game (8 games; half calibrate, half are judged; default 2)")
+    parser.add_argument("--episodes", type=Path, help="a run folder: measure merge.py on its recorded episodes")
+    parser.add_argument("--checkpoint", type=Path, help="with --episodes: the run's checkpoint (its adapter)")
+    parser.add_argument("--random", action="store_true",
+                        help="with --episodes: a random adapter of --update RMS instead of the checkpoint's own")
+    parser.add_argument("--calibration-tokens", type=int, default=32768, help="with --episodes: merge.py's cap")
     parser.add_argument("--dampings", default="0.01",
                         help="error feedback's damping(s), a share of the second moment's mean diagonal (default 0.01)")
     args = parser.parse_args()
+    if args.episodes is not None:
+        from bench.merge_kept import measure
+
+        measure(args.episodes, args.checkpoint, args.update if args.random else None, args.calibration_tokens)
+        return
     model_cfg = load_config(presets=["cpu"]).train.model
     tokenizer = load_tokenizer(model_cfg)
     model = AutoModelForCausalLM.from_pretrained(model_source(model_cfg), dtype=torch.bfloat16).float().eval()

@@ -29,6 +29,7 @@ import httpx
 from ppo_affine.envs.tasks import Task
 from ppo_affine.envs.affinetes_env import AffinetesEnv, RemoteCallError
 from ppo_affine.envs.tasks import game_name_of
+from ppo_affine.adapter_probe import check_evaluated_adapter
 from ppo_affine.generation import VLLMError, VLLMGenerator
 from ppo_affine.model_files import served_folder
 from ppo_affine.run_log import rollout_progress
@@ -201,6 +202,8 @@ async def evaluate_through_env(config: Config, tasks: list[Task], adapter_dir: P
         labels = ["adapter", "base"] if adapter_dir and compare_base else ["adapter"] if adapter_dir else ["base"]
         for label in labels:
             if label == "adapter":
+                if cfg.generation.check_adapter:  # an engine that drops adapters would be scored as the adapter
+                    await check_evaluated_adapter(config, generator, adapter_dir)
                 model = await generator.load_adapter(adapter_dir, f"eval-{derive_seed(adapter_dir.resolve()):08x}")
             else:
                 model = cfg.model.name_or_path

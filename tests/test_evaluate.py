@@ -224,3 +224,52 @@ def test_an_env_that_fails_to_start_leaves_nothing_open(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="the trace env broke"):
         asyncio.run(evaluate.evaluate(load_config(presets=["cpu"]), [], env_specs, None, True, None))
     assert closed == ["openspiel", "generator"] and not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------- the adapter reaches the engine
+@pytest.fixture
+def vllm_ignoring_adapters(tiny_model_dir):
+    """A fake vLLM server that accepts adapters but keeps serving the base model (an engine with a LoRA bug)."""
+    from test_train import _serve_fake_vllm
+
+    yield from _serve_fake_vllm(tiny_model_dir, "--ignore-adapters")
+
+
+@pytest.mark.slow
+def test_an_engine_that_ignores_the_evaluated_adapter_is_caught_before_any_episode(tiny_model_dir, tmp_path, capsys,
+                                                                                   vllm_ignoring_adapters):
+    """Evaluating an adapter through a server that drops it would score the base model under the adapter's name:
+    the probe stops evaluate.py first, in one line naming the likely upstream bugs, with no episode played."""
+    from test_train import served_adapters
+
+    from ppo_affine.testing.tiny import save_checkpoint_with_active_adapter
+
+    checkpoint = save_checkpoint_with_active_adapter(tiny_model_dir, tmp_path / "run" / "checkpoint-3")
+    capsys.readouterr()
+    out = tmp_path / "out"
+    code = evaluate.main(tiny_args(tiny_model_dir, "--checkpoint", str(checkpoint), "--games", "leduc_poker",
+                                   "--episodes", "2", "--set", "generation.backend=vllm",
+                                   "--set", f"env.vllm_url={vllm_ignoring_adapters}", "--output-dir", str(out)))
+    assert code == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "does not apply LoRA adapters as the trainer does" in err and "vLLM #49354" in err
+    assert "Traceback" not in err
+    assert not (out / "episodes.jsonl").exists() or (out / "episodes.jsonl").read_text() == ""
+    assert not (out / "summary.json").exists()
+    assert served_adapters(vllm_ignoring_adapters) == []  # the probe was unloaded
+
+
+@pytest.mark.slow
+def test_an_engine_that_applies_the_evaluated_adapter_passes_the_probe_and_plays(tiny_model_dir, tmp_path, capsys,
+                                                                                fake_vllm):
+    from ppo_affine.testing.tiny import save_checkpoint_with_active_adapter
+
+    checkpoint = save_checkpoint_with_active_adapter(tiny_model_dir, tmp_path / "run" / "checkpoint-3")
+    out = tmp_path / "out"
+    assert evaluate.main(tiny_args(tiny_model_dir, "--checkpoint", str(checkpoint), "--games", "leduc_poker",
+                                   "--episodes", "2", "--set", "generation.backend=vllm",
+                                   "--set", f"env.vllm_url={fake_vllm}", "--output-dir", str(out))) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "applies the adapter: a probe moved the trainer's log-probs by up to" in printed
+    assert len(read_episodes(out)) == 2
+
