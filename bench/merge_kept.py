@@ -23,6 +23,7 @@ from ppo_affine.calibration import calibrate, read_episodes, split_episodes
 from ppo_affine.config import load_config
 from ppo_affine.model_files import load_adapter_model, model_source
 from ppo_affine.release_files import Storing
+from ppo_affine import rounding
 from ppo_affine.rounding import ROUNDINGS
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -97,7 +98,8 @@ def mean_kl(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
     return total / sum(len(r) for r in reference)
 
 
-def measure(episodes: Path, checkpoint: Path, relative: float | None, calibration_tokens: int) -> None:
+def measure(episodes: Path, checkpoint: Path, relative: float | None, calibration_tokens: int,
+            methods: list[str] = ROUNDINGS) -> None:
     with tempfile.TemporaryDirectory() as folder:
         work = Path(folder)
         release = bf16_release(work)
@@ -118,7 +120,7 @@ def measure(episodes: Path, checkpoint: Path, relative: float | None, calibratio
         started = time.perf_counter()
         found = calibrate(config.train.model, adapter, episodes, torch.device("cpu"), calibration_tokens)
         calibration_seconds = time.perf_counter() - started
-        for method in ROUNDINGS:
+        for method in methods:
             output = work / f"merged-{method}"
             started = time.perf_counter()
             report = merge.merge(config, adapter, output, None, "full-precision",
@@ -130,6 +132,8 @@ def measure(episodes: Path, checkpoint: Path, relative: float | None, calibratio
             print(json.dumps({
                 "model": "smollm2 (bf16)", "adapter": "random" if relative is not None else str(checkpoint),
                 "update_rms_median": round(update_rms(adapter, release), 6), "method": method,
+                "act_order": rounding.ACT_ORDER if method == "error-feedback" else None,
+                "damping": rounding.DAMPING if method == "error-feedback" else None,
                 "calibration": {"episodes": found.episodes[0], "tokens": found.calibration_tokens},
                 "held_out": {"episodes": found.episodes[1], "calls": len(calls),
                              "judged_tokens": sum(len(r) for r in trained_logprobs)},

@@ -114,13 +114,23 @@ def main() -> None:
     parser.add_argument("--random", action="store_true",
                         help="with --episodes: a random adapter of --update RMS instead of the checkpoint's own")
     parser.add_argument("--calibration-tokens", type=int, default=32768, help="with --episodes: merge.py's cap")
+    parser.add_argument("--methods", default=",".join(ROUNDINGS), help="with --episodes: the roundings measured")
+    parser.add_argument("--damping", type=float, help="with --episodes: error feedback's damping (rounding.DAMPING)")
+    parser.add_argument("--act-order", action="store_true",
+                        help="with --episodes: error feedback takes the columns by input energy (rounding.ACT_ORDER)")
     parser.add_argument("--dampings", default="0.01",
                         help="error feedback's damping(s), a share of the second moment's mean diagonal (default 0.01)")
     args = parser.parse_args()
     if args.episodes is not None:
         from bench.merge_kept import measure
 
-        measure(args.episodes, args.checkpoint, args.update if args.random else None, args.calibration_tokens)
+        import ppo_affine.rounding
+
+        ppo_affine.rounding.ACT_ORDER = args.act_order
+        if args.damping is not None:
+            ppo_affine.rounding.DAMPING = args.damping
+        measure(args.episodes, args.checkpoint, args.update if args.random else None, args.calibration_tokens,
+                args.methods.split(","))
         return
     model_cfg = load_config(presets=["cpu"]).train.model
     tokenizer = load_tokenizer(model_cfg)

@@ -115,6 +115,27 @@ def moment_bytes(layers: dict[str, object]) -> int:
     return total
 
 
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_moment_memory(layers: dict[str, object]) -> None:
+    """A ConfigError before the model loads when the two sets of moments (calibration and held out) would not fit
+    in half the memory free now (routed experts adapted on a large MoE: one [in, in] per expert and layer)."""
+    needed, free = 2 * moment_bytes(layers), available_bytes()
+    if free is not None and needed > free // 2:
+        raise ConfigError(f"error feedback's input second moments would hold {needed / 2**30:.1f} GB (calibration and "
+                          f"held out, float32, {len(layers)} adapted weights), more than half the {free / 2**30:.1f} "
+                          "GB free: pass --rounding nearest (or merge on a host with more memory).")
+
+
 @torch.no_grad()
 def collect_moments(model, layers: dict[str, object], sequences: list[list[int]]) -> dict[str, torch.Tensor]:
     """E[x xᵀ] (float32) of each adapted layer's inputs (`layers`: loaded name -> peft layer, as
@@ -214,10 +235,12 @@ def calibrate(model_cfg, adapter_dir: Path, episodes_path: Path, device: torch.d
     through the adapter in `adapter_dir` on the base model of `model_cfg` loaded in bf16 (the release's dtype: no
     float32 copy of the base; after a 4-bit run its NF4 weights dequantised to bf16) on `device`. The episodes are
     read and split before anything loads."""
-    from ppo_affine.model_files import load_adapter_model, load_dequantised_base
-    from ppo_affine.release_files import adapted_layers
+    from ppo_affine.model_files import load_adapter_model, load_dequantised_base, model_source
+    from ppo_affine.release_files import adapted_layers, adapter_on_skeleton
 
     calibration, held_out = split_episodes(read_episodes(episodes_path))
+    check_moment_memory(adapted_layers(adapter_on_skeleton(model_source(model_cfg), Path(adapter_dir),
+                                                           model_cfg.name_or_path, model_cfg.trust_remote_code)))
     base = load_dequantised_base(model_cfg.model_copy(update={"dtype": "bfloat16", "gradient_checkpointing": False}),
                                  device)
     model = load_adapter_model(base, Path(adapter_dir), model_cfg.name_or_path).eval()

@@ -291,7 +291,9 @@ class GenerationConfig(Strict):
     check_adapter: bool = Field(
         True, description="Default true: before the first sample a run generating through vLLM loads a probe adapter "
         "(random B) into each server and stops, naming the likely upstream LoRA bug, unless the server's log-probs of "
-        "tokens sampled with it are the trainer's. false skips it (a stand-in server that runs no model).")
+        "tokens sampled with it are the trainer's; evaluate.py does the same before the first episode of an adapter it "
+        "plays through a server (loading the adapter locally once for it). false skips it (a stand-in server that "
+        "runs no model).")
     vllm_server: VLLMServerConfig = Field(default_factory=VLLMServerConfig,
                                           description="A vLLM server the trainer starts and owns (set its python).")
 

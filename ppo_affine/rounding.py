@@ -14,6 +14,7 @@ import torch
 
 ROUNDINGS = ("nearest", "stochastic", "error-feedback")
 DAMPING = 0.1  # error feedback's damping, a share of the second moment's mean diagonal: measured best of 0.01 and 0.1
+ACT_ORDER = False  # error feedback's column order: the release's (False) or by input energy, largest first (True)
 
 
 def round_stochastic(merged: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -26,12 +27,16 @@ def round_stochastic(merged: torch.Tensor, generator: torch.Generator) -> torch.
 
 
 def round_error_feedback(merged: torch.Tensor, second_moment: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
-                         damping: float = 0.01, block: int = 128) -> torch.Tensor:
+                         damping: float = 0.01, block: int = 128, act_order: bool = False) -> torch.Tensor:
     """`merged` ([out, in], float32) rounded to `dtype`'s grid column by column, each column's rounding error pushed
     onto the columns not yet rounded in proportion to how the layer's inputs correlate (GPTQ's update, with the
     rounding grid the dtype's own instead of a 4-bit one): it minimises the output error on inputs whose second
     moment E[x xᵀ] is `second_moment` ([in, in]). With uncorrelated inputs (a diagonal second moment) no error moves
     and it is round-to-nearest."""
+    if act_order:  # GPTQ's act-order: the columns with the most input energy first, the rest absorb their errors
+        order = torch.argsort(second_moment.diagonal(), descending=True, stable=True)
+        stored = round_error_feedback(merged[:, order], second_moment[order][:, order], dtype, damping, block)
+        return stored[:, torch.argsort(order)]
     weight = merged.float().clone()
     columns = weight.shape[1]
     hessian = second_moment.double().clone()
@@ -94,5 +99,5 @@ def store(method: str, merged: torch.Tensor, dtype: torch.dtype, moment: torch.T
     if not float(moment.diagonal().sum()) > 0:
         return merged.to(dtype)
     if not as_linear:
-        return round_error_feedback(merged.T, moment, dtype, DAMPING).T.contiguous()
-    return round_error_feedback(merged, moment, dtype, DAMPING)
+        return round_error_feedback(merged.T, moment, dtype, DAMPING, act_order=ACT_ORDER).T.contiguous()
+    return round_error_feedback(merged, moment, dtype, DAMPING, act_order=ACT_ORDER)

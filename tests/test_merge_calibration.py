@@ -78,6 +78,20 @@ def test_merge_with_a_missing_episodes_file_stops_in_one_line_before_loading(tin
     assert not (tmp_path / "m").exists()
 
 
+def test_moments_that_would_not_fit_in_half_the_free_memory_are_refused_before_the_model_loads(monkeypatch):
+    from types import SimpleNamespace
+
+    from ppo_affine import calibration
+
+    layers = {"q": SimpleNamespace(in_features=32), "down": SimpleNamespace(in_features=64)}
+    assert calibration.moment_bytes(layers) == 32 * 32 * 4 + 64 * 64 * 4  # 20 480 bytes of float32 sums
+    monkeypatch.setattr(calibration, "available_bytes", lambda: 81920)  # half: 40 960 = two sets, fits
+    calibration.check_moment_memory(layers)
+    monkeypatch.setattr(calibration, "available_bytes", lambda: 81918)
+    with pytest.raises(ConfigError, match=r"would hold 0.0 GB .* 2 adapted weights.*pass --rounding nearest"):
+        calibration.check_moment_memory(layers)
+
+
 # ---------------------------------------------------------------------------------------------- storing
 def test_stored_error_feedback_is_on_the_bf16_grid_and_nearest_for_uncorrelated_inputs_whatever_the_layout():
     from ppo_affine.rounding import store
