@@ -14,6 +14,15 @@ inputs what W with the adapter gives (max |difference| <= 1e-4 of its outputs), 
 back, holds exactly the merged tensors, all finite. The validators' admission check of its config.json is
 printed too.
 
+Storing in bf16 rounds away most of a small update when rounded to nearest, so by default (`--rounding`) each merged
+tensor is rounded by error feedback on the bf16 grid, weighted by its layer's input second moments on the run's own
+recorded episodes (samples.jsonl of the checkpoint's run folder, or --episodes): half of them calibrate, the other
+half judge, and merge.py prints the share of each layer's update it keeps on the judged episodes' inputs (the
+layers keeping least named) and warns below 90 %. Collecting the moments runs the adapter on its base, loaded in
+bf16 on run.device, over at most --calibration-tokens tokens of each half, and holds one [in, in] float32 sum per
+distinct adapted input (per routed expert with lora.adapt_experts) for each half; it is refused before anything
+loads where that would not fit in half the free memory.
+
 Run:  python merge.py --checkpoint runs/r/checkpoints/checkpoint-500 --output merged/r-500
       python merge.py --preset cpu --adapter path/to/adapter --output merged/smol --dtype bfloat16
 """
@@ -152,8 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounding", choices=ROUNDINGS,
                         help="how each merged tensor is rounded to its stored 16-bit dtype (default: error-feedback "
                              "when the run's recorded episodes are found, else nearest). error-feedback: each column's "
-                             "rounding error pushed onto the next ones, weighted by the layer's input second moments on "
-                             "the run's recorded episodes (measured best: bench/merge_rounding.py, "
+                             "rounding error pushed onto the next ones, weighted by the layer's input second moments "
+                             "on the run's recorded episodes (measured best: bench/merge_rounding.py, "
                              "docs/architectures.md); stochastic: seeded, unbiased; nearest: the plain cast")
     parser.add_argument("--episodes", type=Path,
                         help="the run folder (or its samples.jsonl) whose recorded episodes calibrate error feedback "

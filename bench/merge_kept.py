@@ -1,5 +1,6 @@
-"""merge.py's roundings judged on a run's own held-out episodes (`python -m bench.merge_rounding --episodes RUN ...`):
-kept = 1 − mean KL(trained ‖ merged) / mean KL(trained ‖ base) over the sampled tokens of the held-out model calls.
+"""merge.py's roundings judged on a run's own held-out episodes (`python -m bench.merge_rounding --episodes RUN`):
+kept = 1 − mean KL(trained ‖ merged) / mean KL(trained ‖ base) over the sampled tokens of the held-out model
+calls.
 
 The release is the cpu preset's SmolLM2 cast to bf16 (written once in the work folder, config dtype bfloat16); the
 trained model is that bf16 base with the adapter in float32; each merged folder is written by `merge.merge` itself
