@@ -271,10 +271,10 @@ def write_merged_release(base: Path, updates: dict[str, Update], staging: Path, 
             continue
         (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, staging / entry.name)
     report = MergeReport(files=touched)
-    generator = torch.Generator().manual_seed(0)
+    generator, storing = torch.Generator().manual_seed(0), storing or Storing()
     for file_name in touched:
         digests = _merge_shard(base / file_name, staging / file_name, updates, dtype, rounding, generator, report,
-                               storing or Storing())
+                               storing)
         _check_written(staging / file_name, digests)
     if dtype is not None:
         _set_config_dtype(staging / "config.json", str(dtype).removeprefix("torch."))
@@ -302,7 +302,7 @@ def _merge_shard(source: Path, target: Path, updates: dict[str, Update], dtype: 
                 weight = store(storing.method, merged, stored, update.moment(storing.moments), storing.generator,
                                update.as_linear)
                 error = weight.float() - merged
-                if not update.as_linear:  # a fused [experts, in, out] weight: its experts' outputs as [out, in] gives
+                if not update.as_linear:  # a fused weight stored [experts, in, out]: judged as [out, in], as its moments
                     delta, error = delta.transpose(-1, -2), error.transpose(-1, -2)
                 report.kept[name] = output_kept_share(delta, error, update.moment(storing.held_out))
                 digests[name] = tensor_digest(weight)
