@@ -99,14 +99,20 @@ def mean_kl(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
     return total / sum(len(r) for r in reference)
 
 
-def measure(episodes: Path, checkpoint: Path, relative: float | None, calibration_tokens: int,
-            methods: list[str] = ROUNDINGS) -> None:
+def variant(name: str) -> tuple[str, bool]:
+    """'error-feedback+act-order' -> ('error-feedback', True): a rounding and error feedback's column order."""
+    method, _, order = name.partition("+")
+    if method not in ROUNDINGS or order not in ("", "act-order"):
+        raise SystemExit(f"unknown variant {name!r}: one of {ROUNDINGS}, error feedback with an optional +act-order")
+    return method, order == "act-order"
+
+
+def measure(episodes: Path, checkpoint: Path, relatives: list[float | None], calibration_tokens: int,
+            variants: list[str]) -> None:
+    """One row per adapter (`relatives`: None = the checkpoint's own, else a random one of that RMS) and variant."""
     with tempfile.TemporaryDirectory() as folder:
         work = Path(folder)
         release = bf16_release(work)
-        adapter = checkpoint / "adapter"
-        if relative is not None:
-            adapter = random_adapter(adapter, release, relative, work)
         config = load_config(presets=["cpu"], overrides=[f"model.name_or_path={release}", "model.gguf_package=null",
                                                           "run.device=cpu"])
         _, held_out = split_episodes(read_episodes(episodes))
@@ -114,33 +120,40 @@ def measure(episodes: Path, checkpoint: Path, relative: float | None, calibratio
                  for ids, start in zip(episode.sequences, episode.response_starts) if len(ids) > start]
         base = AutoModelForCausalLM.from_pretrained(release, dtype=torch.float32).eval()
         base_logprobs = response_logprobs(base, calls)
-        trained = load_adapter_model(base, adapter, str(release)).eval()
-        trained_logprobs = response_logprobs(trained, calls)
-        del trained, base
-        kl_base = mean_kl(trained_logprobs, base_logprobs)
-        started = time.perf_counter()
-        found = calibrate(config.train.model, adapter, episodes, torch.device("cpu"), calibration_tokens)
-        calibration_seconds = time.perf_counter() - started
-        for method in methods:
-            output = work / f"merged-{method}"
+        del base
+        for relative in relatives:
+            adapter = checkpoint / "adapter" if relative is None else random_adapter(checkpoint / "adapter", release,
+                                                                                      relative, work)
+            trained = load_adapter_model(AutoModelForCausalLM.from_pretrained(release, dtype=torch.float32),
+                                         adapter, str(release)).eval()
+            trained_logprobs = response_logprobs(trained, calls)
+            del trained
+            kl_base = mean_kl(trained_logprobs, base_logprobs)
             started = time.perf_counter()
-            report = merge.merge(config, adapter, output, None, "full-precision",
-                                 Storing(method, found.moments, found.held_out))
-            merge_seconds = time.perf_counter() - started
-            merged = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()
-            kl_merged = mean_kl(trained_logprobs, response_logprobs(merged, calls))
-            shares = sorted(report.kept.values())
-            print(json.dumps({
-                "model": "smollm2 (bf16)", "adapter": "random" if relative is not None else str(checkpoint),
-                "update_rms_median": round(update_rms(adapter, release), 6), "method": method,
-                "act_order": rounding.ACT_ORDER if method == "error-feedback" else None,
-                "damping": rounding.DAMPING if method == "error-feedback" else None,
-                "calibration": {"episodes": found.episodes[0], "tokens": found.calibration_tokens},
-                "held_out": {"episodes": found.episodes[1], "calls": len(calls),
-                             "judged_tokens": sum(len(r) for r in trained_logprobs)},
-                "kept": round(1 - kl_merged / kl_base, 4), "kl_trained_merged": kl_merged, "kl_trained_base": kl_base,
-                "layer_kept_min": round(shares[0], 4), "layer_kept_median": round(statistics.median(shares), 4),
-                "layers_below_90": sum(s < merge.KEPT_GOAL for s in shares), "layers": len(shares),
-                "calibration_seconds": round(calibration_seconds, 1), "merge_seconds": round(merge_seconds, 1)}),
-                flush=True)
-            shutil.rmtree(output)
+            found = calibrate(config.train.model, adapter, episodes, torch.device("cpu"), calibration_tokens)
+            calibration_seconds = time.perf_counter() - started
+            for name in variants:
+                method, rounding.ACT_ORDER = variant(name)
+                output = work / "merged"
+                started = time.perf_counter()
+                report = merge.merge(config, adapter, output, None, "full-precision",
+                                     Storing(method, found.moments, found.held_out))
+                merge_seconds = time.perf_counter() - started
+                merged = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()
+                kl_merged = mean_kl(trained_logprobs, response_logprobs(merged, calls))
+                shares = sorted(report.kept.values())
+                print(json.dumps({
+                    "model": "smollm2 (bf16)", "adapter": "random" if relative is not None else str(checkpoint),
+                    "update_rms_median": round(update_rms(adapter, release), 6), "variant": name,
+                    "damping": rounding.DAMPING if method == "error-feedback" else None,
+                    "calibration": {"episodes": found.episodes[0], "tokens": found.calibration_tokens},
+                    "held_out": {"episodes": found.episodes[1], "calls": len(calls),
+                                 "judged_tokens": sum(len(r) for r in trained_logprobs)},
+                    "kept": round(1 - kl_merged / kl_base, 4), "kl_trained_merged": kl_merged,
+                    "kl_trained_base": kl_base, "layer_kept_min": round(shares[0], 4),
+                    "layer_kept_median": round(statistics.median(shares), 4),
+                    "layers_below_90": sum(s < merge.KEPT_GOAL for s in shares), "layers": len(shares),
+                    "calibration_seconds": round(calibration_seconds, 1), "merge_seconds": round(merge_seconds, 1)}),
+                    flush=True)
+                del merged
+                shutil.rmtree(output)

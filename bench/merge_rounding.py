@@ -19,8 +19,7 @@ calibration and a held-out part). Judged over the sampled tokens of the held-out
 mean KL(trained ‖ merged) / mean KL(trained ‖ base), trained = the bf16 base + the adapter in float32, and the
 layers' output kept share on the held-out inputs as merge.py prints it.
 
-    python -m bench.merge_rounding --episodes ~/runs/r/cpu-demo --checkpoint ~/runs/r/cpu-demo/checkpoints/checkpoint-60
-    python -m bench.merge_rounding --episodes ~/runs/r/cpu-demo --checkpoint ... --update 1e-3
+    python -m bench.merge_rounding --episodes RUN --checkpoint RUN/checkpoints/checkpoint-60 --adapters checkpoint,random
 """
 from __future__ import annotations
 
@@ -111,26 +110,25 @@ def main() -> None:
                         help="prompts per game (8 games; half calibrate, half are judged; default 2)")
     parser.add_argument("--episodes", type=Path, help="a run folder: measure merge.py on its recorded episodes")
     parser.add_argument("--checkpoint", type=Path, help="with --episodes: the run's checkpoint (its adapter)")
-    parser.add_argument("--random", action="store_true",
-                        help="with --episodes: a random adapter of --update RMS instead of the checkpoint's own")
+    parser.add_argument("--adapters", default="checkpoint",
+                        help="with --episodes: 'checkpoint' (its own adapter) and/or 'random' (random factors of "
+                             "--update RMS), comma-separated (default checkpoint)")
     parser.add_argument("--calibration-tokens", type=int, default=32768, help="with --episodes: merge.py's cap")
-    parser.add_argument("--methods", default=",".join(ROUNDINGS), help="with --episodes: the roundings measured")
+    parser.add_argument("--variants", default="nearest,stochastic,error-feedback,error-feedback+act-order",
+                        help="with --episodes: the roundings measured (error feedback's +act-order: the columns by "
+                             "input energy, largest first)")
     parser.add_argument("--damping", type=float, help="with --episodes: error feedback's damping (rounding.DAMPING)")
-    parser.add_argument("--act-order", action="store_true",
-                        help="with --episodes: error feedback takes the columns by input energy (rounding.ACT_ORDER)")
     parser.add_argument("--dampings", default="0.01",
                         help="error feedback's damping(s), a share of the second moment's mean diagonal (default 0.01)")
     args = parser.parse_args()
     if args.episodes is not None:
+        import ppo_affine.rounding
         from bench.merge_kept import measure
 
-        import ppo_affine.rounding
-
-        ppo_affine.rounding.ACT_ORDER = args.act_order
         if args.damping is not None:
             ppo_affine.rounding.DAMPING = args.damping
-        measure(args.episodes, args.checkpoint, args.update if args.random else None, args.calibration_tokens,
-                args.methods.split(","))
+        relatives = [None if kind == "checkpoint" else args.update for kind in args.adapters.split(",")]
+        measure(args.episodes, args.checkpoint, relatives, args.calibration_tokens, args.variants.split(","))
         return
     model_cfg = load_config(presets=["cpu"]).train.model
     tokenizer = load_tokenizer(model_cfg)
