@@ -309,10 +309,11 @@ class LoggingConfig(Strict):
     wandb_project: str | None = Field(None, description="Set to log to Weights & Biases.")
     wandb_mode: Literal["online", "offline", "disabled"] = Field("offline", description="wandb.init mode "
                                                                  "(offline: sync later with `wandb sync`).")
-    log_samples_every: int = Field(0, ge=0, description="Append one played episode to samples.jsonl every N steps "
-                                   "(default 0 = never): its conversation and each model call as recorded (prompt and "
-                                   "sampled ids, parsed reply, log-probs, adapter step, reward), which `python -m "
-                                   "ppo_affine.episodes show RUN --step S` prints.")
+    log_samples_every: int = Field(1, ge=0, description="Append one played episode to samples.jsonl every N steps "
+                                   "(default 1; 0 = never): its conversation and each model call as recorded (prompt "
+                                   "and sampled ids, parsed reply, log-probs, adapter step, reward), which `python -m "
+                                   "ppo_affine.episodes show RUN --step S` prints and `merge.py` calibrates its bf16 "
+                                   "rounding on (without them it rounds to nearest).")
     signal_check_every: int = Field(
         0, ge=0, description="Every N steps re-score the batch after the update and log how each reply's "
         "log-probability moved against its advantage (signal/*; one extra forward pass); 0 = never."
