@@ -487,7 +487,7 @@ class Trainer:
         # this rank's share of the batch; sums over the whole batch go through self.ranks
         mine = self.ranks.share(len(episodes), cfg.ppo.group_size if group_ids is not None else 1)
         sequences = [sequence for sequence in build_sequences(episodes) if sequence.episode in mine]
-        longest = max((len(sequence.input_ids) for sequence in sequences), default=0)
+        lengths = [len(sequence.input_ids) for sequence in sequences]
         # an episode's stripped-history turns as one tree, which runs their shared history once
         sequences = scoring_sequences(sequences, self.micro_batch_tokens,
                                       tree_scoring_mode(self.policy.model.config, cfg.ppo.tree_scoring))
@@ -516,8 +516,8 @@ class Trainer:
                 metrics.update(update_signal(self.policy, sequences, settings, self.ranks))
         metrics["perf/update_seconds"] = time.perf_counter() - started
         metrics.update(costs)
-        if self.planned is not None and longest:  # the plan's activations and LM head at this step's longest sequence
-            planned_against_measured(metrics, "update", self.planned.update_bytes(longest, self.micro_batch_tokens))
+        if self.planned is not None and lengths:  # the plan's activations and LM head at this step's sizes
+            planned_against_measured(metrics, "update", self.planned.update_bytes(lengths, self.micro_batch_tokens))
         self.kl_ctl.update(metrics["reward/kl_per_token"], len(episodes))
         return metrics
 

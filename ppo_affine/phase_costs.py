@@ -80,17 +80,20 @@ class PlannedPhases:
         self._per_kind: dict[str, float] | None = None
         self._model = None
 
-    def update_bytes(self, longest_sequence: int, micro_batch_tokens: int) -> float:
-        """Activations + the LM head's memory of the largest pass for a step whose longest sequence has
-        `longest_sequence` tokens, micro-batches of `micro_batch_tokens`."""
+    def update_bytes(self, lengths: list[int], micro_batch_tokens: int) -> float:
+        """Activations + the LM head's memory of the largest pass of a step whose sequences have `lengths` tokens, in
+        micro-batches of `micro_batch_tokens`: the longest sequence (alone in its pass when longer than a
+        micro-batch), or a full micro-batch where the step's tokens fill one (the plan's worst case for a run is a
+        full micro-batch: a step of fewer tokens never holds one)."""
         from ppo_affine.memory_plan import activation_bytes, head_bytes, meta_model, probe_activations
 
         if self._per_kind is None:
             with torch.random.fork_rng(devices=[]):  # the probe seeds torch: the run's draws must not move
                 self._per_kind = probe_activations(self.config, self.shape)
             self._model = meta_model(self.config)
-        shape = dataclasses.replace(self.shape, micro_batch_tokens=micro_batch_tokens, context_tokens=longest_sequence,
-                                    longest_sequence=longest_sequence)
+        longest = max(lengths)
+        shape = dataclasses.replace(self.shape, micro_batch_tokens=min(micro_batch_tokens, sum(lengths)),
+                                    context_tokens=longest, longest_sequence=longest)
         vocab = self._model.get_output_embeddings().weight.shape[0]
         hidden = self.config.get_text_config().hidden_size
         return activation_bytes(self.config, shape, self._per_kind) + head_bytes(shape, self._per_kind, vocab, hidden)

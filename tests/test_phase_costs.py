@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import train_ppo
-from ppo_affine.phase_costs import (GenerationTime, peak_resident_bytes, phase_peak, planned_against_measured,
-                                    reset_peak, resident_bytes)
+from ppo_affine.phase_costs import (GenerationTime, PlannedPhases, peak_resident_bytes, phase_peak,
+                                    planned_against_measured, reset_peak, resident_bytes)
 from test_train import metrics, tiny_args
 
 MB = 1e6
@@ -49,6 +49,34 @@ def test_planned_against_measured_is_the_plans_share_of_the_rise():
     unmeasured = {}
     planned_against_measured(unmeasured, "rollout", 1 * MB)
     assert unmeasured == {"perf/rollout_planned_bytes": 1 * MB}
+
+
+def test_the_planned_update_is_the_steps_largest_pass_and_leaves_the_random_state_alone(tiny_model_dir):
+    from transformers import AutoConfig
+
+    from ppo_affine.config import load_config
+    from ppo_affine.memory_plan import activation_bytes, head_bytes
+
+    train = load_config(overrides=[f"train.model.name_or_path={tiny_model_dir}", "train.ppo.micro_batch_tokens=1024",
+                                   "train.model.gradient_checkpointing=false"]).train
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    planned = PlannedPhases(config, train)
+    torch.manual_seed(7)
+    expected_draw = torch.rand(1).item()
+    torch.manual_seed(7)
+    one = planned.update_bytes([300], 1024)  # the first call measures a layer, which seeds torch
+    assert torch.rand(1).item() == expected_draw  # the run's draws go on as if it had not
+
+    def plan_at(tokens: int) -> float:  # the plan's activations and LM head for a pass of `tokens` tokens
+        import dataclasses
+
+        shape = dataclasses.replace(planned.shape, micro_batch_tokens=tokens, context_tokens=tokens,
+                                    longest_sequence=tokens)
+        return activation_bytes(config, shape, planned._per_kind) + head_bytes(shape, planned._per_kind, 1024, 32)
+
+    assert one == plan_at(300)  # one 300-token sequence: a pass of 300 tokens, not of the 1 024 a micro-batch holds
+    assert planned.update_bytes([300, 300, 300, 300], 1024) == plan_at(1024)  # 1 200 tokens fill a micro-batch
+    assert planned.update_bytes([300, 2000], 1024) == plan_at(2000)  # the longest, alone in its pass
 
 
 def test_generation_time_names_its_metrics():
