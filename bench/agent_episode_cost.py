@@ -104,22 +104,24 @@ def trainer_command(args, url: str) -> list[str]:
 
 ROWS = (  # (label, metric, scale, unit)
     ("rollout", "perf/rollout_seconds", 1, "s"),
-    ("  env (harness + commands)", "perf/env_seconds", 1, "s"),
-    ("  generation steps", "perf/generation_seconds", 1, "s"),
-    ("    prefill", "perf/prefill_seconds", 1, "s"),
-    ("    decode", "perf/decode_seconds", 1, "s"),
+    ("rollout: env (harness + commands)", "perf/env_seconds", 1, "s"),
+    ("rollout: generation steps", "perf/generation_seconds", 1, "s"),
+    ("generation: prefill", "perf/prefill_seconds", 1, "s"),
+    ("generation: decode", "perf/decode_seconds", 1, "s"),
     ("update", "perf/update_seconds", 1, "s"),
-    ("  scoring", "perf/score_seconds", 1, "s"),
+    ("update: scoring", "perf/score_seconds", 1, "s"),
     ("prefill tokens", "perf/prefill_tokens", 1, ""),
     ("decode tokens", "perf/decode_tokens", 1, ""),
     ("model calls (turns)", "evaluate/calls", 1, ""),
-    ("longest kept + running KV tokens", "perf/kv_peak_tokens", 1, ""),
+    ("KV budget, tokens (half the free memory)", "perf/kv_budget_tokens", 1, ""),
+    ("KV tokens held at most (kept + running)", "perf/kv_peak_tokens", 1, ""),
+    ("tokens the episodes end with", "perf/final_tokens", 1, ""),
     ("rollout peak RSS", "perf/rollout_peak_rss_bytes", GB, "GB"),
-    ("  rise over the rollout", "perf/rollout_rss_rise_bytes", GB, "GB"),
-    ("  planned (KV at the peak tokens)", "perf/rollout_planned_bytes", GB, "GB"),
+    ("rollout: RSS rise", "perf/rollout_rss_rise_bytes", GB, "GB"),
+    ("rollout: planned (KV at the peak tokens)", "perf/rollout_planned_bytes", GB, "GB"),
     ("update peak RSS", "perf/update_peak_rss_bytes", GB, "GB"),
-    ("  rise over the update", "perf/update_rss_rise_bytes", GB, "GB"),
-    ("  planned (activations + LM head)", "perf/update_planned_bytes", GB, "GB"),
+    ("update: RSS rise", "perf/update_rss_rise_bytes", GB, "GB"),
+    ("update: planned (activations + LM head)", "perf/update_planned_bytes", GB, "GB"),
 )
 
 
@@ -127,7 +129,8 @@ def table(records: list[dict], sampled: dict[str, int]) -> list[str]:
     lines = ["| phase | " + " | ".join(f"step {r['step']}" for r in records) + " |",
              "| --- |" + " --- |" * len(records)]
     for label, key, scale, unit in ROWS:
-        cells = [f"{r[key] / scale:.2f} {unit}".strip() if key in r else "-" for r in records]
+        cells = [(f"{r[key] / scale:.2f} {unit}" if unit else f"{r[key]:.0f}").strip() if key in r else "-"
+                 for r in records]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for record in records:
         if record.get("perf/prefill_seconds"):
