@@ -552,9 +552,9 @@ class Trainer:
             metrics["perf/final_tokens"] = float(sum(len(e.sequences[-1]) for e in episodes if e.sequences))
             # the rollout's wall time not spent in a generation step: the envs' and the harnesses' own
             metrics["perf/env_seconds"] = max(0.0, played.rollout_seconds - metrics["perf/generation_seconds"])
-            if self.planned is not None:  # the keys and values of the most tokens the caches held at once
-                planned_against_measured(metrics, "rollout",
-                                         metrics["perf/kv_peak_tokens"] * self.generator.caches.bytes_per_token)
+            if self.planned is not None:  # the most keys and values the caches held at once, and the folded weights
+                planned_against_measured(metrics, "rollout", metrics["perf/kv_peak_tokens"] *
+                                         self.generator.caches.bytes_per_token + self.generator.folded_copy_bytes())
         for name, (_, env) in self.envs.items():
             counts = self.ranks.sum_stats(env.error_counts() if hasattr(env, "error_counts") else {})
             metrics.update({f"env_errors/{name}/{k}": v for k, v in counts.items()})

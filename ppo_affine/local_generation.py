@@ -379,6 +379,13 @@ class LocalGenerator:
             return False
         return True
 
+    def folded_copy_bytes(self) -> int:
+        """What a rollout holds beside the weights for a folded adapter: a copy of each weight it adapts (0: no fold)."""
+        if not self.folds_adapter():
+            return 0
+        weights = [layer.get_base_layer().weight for layer in FoldedAdapter.foldable_layers(self.policy.model)]
+        return sum(weight.numel() * weight.element_size() for weight in weights)
+
     async def close(self) -> None:
         await self._stop_engine()
         self.caches.clear()

@@ -23,8 +23,8 @@ def test_a_phase_peak_is_the_rise_of_what_it_held_above_its_start():
     with phase_peak(recorded, "update"):
         held = torch.ones(50_000_000)  # 200 MB written: resident
         del held
-    assert recorded["perf/update_rss_rise_bytes"] >= 200 * MB
-    assert recorded["perf/update_rss_rise_bytes"] < 260 * MB  # that tensor and little else
+    # that tensor and little else (what the process freed meanwhile may have made a little room)
+    assert 190 * MB <= recorded["perf/update_rss_rise_bytes"] < 260 * MB
     assert recorded["perf/update_peak_rss_bytes"] >= recorded["perf/update_rss_rise_bytes"] + resident_bytes() - 60 * MB
     # the mark starts again at the next phase: a phase that holds nothing more rises by a few MB at most
     quiet = {}
@@ -113,7 +113,10 @@ def test_two_steps_of_a_tiny_model_log_each_phases_time_tokens_and_memory(tiny_m
         # memory: each phase's peak, its rise above its start, and the plan's figure for it
         for phase in ("rollout", "update"):
             assert r[f"perf/{phase}_peak_rss_bytes"] >= r[f"perf/{phase}_rss_rise_bytes"] >= 0
-        assert r["perf/rollout_planned_bytes"] == r["perf/kv_peak_tokens"] * 256
+        # the rollout's plan: those keys and values at the most tokens the caches held, and the folded adapter's copy
+        # of each weight it adapts (q 32x32, k and v 32x16, o 32x32, gate and up 32x64, down 64x32: 9 216 weights a
+        # layer, 2 layers, 4 bytes)
+        assert r["perf/rollout_planned_bytes"] == r["perf/kv_peak_tokens"] * 256 + 9216 * 2 * 4
         assert r["perf/update_planned_bytes"] > 0
         if r["perf/update_rss_rise_bytes"]:
             assert r["perf/update_planned_over_measured"] == pytest.approx(
