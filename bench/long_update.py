@@ -94,6 +94,7 @@ def planned_bytes(config, tokens: int, micro_batch_tokens: int, dtype_bytes: int
 
 def run(args) -> list[dict]:
     from ppo_affine.memory_plan import GB
+    from ppo_affine.allocator import training_allocations
     from ppo_affine.phase_costs import phase_peak
     from ppo_affine.testing.live_bytes import LiveBytes
 
@@ -112,7 +113,9 @@ def run(args) -> list[dict]:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         resident: dict[str, float] = {}  # the process's resident memory: its rise over the update (CPU)
-        with live.mode if live is not None else contextlib.nullcontext(), phase_peak(resident, "update"):
+        # as the trainer runs an update: glibc's heap for the passes' buffers (allocator.py), the mark reset first
+        with training_allocations(), live.mode if live is not None else contextlib.nullcontext(), \
+                phase_peak(resident, "update"):
             seconds = one_update(policy, sequence, args.micro_batch_tokens)
         peak = torch.cuda.max_memory_allocated(device) if live is None else frozen + live.peak
         planned = planned_bytes(config, tokens, args.micro_batch_tokens, dtype.itemsize, device, checkpointing)
