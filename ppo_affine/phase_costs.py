@@ -9,7 +9,8 @@ one phase for another's.
 The plan's figures (`ppo_affine/memory_plan.py`) compare with the rise of a phase's peak above the memory resident at
 its start, which already holds the weights, the adapter and its optimizer state: for an update, the activations of
 the largest pass and the LM head's chunk at the step's longest sequence; for a rollout, the keys and values of the
-most tokens the decode caches held at once (perf/kv_peak_tokens). Only a CPU run's resident memory is what the plan
+most tokens the decode caches held at once (perf/kv_peak_tokens) and the folded adapter's copy of each weight it
+adapts. Only a CPU run's resident memory is what the plan
 describes: on an accelerator these figures are the host's, so the plan is not put beside them there.
 """
 from __future__ import annotations
