@@ -277,7 +277,7 @@ def test_the_agent_presets_reply_cap_is_the_room_a_32k_context_leaves(model_pres
 
 def test_the_agent_preset_checkpoints_activations_even_after_the_cpu_preset():
     """An agent episode is one sequence as long as its context, alone in its pass: without gradient checkpointing
-    SmolLM2 (the cpu preset's model, which turns it off) holds 11.6 GB of tensors over an 8 190-token one, 1.7 GB
+    SmolLM2 (the cpu preset's model, which turns it off) holds 11.0 GB of tensors over an 8 190-token one, 1.7 GB
     with it (docs/benchmarks.md, "An agent episode's cost on the CPU")."""
     from ppo_affine.config import load_config
 
