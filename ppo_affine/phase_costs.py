@@ -10,8 +10,10 @@ The plan's figures (`ppo_affine/memory_plan.py`) compare with the rise of a phas
 its start, which already holds the weights, the adapter and its optimizer state: for an update, the activations of
 the largest pass and the LM head's chunk at the step's longest sequence; for a rollout, the keys and values of the
 most tokens the decode caches held at once (perf/kv_peak_tokens) and the folded adapter's copy of each weight it
-adapts. Only a CPU run's resident memory is what the plan
-describes: on an accelerator these figures are the host's, so the plan is not put beside them there.
+adapts. Only a CPU run's resident memory is what the plan describes: on an accelerator these figures are the host's,
+so the plan is not put beside them there. What the plan leaves out on a CPU (docs/benchmarks.md, "An agent episode's
+cost on the CPU"): the first rollout pages in the weights mapped from their file, and glibc's heap keeps freed
+buffers of an update's passes resident (allocator.training_allocations keeps those under 16 MB in it, for speed).
 """
 from __future__ import annotations
 
