@@ -139,7 +139,8 @@ def table(records: list[dict], sampled: dict[str, int]) -> list[str]:
             record["decode_tokens_per_s"] = record["perf/decode_tokens"] / record["perf/decode_seconds"]
     lines.append("| prefill / decode tokens a second | " + " | ".join(
         f"{r.get('prefill_tokens_per_s', 0):.0f} / {r.get('decode_tokens_per_s', 0):.1f}" for r in records) + " |")
-    lines.append(f"sampled peaks: trainer {sampled['trainer'] / GB:.2f} GB, harness side {sampled['harness'] / GB:.2f} GB")
+    lines.append(f"sampled peaks: trainer {sampled['trainer'] / GB:.2f} GB, "
+                 f"harness side {sampled['harness'] / GB:.2f} GB")
     return lines
 
 

@@ -53,8 +53,9 @@ def main() -> None:
     from ppo_affine.local_generation import LocalGenerator
     from ppo_affine.policy import load_policy
 
+    fold = str(not args.no_fold).lower()
     train = load_config(presets=["cpu"], overrides=["train.generation.max_new_tokens=128",
-                                                    f"train.generation.fold_adapter={str(not args.no_fold).lower()}"]).train
+                                                    f"train.generation.fold_adapter={fold}"]).train
     return_freed_memory_to_the_os()  # as the trainer sets glibc up for generation
     policy = load_policy(train.model, train.lora, torch.device("cpu"))
     generator = LocalGenerator(policy, train.generation, seed=0)

@@ -4,7 +4,8 @@ weights) on the embedded games, with torch's bytes alive at once (`LiveBytes`) c
 `Trainer.score_and_update`. Printed per step: that peak, the plan's figure the run logs (perf/update_planned_bytes) and
 the resident rise it logs (perf/update_rss_rise_bytes).
 
-    OMP_NUM_THREADS=1 python -m bench.update_live_bytes --set ppo.micro_batch_tokens=1024 --set generation.max_new_tokens=64
+    OMP_NUM_THREADS=1 python -m bench.update_live_bytes --set ppo.micro_batch_tokens=1024 \
+        --set generation.max_new_tokens=64
 """
 from __future__ import annotations
 

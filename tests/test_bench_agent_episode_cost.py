@@ -1,5 +1,5 @@
 """bench/agent_episode_cost.py's own arithmetic: the run it starts and the table it prints (the run itself is
-measured in docs/benchmarks.md, and its metrics are checked by tests/test_phase_costs.py and tests/test_harnesses.py)."""
+measured in docs/benchmarks.md; its metrics are checked by tests/test_phase_costs.py and tests/test_harnesses.py)."""
 import argparse
 import json
 from pathlib import Path
