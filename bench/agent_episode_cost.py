@@ -118,7 +118,7 @@ ROWS = (  # (label, metric, scale, unit)
     ("tokens the episodes end with", "perf/final_tokens", 1, ""),
     ("rollout peak RSS", "perf/rollout_peak_rss_bytes", GB, "GB"),
     ("rollout: RSS rise", "perf/rollout_rss_rise_bytes", GB, "GB"),
-    ("rollout: planned (KV at the peak tokens)", "perf/rollout_planned_bytes", GB, "GB"),
+    ("rollout: planned (KV at the peak + folded copies)", "perf/rollout_planned_bytes", GB, "GB"),
     ("update peak RSS", "perf/update_peak_rss_bytes", GB, "GB"),
     ("update: RSS rise", "perf/update_rss_rise_bytes", GB, "GB"),
     ("update: planned (activations + LM head)", "perf/update_planned_bytes", GB, "GB"),
