@@ -47,7 +47,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,7 @@ from ppo_affine.run_log import (RunLogger, close_run_log, episode_summary, hold_
                                 report_failure, rollout_progress, say, setup_logging, steps_behind)
 from ppo_affine.file_writes import WriteFailed, probe_writable, writing
 from ppo_affine.vllm_server import ManagedVLLMServer, VLLMServerError
+from ppo_affine.phase_costs import PlannedPhases, phase_peak, planned_against_measured
 from ppo_affine.oom_recovery import EpisodeOutOfMemory, TokenBudget, drop_too_long, longest_sequences
 from ppo_affine.update import (TooManySkips, TrainingSnapshot, UpdateSettings, UpdateState, build_optimizer, ppo_update,
                                update_signal)
@@ -135,6 +136,7 @@ class PlayedStep:
     episodes: list[Episode]
     group_ids: list[int] | None
     rollout_seconds: float
+    costs: dict[str, float] = field(default_factory=dict)  # the rollout's peak memory (phase_costs.phase_peak)
 
 
 class StartupError(RuntimeError):
@@ -189,6 +191,8 @@ class Trainer:
                                  fresh=resume_from is None)
                        if ranks.is_main else SilentLogger())
         self.generator = self._make_generator()
+        # a CPU run's resident memory is what the memory plan describes: its figures go beside each phase's
+        self.planned = PlannedPhases(self.policy.model.config, cfg) if self.policy.device.type == "cpu" else None
         prompts = PromptBuilder(self.policy.tokenizer, cfg.generation.max_prompt_tokens, cfg.model.chat_template_kwargs)
         # envs that run the conversation themselves call this endpoint (served from the generator)
         self.endpoint = endpoint_for(config, self.generator, prompts, self.policy.model.config.model_type)
@@ -224,7 +228,7 @@ class Trainer:
             self.forget_step(*before)
             return False
         usable, usable_groups = self.usable(played.episodes, played.group_ids)
-        metrics = self.episode_metrics(played.episodes, played.rollout_seconds)
+        metrics = self.episode_metrics(played)
         if usable:
             learned = self.learn_with_oom_retry(usable, usable_groups)
             if learned is None:  # interrupted mid-update: the weights are back where the step began
@@ -271,7 +275,7 @@ class Trainer:
             return False
         curriculum_metrics = self.advance_curriculum(played.episodes)
         usable, usable_groups = self.usable(played.episodes, played.group_ids)
-        metrics = self.episode_metrics(played.episodes, played.rollout_seconds)
+        metrics = self.episode_metrics(played)
         ahead = (asyncio.ensure_future(self.play(*self.sample(), self.step + 1))
                  if self.step + 1 < cfg.run.max_steps else None)
         snapshot = TrainingSnapshot.take(self.optimizer, self.update_state)
@@ -349,9 +353,10 @@ class Trainer:
 
     async def play(self, tasks: list[Task], group_ids: list[int] | None, step: int) -> PlayedStep | None:
         """The rollout of step `step` (counted from 0), timed; None when it was interrupted."""
-        started = time.perf_counter()
-        episodes = await self.rollout(tasks, step)
-        return None if episodes is None else PlayedStep(episodes, group_ids, time.perf_counter() - started)
+        started, costs = time.perf_counter(), {}
+        with phase_peak(costs, "rollout", enabled=not self.config.train.async_steps):  # not beside an update
+            episodes = await self.rollout(tasks, step)
+        return None if episodes is None else PlayedStep(episodes, group_ids, time.perf_counter() - started, costs)
 
     async def rollout(self, tasks: list[Task], step: int) -> list[Episode] | None:
         """This rank plays its share of `tasks`; returns every rank's episodes, or None when any was interrupted."""
@@ -483,13 +488,15 @@ class Trainer:
         # this rank's share of the batch; sums over the whole batch go through self.ranks
         mine = self.ranks.share(len(episodes), cfg.ppo.group_size if group_ids is not None else 1)
         sequences = [sequence for sequence in build_sequences(episodes) if sequence.episode in mine]
+        lengths = [len(sequence.input_ids) for sequence in sequences]
         # an episode's stripped-history turns as one tree, which runs their shared history once
         sequences = scoring_sequences(sequences, self.micro_batch_tokens,
                                       tree_scoring_mode(self.policy.model.config, cfg.ppo.tree_scoring))
         settings = UpdateSettings(cfg.ppo, self.kl_ctl.value, self.temperature, self.micro_batch_tokens,
                                   shuffle_seed=derive_seed(cfg.run.seed, "minibatches", self.step),
                                   value_only=self.step < cfg.value_head.warmup_steps)
-        with training_allocations():
+        costs: dict[str, float] = {}
+        with training_allocations(), phase_peak(costs, "update", enabled=not cfg.async_steps):
             metrics = self.ranks.agree_on_memory(lambda: score_sequences(
                 self.policy, sequences, self.micro_batch_tokens, self.temperature,
                 with_values=cfg.ppo.advantage == "gae"))
@@ -509,6 +516,9 @@ class Trainer:
             if every and (self.step + 1) % every == 0:
                 metrics.update(update_signal(self.policy, sequences, settings, self.ranks))
         metrics["perf/update_seconds"] = time.perf_counter() - started
+        metrics.update(costs)
+        if self.planned is not None and lengths:  # the plan's activations and LM head at this step's sizes
+            planned_against_measured(metrics, "update", self.planned.update_bytes(lengths, self.micro_batch_tokens))
         self.kl_ctl.update(metrics["reward/kl_per_token"], len(episodes))
         return metrics
 
@@ -524,10 +534,11 @@ class Trainer:
             log.info("curriculum: promoted from %s to %s", stage_before, self.curriculum.stage.name)
         return stats
 
-    def episode_metrics(self, episodes: list[Episode], rollout_seconds: float) -> dict[str, Any]:
-        ppo = self.config.train.ppo
+    def episode_metrics(self, played: PlayedStep) -> dict[str, Any]:
+        ppo, episodes = self.config.train.ppo, played.episodes
         rewards = {id(e): final_reward(e, ppo) + sum(turn_rewards(e, ppo)) for e in episodes}
-        metrics = episode_summary(episodes, rollout_seconds, rewards)
+        metrics = episode_summary(episodes, played.rollout_seconds, rewards)
+        metrics.update(played.costs)
         metrics.update(steps_behind(episodes, self.step))
         self.totals["episodes"] += len(episodes)
         self.totals["episodes_failed"] += metrics["env/episodes_failed"]
@@ -540,6 +551,11 @@ class Trainer:
             # beside perf/prefill_tokens: what the episodes hold at their end (each last sequence ends with its last
             # reply), the least a rollout that continued every turn from the last one's cache would prefill
             metrics["perf/final_tokens"] = float(sum(len(e.sequences[-1]) for e in episodes if e.sequences))
+            # the rollout's wall time not spent in a generation step: the envs' and the harnesses' own
+            metrics["perf/env_seconds"] = max(0.0, played.rollout_seconds - metrics["perf/generation_seconds"])
+            if self.planned is not None:  # the most keys and values the caches held at once, and the folded weights
+                planned_against_measured(metrics, "rollout", metrics["perf/kv_peak_tokens"] *
+                                         self.generator.caches.bytes_per_token + self.generator.folded_copy_bytes())
         for name, (_, env) in self.envs.items():
             counts = self.ranks.sum_stats(env.error_counts() if hasattr(env, "error_counts") else {})
             metrics.update({f"env_errors/{name}/{k}": v for k, v in counts.items()})

@@ -7,10 +7,13 @@ observation and then a reply that is a quarter of the turn, random token ids. Th
 LoRA on the architecture's default targets, gradient checkpointing as the trainer turns it on, the scoring pass
 (old and reference log-probs, values), then one epoch of `ppo_update` with random advantages. Peak memory is
 torch.cuda.max_memory_allocated on a GPU, torch's live tensor bytes on a CPU (`LiveBytes`); the plan is
-memory_plan.py's trainer terms for the same settings, without the CUDA reserve (nothing is generated: no caches).
+memory_plan.py's trainer terms for the same settings, without the CUDA reserve (nothing is generated: no caches). On
+a CPU the row also has the process's resident memory's rise over the update (rss_rise_gb; the weights were resident
+before it).
 
     python -m bench.long_update --model qwen3.6-35b-a3b --device cuda --tokens 32768,65536   # a lent H200
     python -m bench.long_update --model tiny-qwen3_5_moe --tokens 2048                        # any machine, seconds
+    python -m bench.long_update --model smollm2-135m --no-checkpointing --tokens 2048,4096 --turns 10   # the cpu preset
 """
 from __future__ import annotations
 
@@ -34,9 +37,9 @@ def long_episode(tokens: int, turns: int, vocab: int, generator: torch.Generator
     return TrainSequence(episode=0, input_ids=ids, spans=spans, turns=list(range(turns)))
 
 
-def build_policy(config, device: torch.device, dtype: torch.dtype):
+def build_policy(config, device: torch.device, dtype: torch.dtype, checkpointing: bool = True):
     """The trainer's policy on `config`'s model with random weights, built on `device`: LoRA (r 16) on the default
-    targets, gradient checkpointing (non-reentrant) as model_files.py turns it on."""
+    targets, gradient checkpointing (non-reentrant) as model_files.py turns it on, unless `checkpointing` is off."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -47,8 +50,9 @@ def build_policy(config, device: torch.device, dtype: torch.dtype):
     torch.manual_seed(0)
     with torch.device(device):
         base = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    base.enable_input_require_grads()
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.enable_input_require_grads()
     targets = resolve_lora_targets(base, default_lora_targets(config), explicit=False)
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
     return Policy(model, make_tokenizer()).train()
@@ -77,10 +81,11 @@ def one_update(policy, sequence, micro_batch_tokens: int) -> dict[str, float]:
     return {"score_s": round(scored - started, 2), "update_s": round(time.perf_counter() - scored, 2)}
 
 
-def planned_bytes(config, tokens: int, micro_batch_tokens: int, dtype_bytes: int, device: torch.device) -> float:
+def planned_bytes(config, tokens: int, micro_batch_tokens: int, dtype_bytes: int, device: torch.device,
+                  checkpointing: bool = True) -> float:
     from ppo_affine.memory_plan import RunShape, plan, probe_activations
 
-    shape = RunShape(dtype_bytes=dtype_bytes, use_4bit=False, gradient_checkpointing=True,
+    shape = RunShape(dtype_bytes=dtype_bytes, use_4bit=False, gradient_checkpointing=checkpointing,
                      micro_batch_tokens=micro_batch_tokens, lora_r=16, lora_targets=None, adapt_experts=False,
                      backend="local", episodes=0, context_tokens=tokens)
     per_kind = probe_activations(config, shape, device=str(device))
@@ -89,13 +94,16 @@ def planned_bytes(config, tokens: int, micro_batch_tokens: int, dtype_bytes: int
 
 def run(args) -> list[dict]:
     from ppo_affine.memory_plan import GB
+    from ppo_affine.allocator import training_allocations
+    from ppo_affine.phase_costs import phase_peak
     from ppo_affine.testing.live_bytes import LiveBytes
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = model_config(args.model)
     vocab = config.get_text_config().vocab_size
-    policy = build_policy(config, device, dtype)
+    checkpointing = not getattr(args, "no_checkpointing", False)
+    policy = build_policy(config, device, dtype, checkpointing)
     frozen = sum(p.numel() * p.element_size() for p in policy.parameters() if not p.requires_grad)
     rows = []
     for tokens in args.tokens:
@@ -104,14 +112,19 @@ def run(args) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        with live.mode if live is not None else contextlib.nullcontext():
+        resident: dict[str, float] = {}  # the process's resident memory: its rise over the update (CPU)
+        # as the trainer runs an update: glibc's heap for the passes' buffers (allocator.py), the mark reset first
+        with training_allocations(), live.mode if live is not None else contextlib.nullcontext(), \
+                phase_peak(resident, "update"):
             seconds = one_update(policy, sequence, args.micro_batch_tokens)
         peak = torch.cuda.max_memory_allocated(device) if live is None else frozen + live.peak
-        planned = planned_bytes(config, tokens, args.micro_batch_tokens, dtype.itemsize, device)
+        planned = planned_bytes(config, tokens, args.micro_batch_tokens, dtype.itemsize, device, checkpointing)
         rows.append({"model": args.model, "device": str(device), "tokens": len(sequence.input_ids),
-                     "reply_tokens": sequence.response_len, "turns": args.turns, **seconds,
-                     "peak_gb": round(peak / GB, 3), "planned_gb": round(planned / GB, 3),
-                     "planned_over_peak": round(planned / peak, 3)})
+                     "reply_tokens": sequence.response_len, "turns": args.turns, "checkpointing": checkpointing,
+                     **seconds, "peak_gb": round(peak / GB, 3), "planned_gb": round(planned / GB, 3),
+                     "planned_over_peak": round(planned / peak, 3),
+                     **({"rss_rise_gb": round(resident["perf/update_rss_rise_bytes"] / GB, 3),
+                         "weights_gb": round(frozen / GB, 3)} if resident else {})})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -124,6 +137,8 @@ def main() -> None:
                         help="episode lengths, comma-separated (default: 2048)")
     parser.add_argument("--turns", type=int, default=50, help="turns of the episode (default: 50)")
     parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="ppo.micro_batch_tokens (default: 4096)")
+    parser.add_argument("--no-checkpointing", action="store_true",
+                        help="without gradient checkpointing, as the cpu preset trains (default: on)")
     run(parser.parse_args())
 
 

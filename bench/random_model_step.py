@@ -31,6 +31,10 @@ FULL = {
                                 num_attention_heads=64, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
                                 max_position_embeddings=40960)),
     "qwen3.6-35b-a3b": ("qwen3_5_moe", {}),  # transformers' defaults are the release's sizes
+    # the cpu preset's model (its config.json), for the CPU rows of bench/long_update.py
+    "smollm2-135m": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                                   num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0,
+                                   tie_word_embeddings=True, max_position_embeddings=8192)),
 }
 MODELS = sorted(FULL) + [f"tiny-{name}" for name in TINY_ARCHITECTURES]
 

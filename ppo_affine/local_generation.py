@@ -53,6 +53,7 @@ from ppo_affine.decode_caches import DecodeCaches, EpisodeCache, free_memory_byt
 from ppo_affine.seeds import derive_seed
 from ppo_affine.generation import Generation, closes_fence, eos_token_ids
 from ppo_affine.memory_plan import kv_bytes_per_token
+from ppo_affine.phase_costs import GenerationTime
 from ppo_affine.policy import kv_cache_keyword
 from ppo_affine.sampling import draw_keys, sample_tokens
 
@@ -257,6 +258,8 @@ class LocalGenerator:
         self._engine: asyncio.Task | None = None
         self._in_flight: asyncio.Future | None = None  # the step the device (or a thread) is working on
         self.generated_tokens = 0
+        self._generated_before_rollout = 0
+        self.time = GenerationTime()  # this rollout's prefill, decode and step seconds
         self.prefilled_tokens = 0  # prompt tokens run through the model (the rest came from caches)
         self.prompt_tokens = 0
         self.forward_calls = 0  # prefill and decode steps: what a GPU would run as kernels
@@ -331,6 +334,8 @@ class LocalGenerator:
                 "perf/kv_steps_held_back": float(self.steps_held_back),
                 "perf/out_of_memory_retries": float(self.out_of_memory_retries),
                 "perf/prefill_tokens": float(self.prefilled_tokens - self._prefilled_before_rollout),
+                "perf/generated_tokens": float(self.generated_tokens - self._generated_before_rollout),
+                **self.time.metrics(),
                 **({"perf/prefix_break_rate": self.prefix_break_rate()} if self.caches.exact_prefix_only else {})}
 
     def prefix_break_rate(self) -> float:
@@ -349,6 +354,8 @@ class LocalGenerator:
         self.caches.start_rollout()
         self.out_of_memory_retries = 0
         self._prefilled_before_rollout = self.prefilled_tokens
+        self._generated_before_rollout = self.generated_tokens
+        self.time = GenerationTime()
         with contextlib.ExitStack() as held:
             held.enter_context(self.policy.evaluating())
             if self.folds_adapter():
@@ -371,6 +378,13 @@ class LocalGenerator:
                          "most of a small ΔW)", layers[0].get_base_layer().weight.dtype)
             return False
         return True
+
+    def folded_copy_bytes(self) -> int:
+        """What a rollout holds beside the weights for a folded adapter: a copy of each weight it adapts (0: no fold)."""
+        if not self.folds_adapter():
+            return 0
+        weights = [layer.get_base_layer().weight for layer in FoldedAdapter.foldable_layers(self.policy.model)]
+        return sum(weight.numel() * weight.element_size() for weight in weights)
 
     async def close(self) -> None:
         await self._stop_engine()
@@ -489,7 +503,9 @@ class LocalGenerator:
                 for request in joining + (self._running.requests if self._running else []):
                     request.resolve(exc)
                 self._running = None
-            self._step_seconds = 0.8 * self._step_seconds + 0.2 * (time.monotonic() - started)
+            took = time.monotonic() - started
+            self.time.step_seconds += took
+            self._step_seconds = 0.8 * self._step_seconds + 0.2 * took
 
     def _recover_from_running_out_of_memory(self, joining: list[Request], exc: BaseException) -> None:
         """Out of memory in a step: the kept caches are dropped, the budget halved to half of what the step held
@@ -569,10 +585,16 @@ class LocalGenerator:
         event loop until the device had run the forward (tests/test_generation.py records the order on CPU)."""
         decode = self._stage_decode() if self._running is not None else None
         prefills = self._stage_prefills(joining) if joining else []
+        started = time.perf_counter()
         if decode is not None:
             self._decode_step(decode)
+            self.time.decode_tokens += len(self._running.requests)
+        decoded = time.perf_counter()
         for prefill in prefills:
             self._merge(self._prefill(prefill))
+            self.time.prefill_rows += len(prefill.requests)
+        self.time.decode_seconds += decoded - started
+        self.time.prefill_seconds += time.perf_counter() - decoded
         return torch.stack([self._running.next_tokens.double(), self._running.next_logprobs])
 
     def _forward_in_chunks(self, input_ids, mask, positions, cache, cache_position, split: int | None = None,

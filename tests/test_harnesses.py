@@ -275,6 +275,16 @@ def test_the_agent_presets_reply_cap_is_the_room_a_32k_context_leaves(model_pres
     assert (generation.max_turns, generation.request_timeout, train.run.name) == (100, 900.0, "agent")
 
 
+def test_the_agent_preset_checkpoints_activations_even_after_the_cpu_preset():
+    """An agent episode is one sequence as long as its context, alone in its pass: without gradient checkpointing
+    SmolLM2 (the cpu preset's model, which turns it off) holds 11.0 GB of tensors over an 8 190-token one, 1.7 GB
+    with it (docs/benchmarks.md, "An agent episode's cost on the CPU")."""
+    from ppo_affine.config import load_config
+
+    assert load_config(presets=["cpu", "agent"]).train.model.gradient_checkpointing
+    assert not load_config(presets=["cpu"]).train.model.gradient_checkpointing
+
+
 # ---------------------------------------------------------------------- tiny-model PPO runs through each harness
 @contextmanager
 def harness_server(log_path: Path):
@@ -330,6 +340,17 @@ def test_two_ppo_steps_of_a_tiny_model_through_mini_swe_agent(tools_model_dir, t
         assert (record["evaluate/calls"], record["evaluate/prefix_breaks"], record["env/turns_mean"]) == (20, 0, 5)
         assert record["env/score_mean"] == 0.0
         assert "policy/loss" in record and record["update/epochs_run"] >= 1 and record["update/skipped_total"] == 0
+        # where the rollout's time went (bench/agent_episode_cost.py's table): the harnesses' own time, and our
+        # generation's prefill (one per call: the harness's whole conversation, less what the episode's cache holds)
+        # and decode steps
+        assert record["perf/env_seconds"] > 0 and record["perf/prefill_seconds"] > 0
+        assert record["perf/prefill_seconds"] + record["perf/decode_seconds"] <= record["perf/generation_seconds"]
+        assert record["perf/generation_seconds"] + record["perf/env_seconds"] == pytest.approx(
+            record["perf/rollout_seconds"])
+        assert record["perf/prefill_rows"] == 20
+        assert record["perf/decode_tokens"] + 20 == record["perf/generated_tokens"] <= 20 * 6
+        assert record["perf/update_peak_rss_bytes"] >= record["perf/update_rss_rise_bytes"] >= 0
+        assert record["perf/update_planned_bytes"] > 0 and record["perf/rollout_planned_bytes"] > 0
 
 
 @pytest.mark.slow

@@ -5,22 +5,31 @@ from __future__ import annotations
 
 class LiveBytes:
     """The most bytes of tensor storage alive at once while it is entered (what a CUDA allocator's
-    max_memory_allocated counts), tracked through every operation's outputs, the backward pass's included."""
+    max_memory_allocated counts), tracked through every operation's outputs, the backward pass's included. An output
+    that shares an input's storage (a view such as the transposed weight a linear layer multiplies by, an in-place
+    result) allocates nothing and is not counted: counted, every weight a pass used would be counted again as
+    new memory, and stay counted, as the weights are never freed."""
 
     def __init__(self):
+        import torch
         from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
 
         tracker = self
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                tracker.track(out)
+                inputs = {leaf.untyped_storage().data_ptr() for leaf in tree_leaves((args, kwargs))
+                          if isinstance(leaf, torch.Tensor)}
+                tracker.track(tree_leaves(out), aliases=inputs)
                 return out
 
         self.mode, self.live, self.peak, self.seen = Mode(), 0, 0, set()
 
-    def track(self, out) -> None:
+    def track(self, out, aliases: set[int] = frozenset()) -> None:
+        """Count the storages of `out` (a tensor or a list of them) that are new: none of `aliases` (the op's inputs'
+        storages) and not counted already."""
         import weakref
 
         import torch
@@ -30,7 +39,7 @@ class LiveBytes:
                 continue
             storage = tensor.untyped_storage()
             key = storage.data_ptr()
-            if key in self.seen or storage.nbytes() == 0:
+            if key in self.seen or key in aliases or storage.nbytes() == 0:
                 continue
             self.seen.add(key)
             self.live += storage.nbytes()
