@@ -47,18 +47,33 @@ class OutOfTime(Exception):
     """--stop-after-minutes passed: what is done is saved."""
 
 
-def rollout_kl(policy, messages) -> float:
-    """Mean over the reply tokens of KL(policy || base) (the LoRA switched off), exact over the vocabulary, given
-    the recorded context."""
+def reply_logprobs(policy, messages) -> torch.Tensor:
+    """[n, V]: the log-softmax over the vocabulary at each position that predicts a reply token, given the recorded
+    context; the LM head runs at those positions only."""
     rendered = render_rollout(messages, policy.tokenizer)
     ids = torch.tensor([rendered.input_ids], device=policy.device)
-    # position t predicts token t + 1: the distributions over the reply tokens after the first
-    at = torch.tensor(rendered.loss_mask[1:], device=policy.device).bool()
+    at = torch.tensor(rendered.loss_mask[1:], device=policy.device).bool()  # position t predicts token t + 1
+    model = policy.model.get_base_model()
     with torch.no_grad(), policy.evaluating():
-        trained = torch.log_softmax(policy.model(input_ids=ids).logits[0, :-1][at].float(), -1)
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0, :-1][at]
+        return torch.log_softmax(model.get_output_embeddings()(hidden).float(), -1)
+
+
+def base_reply_logprobs(policy, drift_set, path: Path) -> list[torch.Tensor]:
+    """The base's `reply_logprobs` of every drift episode (the LoRA switched off), computed once and kept in `path`."""
+    if not path.exists():
         with policy.base():
-            base = torch.log_softmax(policy.model(input_ids=ids).logits[0, :-1][at].float(), -1)
-    return float((trained.exp() * (trained - base)).sum(-1).mean())
+            torch.save([reply_logprobs(policy, e.messages) for e in drift_set], path)
+    return torch.load(path)
+
+
+def drift_kl(policy, drift_set, base: list[torch.Tensor]) -> list[float]:
+    """Per episode: the mean over its reply tokens of KL(policy || base), exact over the vocabulary."""
+    kls = []
+    for episode, base_logprobs in zip(drift_set, base):
+        mine = reply_logprobs(policy, episode.messages)
+        kls.append(float((mine.exp() * (mine - base_logprobs)).sum(-1).mean()))
+    return kls
 
 
 def play(config, policy, game: str, games: int, seed: int, path: Path) -> list[float]:
@@ -76,7 +91,8 @@ def measure(config, policy, args, anchored_game: str, held_cells, drift_set, fol
             "trained_game": play(config, policy, GAME, args.games, args.games_seed, folder / f"games-{GAME}.jsonl"),
             "anchored_game": play(config, policy, anchored_game, args.games, args.games_seed,
                                   folder / f"games-{anchored_game}.jsonl"),
-            "drift_kl": [rollout_kl(policy, e.messages) for e in drift_set]}
+            "drift_kl": drift_kl(policy, drift_set, base_reply_logprobs(policy, drift_set,
+                                                                       folder.parent / "base-replies.pt"))}
 
 
 def train(policy, args, run: str, train_cells, anchor_settings, max_grad_norm: float, folder: Path, deadline: float
