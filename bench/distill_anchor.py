@@ -14,8 +14,9 @@ optimizer step, on the first (1 - held_out_share) of the recorded episodes. Then
 - the drift: on each held-out recorded episode of the anchored env (never anchored on), the mean over its reply
   tokens of the exact KL(trained || base) over the vocabulary, paired by episode between `on` and `off`.
 
-Every phase writes its file (base.json, run-off/..., run-on/...) and is skipped when it is there; a training run
-saves after each step, so `--stop-after-minutes` (a lock's share) stops it and the same command continues it.
+Every part measured is saved as it is done (base.json, run-off/result.json, run-on/result.json) and skipped when it
+is there, both runs' cells and drift before any game; a training run saves after each step (run-*/state.pt), so
+`--stop-after-minutes` (a lock's share) stops it between steps or parts and the same command continues it.
 OUTPUT/summary.json holds the comparison once both runs are evaluated.
 """
 from __future__ import annotations
@@ -85,14 +86,29 @@ def play(config, policy, game: str, games: int, seed: int, path: Path) -> list[f
     return [float(r["score"]) for r in records]
 
 
-def measure(config, policy, args, anchored_game: str, held_cells, drift_set, folder: Path) -> dict:
-    """What is compared for one model: held-out cell scores, both games' scores, the drift per held-out episode."""
-    return {"held_out_cells": {str(k): v for k, v in held_out_scores(policy, held_cells).items()},
-            "trained_game": play(config, policy, GAME, args.games, args.games_seed, folder / f"games-{GAME}.jsonl"),
-            "anchored_game": play(config, policy, anchored_game, args.games, args.games_seed,
-                                  folder / f"games-{anchored_game}.jsonl"),
-            "drift_kl": drift_kl(policy, drift_set, base_reply_logprobs(policy, drift_set,
-                                                                       folder.parent / "base-replies.pt"))}
+# what is compared for one model, in the order measured: the cheap and decisive parts before the games
+PARTS = ("held_out_cells", "drift_kl", "trained_game", "anchored_game")
+
+
+def measure(config, policy, args, anchored_game: str, held_cells, drift_set, folder: Path, path: Path,
+            parts: tuple[str, ...], deadline: float) -> dict:
+    """The `parts` of one model's measurement missing from `path` (a JSON object), each saved as it is done."""
+    done = json.loads(path.read_text()) if path.exists() else {}
+    for part in parts:
+        if part in done:
+            continue
+        if time.monotonic() > deadline:
+            raise OutOfTime(f"{path.parent.name}: {part} not measured yet")
+        if part == "held_out_cells":
+            done[part] = {str(k): v for k, v in held_out_scores(policy, held_cells).items()}
+        elif part == "drift_kl":
+            done[part] = drift_kl(policy, drift_set, base_reply_logprobs(policy, drift_set,
+                                                                         args.output_dir / "base-replies.pt"))
+        else:
+            game = GAME if part == "trained_game" else anchored_game
+            done[part] = play(config, policy, game, args.games, args.games_seed, folder / f"games-{game}.jsonl")
+        path.write_text(json.dumps(done, indent=1))
+    return done
 
 
 def train(policy, args, run: str, train_cells, anchor_settings, max_grad_norm: float, folder: Path, deadline: float
@@ -212,24 +228,30 @@ def main(argv: list[str] | None = None) -> dict | None:
         return load_policy(config.train.model, config.train.lora, pick_device(config.train.run.device))
 
     base_path = args.output_dir / "base.json"
-    if not base_path.exists():
-        (args.output_dir / "base").mkdir(exist_ok=True)
-        base = measure(config, fresh_policy(), args, anchored_game, held_cells, drift_set, args.output_dir / "base")
-        base_path.write_text(json.dumps(base, indent=1))
-    base = json.loads(base_path.read_text())
     results = {}
     try:
-        for run in runs:
-            folder = args.output_dir / f"run-{run}"
-            result_path = folder / "result.json"
-            if not result_path.exists():
+        if not all(part in (json.loads(base_path.read_text()) if base_path.exists() else {}) for part in PARTS):
+            (args.output_dir / "base").mkdir(exist_ok=True)
+            measure(config, fresh_policy(), args, anchored_game, held_cells, drift_set, args.output_dir / "base",
+                    base_path, PARTS, deadline)
+        base = json.loads(base_path.read_text())
+        # each run trained and its cells and drift measured, then the games of every run
+        for parts in (PARTS[:2], PARTS[2:]):
+            for run in runs:
+                folder = args.output_dir / f"run-{run}"
+                result_path = folder / "result.json"
+                measured = json.loads(result_path.read_text()) if result_path.exists() else {}
+                if all(part in measured for part in parts):
+                    continue
                 folder.mkdir(exist_ok=True)
                 policy = fresh_policy()
                 curve = train(policy, args, run, train_cells, anchor_settings, config.train.ppo.max_grad_norm,
                               folder, deadline)
-                result = measure(config, policy, args, anchored_game, held_cells, drift_set, folder)
-                result_path.write_text(json.dumps({**result, "training_curve": curve}, indent=1))
-            results[run] = json.loads(result_path.read_text())
+                measured = measure(config, policy, args, anchored_game, held_cells, drift_set, folder, result_path,
+                                   parts, deadline)
+                result_path.write_text(json.dumps({**measured, "training_curve": curve}, indent=1))
+                del policy
+        results = {run: json.loads((args.output_dir / f"run-{run}" / "result.json").read_text()) for run in runs}
     except OutOfTime as stop:
         print(f"stopped after --stop-after-minutes ({stop}); the same command continues", flush=True)
         return None

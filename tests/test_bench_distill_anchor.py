@@ -25,14 +25,18 @@ def test_the_anchor_bench_runs_off_and_on_and_continues_where_it_stopped(tiny_mo
     write_cells(tmp_path / "cells-held-out", [cells[0], cells[3]])  # toy size: any two cells to score
     episodes = write_episodes(tmp_path / "anchor.jsonl",
                               [episode("liars_dice", [str(i % 3), "1"]) for i in range(5)])
-    # 0 minutes: the base is measured, then the first run stops before its first step
-    assert distill_anchor.main(toy_args(tiny_model_dir, tmp_path, episodes, "--stop-after-minutes", "0")) is None
+    # the run off alone first: the base measured, the run trained and measured
+    first = distill_anchor.main(toy_args(tiny_model_dir, tmp_path, episodes, "--runs", "off"))
     base = json.loads((tmp_path / "base.json").read_text())
     assert len(base["trained_game"]) == 2 and len(base["anchored_game"]) == 2
     assert base["drift_kl"] == [pytest.approx(0.0, abs=1e-6)] * 2  # ceil(0.4 * 5) held out; the base is the base
-    assert not (tmp_path / "run-off" / "result.json").exists()
-
+    assert "drift_on_minus_off" not in first and first["off"]["held_out_cells_gain"]["n"] == 2
+    off_before = (tmp_path / "run-off" / "result.json").read_text()
+    # 0 minutes: the run on stops before its first step; the same command then finishes it, off not run again
+    assert distill_anchor.main(toy_args(tiny_model_dir, tmp_path, episodes, "--stop-after-minutes", "0")) is None
+    assert not (tmp_path / "run-on" / "result.json").exists()
     summary = distill_anchor.main(toy_args(tiny_model_dir, tmp_path, episodes))
+    assert (tmp_path / "run-off" / "result.json").read_text() == off_before
     off = json.loads((tmp_path / "run-off" / "result.json").read_text())
     on = json.loads((tmp_path / "run-on" / "result.json").read_text())
     assert [list(step) for step in off["training_curve"]] == [["cells_score"]] * 2
