@@ -86,6 +86,7 @@ from ppo_affine.oom_recovery import EpisodeOutOfMemory, TokenBudget, drop_too_lo
 from ppo_affine.update import (TooManySkips, TrainingSnapshot, UpdateSettings, UpdateState, build_optimizer, ppo_update,
                                update_signal)
 from ppo_affine.config import Config, ConfigError, TrainConfig
+from ppo_affine.anchor import AnchorTraining
 from ppo_affine.distill.training import CellTraining
 from ppo_affine.seeds import derive_seed
 from utils import add_config_arguments, config_for_adapter, config_for_checkpoint, config_from_arguments, program_parser
@@ -153,6 +154,9 @@ class Trainer:
         self.device = ranks.local_device(pick_device(cfg.run.device))
         # DISTILL-V2 cells (distill.*) are read before the model loads: a bad folder or URL is one line, not a wait
         self.cells = CellTraining(cfg.distill, seed=derive_seed(cfg.run.seed, "distill")) if cfg.distill.cells else None
+        # so are the anchor's recorded episodes (anchor.*)
+        self.anchor = AnchorTraining(cfg.anchor, seed=derive_seed(cfg.run.seed, "anchor")) if cfg.anchor.episodes \
+            else None
         return_freed_memory_to_the_os()
         self.policy = load_policy(cfg.model, cfg.lora, self.device)
         if cfg.ppo.disable_dropout:
@@ -236,11 +240,14 @@ class Trainer:
                 return False
             metrics.update(learned)
         self.pending = None
+        max_grad_norm = self.config.train.ppo.max_grad_norm
         if self.cells is not None:  # DISTILL-V2 cells beside the episodes: an optimizer step of their own
-            metrics.update(self.cells.step(self.policy, self.optimizer, self.config.train.ppo.max_grad_norm))
+            metrics.update(self.cells.step(self.policy, self.optimizer, max_grad_norm, self.anchor))
+        elif self.anchor is not None:  # the anchor alone: a step of its own after the update (anchor.py says why)
+            metrics.update(self.anchor.step(self.policy, self.optimizer, max_grad_norm))
         self.step += 1
         metrics.update(self.advance_curriculum(played.episodes))
-        metrics.update(self.held_out_cell_metrics())
+        metrics.update(self.held_out_metrics())
         if isinstance(self.generator, VLLMServers) and usable:
             await self.push_adapter(self.step)
         self.finish_step(played, metrics, started)
@@ -249,16 +256,19 @@ class Trainer:
     async def step_on_cells(self) -> bool:
         """One step of the offline mode (`distill.only`): an optimizer step on DISTILL-V2 cells, no episode played."""
         started = time.perf_counter()
-        metrics = self.cells.step(self.policy, self.optimizer, self.config.train.ppo.max_grad_norm)
+        metrics = self.cells.step(self.policy, self.optimizer, self.config.train.ppo.max_grad_norm, self.anchor)
         self.step += 1
-        metrics.update(self.held_out_cell_metrics())
+        metrics.update(self.held_out_metrics())
         metrics["perf/step_seconds"] = time.perf_counter() - started
         self.logger.log(self.step, metrics)
         return True
 
-    def held_out_cell_metrics(self) -> dict[str, float]:
-        """The held-out cells' DISTILL-V2 score, at the steps that save a checkpoint."""
-        return self.cells.held_out_metrics(self.policy) if self.cells is not None and self.save_due() else {}
+    def held_out_metrics(self) -> dict[str, float]:
+        """The held-out cells' DISTILL-V2 score and the anchor's held-out KL, at the steps that save a checkpoint."""
+        if not self.save_due():
+            return {}
+        metrics = self.cells.held_out_metrics(self.policy) if self.cells is not None else {}
+        return metrics | (self.anchor.held_out_metrics(self.policy) if self.anchor is not None else {})
 
     async def step_overlapped(self) -> bool:
         """One step under `async_steps: 1`: this step's episodes (played during the last update, by the adapter
@@ -621,6 +631,7 @@ class Trainer:
             # async_steps: the next step's episodes, played during this step's update (a dict: the class lives here)
             "pending": vars(self.pending) if self.pending is not None else None,
             "distill": self.cells.state_dict() if self.cells is not None else None,  # the cells' draws
+            "anchor": self.anchor.state_dict() if self.anchor is not None else None,  # the anchor's draws
         }
         path = self.ranks.from_main(lambda: self.write_checkpoint(state))
         self.saved_step, self.saved_path, self.saved_at = self.step, path, time.monotonic()
@@ -652,6 +663,8 @@ class Trainer:
         self.pending = PlayedStep(**state["pending"]) if state.get("pending") else None
         if self.cells is not None and state.get("distill"):
             self.cells.load_state_dict(state["distill"])
+        if self.anchor is not None and state.get("anchor"):
+            self.anchor.load_state_dict(state["anchor"])
         self.saved_path = self.branch_point = checkpoint
         self._keep_a_halved_token_budget(state)
         rng = rng_state_of(self.ranks, state["rng"])
@@ -728,6 +741,9 @@ def check_can_train(cfg: TrainConfig, world_size: int) -> None:
     if cfg.distill.cells and world_size > 1:
         raise ConfigError("distill.cells trains in one process (its optimizer step exchanges no gradients between "
                           "ranks): run it without torchrun, or leave distill.cells unset.")
+    if cfg.anchor.episodes and world_size > 1:
+        raise ConfigError("anchor.episodes trains in one process (its gradients are not exchanged between ranks): "
+                          "run it without torchrun, or leave anchor.episodes empty.")
     if cfg.async_steps and world_size > 1:
         raise ConfigError("async_steps=1 runs in one process: with several ranks the update's exchanges would "
                           "interleave with the rollout's; set async_steps=0 for data-parallel runs.")

@@ -361,6 +361,20 @@ class DistillConfig(Strict):
         return self
 
 
+class AnchorConfig(Strict):
+    episodes: list[str] = Field(
+        default_factory=list, description="Recorded episodes of the envs this run does not train (evaluate.py's "
+        "episodes.jsonl files, played by the model the run starts from, e.g. at temperature 1), held near the "
+        "reference by a KL term; [] = no anchor (the default).")
+    coef: float = Field(1.0, gt=0, description="Weight of each anchored env's KL(reference || policy) per token "
+                        "(r - 1 - log r on the recorded tokens) in the optimizer step (default 1.0).")
+    per_step: int = Field(4, ge=1, description="Episodes of each anchored env drawn (seeded, without replacement) a "
+                          "step (default 4).")
+    held_out_share: float = Field(0.25, ge=0, lt=1, description="Of each env's episodes (file order) the last "
+                                  "ceil(share * n) are never trained on and scored at every checkpoint "
+                                  "(anchor/<env>/held_out_kl) (default 0.25).")
+
+
 class TrainConfig(Strict):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -372,6 +386,8 @@ class TrainConfig(Strict):
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig, description="DISTILL-V2 cells trained on beside "
                                    "PPO or alone (docs/training.md).")
+    anchor: AnchorConfig = Field(default_factory=AnchorConfig, description="A KL anchor on recorded episodes of "
+                                 "the envs not being trained (docs/training.md).")
     async_steps: int = Field(
         0, ge=0, le=1, description="vLLM backend: 1 = the next step's episodes are generated (with the adapter of "
         "the step before) while this step's update runs; the update trains one step off-policy, corrected by "
@@ -400,6 +416,16 @@ class TrainConfig(Strict):
         if self.distill.cells and not self.ppo.disable_dropout:
             raise ValueError("distill.cells trains in two passes that must see the same model: keep "
                              "ppo.disable_dropout=true")
+        return self
+
+    @model_validator(mode="after")
+    def _anchor_sees_one_model(self) -> "TrainConfig":
+        if self.anchor.episodes and not self.ppo.disable_dropout:
+            raise ValueError("anchor.episodes compares the policy with log-probs of the reference computed once, "
+                             "without dropout: keep ppo.disable_dropout=true")
+        if self.anchor.episodes and self.async_steps:
+            raise ValueError("async_steps=1 overlaps episodes with the update; the anchor takes its step after "
+                             "it: set async_steps=0 to use anchor.episodes")
         return self
 
     @model_validator(mode="after")

@@ -108,20 +108,22 @@ class CellTraining:
     def _read(self, field: str, source: str) -> list[Cell]:
         return read_cells_for(field, source, self.settings.cache_dir)
 
-    def step(self, policy, optimizer, max_grad_norm: float) -> dict[str, float]:
-        """One optimizer step on this step's cells; metrics under distill/."""
+    def step(self, policy, optimizer, max_grad_norm: float, anchor=None) -> dict[str, float]:
+        """One optimizer step on this step's cells; metrics under distill/. `anchor` (an AnchorTraining) adds its
+        term to the same step, so AdamW weighs the two gradients by their sizes."""
         chosen = self.draws.sample(self.train_cells, min(self.settings.cells_per_step, len(self.train_cells)))
         trainable = [p for group in optimizer.param_groups for p in group["params"]]
         optimizer.zero_grad(set_to_none=True)
         result = accumulate_cell_gradients(policy, chosen, self.settings.weight, self.settings.kl_coef,
                                            self.settings.mask_reasoning, self.settings.max_seq_len)
+        anchored = anchor.accumulate(policy) if anchor is not None else {}
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return {"distill/score": result.score, "distill/cells": result.cells,
                 "distill/cells_without_signal": result.cells_without_signal,
                 "distill/loss_tokens": result.loss_tokens, "distill/kl_per_token": result.kl_per_token,
-                "distill/grad_norm": float(grad_norm)}
+                "distill/grad_norm": float(grad_norm), **anchored}
 
     def held_out_metrics(self, policy) -> dict[str, float]:
         """The held-out cells' DISTILL-V2 score (the env's arithmetic) and its interval, when there are any."""
