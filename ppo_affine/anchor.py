@@ -32,6 +32,7 @@ from ppo_affine.distill.cells import Message, ToolCall
 from ppo_affine.distill.render import MAX_SEQ_LEN, Rendered, render_rollout
 from ppo_affine.distill.training import loss_token_logprobs
 from ppo_affine.ppo import kl_penalty
+from ppo_affine.seeds import restore_random
 
 
 @dataclass(frozen=True)
@@ -182,5 +183,4 @@ class AnchorTraining:
         return {"draws": self.draws.getstate()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        version, internal, gauss = state["draws"]
-        self.draws.setstate((version, tuple(internal), gauss))
+        restore_random(self.draws, state["draws"])

@@ -20,6 +20,7 @@ from ppo_affine.distill.evaluation import score_cells
 from ppo_affine.distill.render import MAX_SEQ_LEN, Rendered, render_rollout
 from ppo_affine.distill.score import advantages
 from ppo_affine.ppo import kl_penalty, softmax_advantage_gradient, softmax_advantage_score
+from ppo_affine.seeds import restore_random
 
 # keeps tau off 0 where a cell's NLLs tie (e.g. two identical rollouts), so a tie still gets a ranking gradient
 TAU_FLOOR = 1e-3
@@ -140,5 +141,4 @@ class CellTraining:
         return {"draws": self.draws.getstate()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        version, internal, gauss = state["draws"]
-        self.draws.setstate((version, tuple(internal), gauss))
+        restore_random(self.draws, state["draws"])
