@@ -590,11 +590,8 @@ class Trainer:
         """Before any sample: rank 0 loads a probe adapter (non-zero B) into every vLLM server and checks that the
         servers' log-probs of a few tokens sampled with it are the trainer's (engines with LoRA bugs serve the
         base model's and would have the run learn from base-model samples); a VLLMError stops the run."""
-
-        async def probe() -> None:
-            await check_engine_applies_adapters(self.policy, self.generator, self.run_dir / "vllm_adapters" / "probe")
-
-        await self.ranks.from_main_async(probe)
+        await self.ranks.from_main_async(lambda: check_engine_applies_adapters(
+            self.policy, self.generator, self.run_dir / "vllm_adapters" / "probe"))
 
     async def push_adapter(self, step: int, activate: bool = True) -> None:
         """Rank 0 saves the LoRA weights (those after `step` updates) alone and hot-loads them into every vLLM
