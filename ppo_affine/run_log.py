@@ -186,19 +186,22 @@ class RunLogger:
                     path.name, kept.name)
 
     def _truncate_after(self, step: int) -> None:
-        """Keep the lines of steps up to `step`; a line torn by a kill mid-write is dropped too."""
-        if not self.metrics_path.exists():
-            return
-        kept = []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
-            except ValueError:
+        """In metrics.jsonl and samples.jsonl keep the lines of steps up to `step`; a line torn by a kill mid-write
+        is dropped too. The resumed run plays the later steps again: their old samples kept beside the new ones
+        would give the merge's calibration the same step twice, once on each side of its held-out split."""
+        for path in (self.metrics_path, self.run_dir / SAMPLES_FILE):
+            if not path.exists():
                 continue
-        staging = self.metrics_path.with_suffix(".jsonl.tmp")
-        staging.write_text("".join(line + "\n" for line in kept))
-        os.replace(staging, self.metrics_path)  # a kill now leaves the old or the new file, never half of one
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= step:
+                        kept.append(line)
+                except ValueError:
+                    continue
+            staging = path.with_suffix(".jsonl.tmp")
+            staging.write_text("".join(line + "\n" for line in kept))
+            os.replace(staging, path)  # a kill now leaves the old or the new file, never half of one
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}

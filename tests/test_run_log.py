@@ -1,4 +1,5 @@
 """run_log.py: a clean console; only the library warnings we know to be noise are silenced, and narrowly."""
+import json
 import logging
 import subprocess
 import sys
@@ -87,3 +88,16 @@ def test_a_steps_summary_adds_up_the_opponents_own_seconds_over_its_episodes():
     # a failed episode's opponent still spent its time; an env that does not report it adds nothing
     assert summary["perf/opponent_seconds"] == pytest.approx(2.25)
     assert summary["env/episodes"] == 4 and summary["env/episodes_failed"] == 1
+
+
+def test_a_resumed_run_drops_the_metrics_and_samples_of_the_steps_it_plays_again(tmp_path):
+    from ppo_affine.config import LoggingConfig
+    from ppo_affine.run_log import RunLogger
+
+    lines = [json.dumps({"step": step, "episode": 0}) for step in (1, 2, 3, 4)]
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        (tmp_path / name).write_text("\n".join(lines) + '\n{"step": 5, "epi')  # the kill tore the last line
+    RunLogger(tmp_path, LoggingConfig(wandb_project=None), {}, resumed_step=2)
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        assert [json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()] == [1, 2], name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "samples.jsonl"]  # no staging left
