@@ -6,18 +6,21 @@
 
 OUTPUT holds the cells of `bench.distill_learning` (cells-train/, cells-held-out/; its --resume-cells run). The same
 recipe (`--steps` AdamW steps on the LoRA, `--cells-per-step` training cells a step, the same seeded draws) runs
-twice from the same start: `off`, the cells alone, and `on`, the anchor (ppo_affine/anchor.py) in the same
-optimizer step, on the first (1 - held_out_share) of the recorded episodes. Then, for the base and each run:
+from the same start: `off`, the cells alone, and `on`, the anchor (ppo_affine/anchor.py) in the same optimizer
+step, on the first (1 - held_out_share) of the recorded episodes, once per `--anchor-coef` (a comma list sweeps
+the coefficient: `on@0.5` in run-on-coef0.5/). Then, for the base and each run:
 - the held-out cells' DISTILL-V2 score (paired by cell with the base's);
 - `--games` games of the trained game (leduc_poker) and of the anchored game against a random opponent at
   temperature 0, the same seeds for every model (the score paired by seed with the base's);
 - the drift: on each held-out recorded episode of the anchored env (never anchored on), the mean over its reply
   tokens of the exact KL(trained || base) over the vocabulary, paired by episode between `on` and `off`.
 
-Every part measured is saved as it is done (base.json, run-off/result.json, run-on/result.json) and skipped when it
-is there, both runs' cells and drift before any game; a training run saves after each step (run-*/state.pt), so
-`--stop-after-minutes` (a lock's share) stops it between steps or parts and the same command continues it.
-OUTPUT/summary.json holds the comparison once both runs are evaluated.
+Every part measured is saved as it is done (base.json, run-*/result.json) and skipped when it is there, every run's
+cells and drift before any game; a training run saves after each step (run-*/state.pt), so `--stop-after-minutes`
+(a lock's share) stops it between steps or parts and the same command continues it. A run's folder keeps the recipe
+it was trained with: continuing or reusing it under another recipe stops with one line. OUTPUT/summary.json holds
+the comparison once every run asked for is evaluated: per run the gains over the base, per anchored run its
+difference from `off`, paired.
 """
 from __future__ import annotations
 
@@ -42,6 +45,36 @@ from ppo_affine.policy import load_policy
 from ppo_affine.report import mean_interval
 
 RUNS = ("off", "on")
+
+
+def run_names(runs: list[str], coefs: list[float]) -> list[str]:
+    """--runs and --anchor-coef as run names, in order: `off`, and `on@<coef>` for each coef."""
+    names = []
+    for run in runs:
+        names += ["off"] if run == "off" else [f"on@{coef:g}" for coef in coefs]
+    return names
+
+
+def run_folder(output_dir: Path, name: str) -> Path:
+    return output_dir / ("run-off" if name == "off" else f"run-on-coef{name.removeprefix('on@')}")
+
+
+def claim_folder(folder: Path, recipe: dict) -> None:
+    """A folder's results hold for one recipe: recorded at its first use, and a later use under another recipe
+    (a continued run with other steps, a rerun with other games) refused in one line rather than mixed."""
+    path = folder / "recipe.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved != recipe:
+            changed = sorted(k for k in saved.keys() | recipe.keys() if saved.get(k) != recipe.get(k))
+            raise SystemExit(f"{folder}: measured with {', '.join(f'{k}={saved.get(k)}' for k in changed)}, asked "
+                             f"{', '.join(f'{k}={recipe.get(k)}' for k in changed)}: use another --output-dir")
+        return
+    if any(folder.glob("*")):
+        raise SystemExit(f"{folder}: holds results without a recipe.json (an older bench's): move it away or write "
+                         f"the recipe it was run with into {path}")
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(recipe, indent=1))
 
 
 class OutOfTime(Exception):
@@ -111,14 +144,14 @@ def measure(config, policy, args, anchored_game: str, held_cells, drift_set, fol
     return done
 
 
-def train(policy, args, run: str, train_cells, anchor_settings, max_grad_norm: float, folder: Path, deadline: float
-          ) -> list[dict]:
-    """The recipe of bench.distill_learning (same seed, same draws), with the anchor in the step when `run` is on;
+def train(policy, args, run: str, train_cells, anchor_settings: AnchorConfig | None, max_grad_norm: float,
+          folder: Path, deadline: float) -> list[dict]:
+    """The recipe of bench.distill_learning (same seed, same draws), with the anchor in the step when given;
     saved after every step (LoRA, optimizer, draws), continued from there."""
     trainable = [p for name, p in policy.named_parameters() if p.requires_grad and "lora_" in name]
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate)
     draws = random.Random(args.seed)
-    anchor = AnchorTraining(anchor_settings, seed=args.seed) if run == "on" else None
+    anchor = AnchorTraining(anchor_settings, seed=args.seed) if anchor_settings is not None else None
     state_path, curve = folder / "state.pt", []
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
@@ -157,7 +190,8 @@ def paired(after: list[float], before: list[float]) -> dict:
 
 
 def compare(base: dict, runs: dict[str, dict]) -> dict:
-    """Per run: the gains over the base, paired; between the runs: the drift, paired by episode."""
+    """Per run: the gains over the base, paired; per anchored run: its difference from `off` in every measure,
+    paired (by cell, by game seed, by held-out episode)."""
     cells = sorted(base["held_out_cells"])
     summary = {}
     for run, result in runs.items():
@@ -173,10 +207,17 @@ def compare(base: dict, runs: dict[str, dict]) -> dict:
     summary["base"] = {"trained_game_mean": mean_interval(base["trained_game"]),
                        "anchored_game_mean": mean_interval(base["anchored_game"]),
                        "held_out_cells_mean": mean_interval([base["held_out_cells"][c] for c in cells])}
-    if set(RUNS) <= set(runs):
-        summary["drift_on_minus_off"] = paired(runs["on"]["drift_kl"], runs["off"]["drift_kl"])
-        summary["cells_gain_on_minus_off"] = paired([runs["on"]["held_out_cells"][c] for c in cells],
-                                                    [runs["off"]["held_out_cells"][c] for c in cells])
+    off = runs.get("off")
+    for run, result in runs.items():
+        if run == "off" or off is None:
+            continue
+        summary[f"{run}_minus_off"] = {
+            "drift_kl": paired(result["drift_kl"], off["drift_kl"]),
+            "held_out_cells": paired([result["held_out_cells"][c] for c in cells],
+                                     [off["held_out_cells"][c] for c in cells]),
+            "trained_game": paired(result["trained_game"], off["trained_game"]),
+            "anchored_game": paired(result["anchored_game"], off["anchored_game"]),
+        }
     return summary
 
 
@@ -186,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                         "every result goes here")
     parser.add_argument("--anchor-episodes", type=Path, required=True, help="the base's recorded episodes of the "
                         "anchored game (evaluate.py's episodes.jsonl)")
-    parser.add_argument("--anchor-coef", type=float, default=5.0, help="anchor.coef (default 5.0)")
+    parser.add_argument("--anchor-coef", default="5", help="anchor.coef; a comma list runs `on` once per coef, "
+                        "each in run-on-coef<coef>/ (default 5)")
     parser.add_argument("--anchor-per-step", type=int, default=4, help="anchor.per_step (default 4)")
     parser.add_argument("--held-out-share", type=float, default=0.375, help="anchor.held_out_share: these episodes "
                         "measure the drift (default 0.375)")
@@ -206,9 +248,19 @@ def main(argv: list[str] | None = None) -> dict | None:
     runs = [r for r in args.runs.split(",") if r]
     if not set(runs) <= set(RUNS):
         parser.error(f"--runs: expected names from {RUNS}, got {args.runs!r}")
+    try:
+        coefs = [float(c) for c in args.anchor_coef.split(",") if c]
+    except ValueError:
+        parser.error(f"--anchor-coef: expected numbers separated by commas, got {args.anchor_coef!r}")
+    if not coefs or any(c <= 0 for c in coefs):
+        parser.error(f"--anchor-coef: expected coefficients above 0, got {args.anchor_coef!r}")
     # everything read before the model loads
-    anchor_settings = AnchorConfig(episodes=[str(args.anchor_episodes)], coef=args.anchor_coef,
-                                   per_step=args.anchor_per_step, held_out_share=args.held_out_share)
+    anchor_settings = {f"on@{coef:g}": AnchorConfig(episodes=[str(args.anchor_episodes)], coef=coef,
+                                                    per_step=args.anchor_per_step,
+                                                    held_out_share=args.held_out_share) for coef in coefs}
+    measured_with = {"games": args.games, "games_seed": args.games_seed, "held_out_share": args.held_out_share}
+    trained_with = {**measured_with, "steps": args.steps, "cells_per_step": args.cells_per_step,
+                    "learning_rate": args.learning_rate, "seed": args.seed}
     anchored, held_out = split_held_out(read_anchor_episodes("--anchor-episodes", args.anchor_episodes),
                                         args.held_out_share)
     if len(anchored) != 1:
@@ -230,28 +282,31 @@ def main(argv: list[str] | None = None) -> dict | None:
     base_path = args.output_dir / "base.json"
     results = {}
     try:
+        claim_folder(args.output_dir / "base", measured_with)
         if not all(part in (json.loads(base_path.read_text()) if base_path.exists() else {}) for part in PARTS):
-            (args.output_dir / "base").mkdir(exist_ok=True)
             measure(config, fresh_policy(), args, anchored_game, held_cells, drift_set, args.output_dir / "base",
                     base_path, PARTS, deadline)
         base = json.loads(base_path.read_text())
         # each run trained and its cells and drift measured, then the games of every run
         for parts in (PARTS[:2], PARTS[2:]):
-            for run in runs:
-                folder = args.output_dir / f"run-{run}"
+            for run in run_names(runs, coefs):
+                folder = run_folder(args.output_dir, run)
+                anchor = anchor_settings.get(run)
+                claim_folder(folder, {**trained_with, "anchor": None if anchor is None else
+                                      {"coef": anchor.coef, "per_step": anchor.per_step}})
                 result_path = folder / "result.json"
                 measured = json.loads(result_path.read_text()) if result_path.exists() else {}
                 if all(part in measured for part in parts):
                     continue
-                folder.mkdir(exist_ok=True)
                 policy = fresh_policy()
-                curve = train(policy, args, run, train_cells, anchor_settings, config.train.ppo.max_grad_norm,
+                curve = train(policy, args, run, train_cells, anchor, config.train.ppo.max_grad_norm,
                               folder, deadline)
                 measured = measure(config, policy, args, anchored_game, held_cells, drift_set, folder, result_path,
                                    parts, deadline)
                 result_path.write_text(json.dumps({**measured, "training_curve": curve}, indent=1))
                 del policy
-        results = {run: json.loads((args.output_dir / f"run-{run}" / "result.json").read_text()) for run in runs}
+        results = {run: json.loads((run_folder(args.output_dir, run) / "result.json").read_text())
+                   for run in run_names(runs, coefs)}
     except OutOfTime as stop:
         print(f"stopped after --stop-after-minutes ({stop}); the same command continues", flush=True)
         return None
