@@ -366,8 +366,10 @@ class AnchorConfig(Strict):
         default_factory=list, description="Recorded episodes of the envs this run does not train (evaluate.py's "
         "episodes.jsonl files, played by the model the run starts from, e.g. at temperature 1), held near the "
         "reference by a KL term; [] = no anchor (the default).")
-    coef: float = Field(1.0, gt=0, description="Weight of each anchored env's KL(reference || policy) per token "
-                        "(r - 1 - log r on the recorded tokens) in the optimizer step (default 1.0).")
+    coef: float = Field(0.2, gt=0, description="Weight of each anchored env's KL(reference || policy) per token "
+                        "(r - 1 - log r on the recorded tokens) in the optimizer step (default 0.2: on the cells "
+                        "bench it kept the anchored env and a decided share of the trained env's gain, "
+                        "docs/benchmarks.md).")
     per_step: int = Field(4, ge=1, description="Episodes of each anchored env drawn (seeded, without replacement) a "
                           "step (default 4).")
     held_out_share: float = Field(0.25, ge=0, lt=1, description="Of each env's episodes (file order) the last "
