@@ -227,8 +227,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                         "every result goes here")
     parser.add_argument("--anchor-episodes", type=Path, required=True, help="the base's recorded episodes of the "
                         "anchored game (evaluate.py's episodes.jsonl)")
-    parser.add_argument("--anchor-coef", default="5", help="anchor.coef; a comma list runs `on` once per coef, "
-                        "each in run-on-coef<coef>/ (default 5)")
+    parser.add_argument("--anchor-coef", default="0.2", help="anchor.coef; a comma list runs `on` once per coef, "
+                        "each in run-on-coef<coef>/ (default 0.2, as the config's)")
     parser.add_argument("--anchor-per-step", type=int, default=4, help="anchor.per_step (default 4)")
     parser.add_argument("--held-out-share", type=float, default=0.375, help="anchor.held_out_share: these episodes "
                         "measure the drift (default 0.375)")

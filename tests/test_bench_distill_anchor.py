@@ -36,11 +36,11 @@ def test_the_anchor_bench_runs_off_and_on_and_continues_where_it_stopped(tiny_mo
     off_before = (tmp_path / "run-off" / "result.json").read_text()
     # 0 minutes: the run on stops before its first step; the same command then finishes it, off not run again
     assert distill_anchor.main(toy_args(tiny_model_dir, tmp_path, episodes, "--stop-after-minutes", "0")) is None
-    assert not (tmp_path / "run-on-coef5" / "result.json").exists()
+    assert not (tmp_path / "run-on-coef0.2" / "result.json").exists()
     summary = distill_anchor.main(toy_args(tiny_model_dir, tmp_path, episodes))
     assert (tmp_path / "run-off" / "result.json").read_text() == off_before
     off = json.loads((tmp_path / "run-off" / "result.json").read_text())
-    on = json.loads((tmp_path / "run-on-coef5" / "result.json").read_text())
+    on = json.loads((tmp_path / "run-on-coef0.2" / "result.json").read_text())
     assert [list(step) for step in off["training_curve"]] == [["cells_score"]] * 2
     assert [sorted(step) for step in on["training_curve"]] == \
         [["anchor/liars_dice/kl", "anchor/liars_dice/tokens", "cells_score"]] * 2
@@ -49,23 +49,23 @@ def test_the_anchor_bench_runs_off_and_on_and_continues_where_it_stopped(tiny_mo
     assert all(kl > 0 for kl in off["drift_kl"] + on["drift_kl"])  # both runs moved off the base
     assert summary["anchored_game"] == "liars_dice" and summary["drift_episodes"] == 2
     assert summary["anchor_episodes"] == 3
-    versus_off = summary["on@5_minus_off"]
+    versus_off = summary["on@0.2_minus_off"]
     assert [versus_off[k]["n"] for k in ("drift_kl", "held_out_cells", "trained_game", "anchored_game")] == [2, 2, 2, 2]
     assert versus_off["drift_kl"]["mean"] == pytest.approx(
         sum(a - b for a, b in zip(on["drift_kl"], off["drift_kl"])) / 2)
     assert summary["off"]["held_out_cells_gain"]["n"] == 2
-    assert summary["on@5"]["trained_game_change"]["n"] == 2 and summary["on@5"]["anchored_game_change"]["n"] == 2
-    saved = torch.load(tmp_path / "run-on-coef5" / "state.pt", weights_only=False)
+    assert summary["on@0.2"]["trained_game_change"]["n"] == 2 and summary["on@0.2"]["anchored_game_change"]["n"] == 2
+    saved = torch.load(tmp_path / "run-on-coef0.2" / "state.pt", weights_only=False)
     assert len(saved["curve"]) == 2 and saved["anchor"]["draws"]
-    assert json.loads((tmp_path / "run-on-coef5" / "recipe.json").read_text())["anchor"] == {"coef": 5.0,
+    assert json.loads((tmp_path / "run-on-coef0.2" / "recipe.json").read_text())["anchor"] == {"coef": 0.2,
                                                                                             "per_step": 2}
 
     # a sweep: another coef trains into its own folder from the same start, the runs already done are reused
-    swept = distill_anchor.main(toy_args(tiny_model_dir, tmp_path, episodes, "--anchor-coef", "5,0.5"))
+    swept = distill_anchor.main(toy_args(tiny_model_dir, tmp_path, episodes, "--anchor-coef", "0.2,0.5"))
     assert (tmp_path / "run-off" / "result.json").read_text() == off_before
-    low = json.loads((tmp_path / "run-on-coef0.5" / "result.json").read_text())
-    assert low["training_curve"][0]["cells_score"] == off["training_curve"][0]["cells_score"]
-    assert swept["on@5"] == summary["on@5"] and set(swept) >= {"on@5_minus_off", "on@0.5_minus_off"}
+    other = json.loads((tmp_path / "run-on-coef0.5" / "result.json").read_text())
+    assert other["training_curve"][0]["cells_score"] == off["training_curve"][0]["cells_score"]
+    assert swept["on@0.2"] == summary["on@0.2"] and set(swept) >= {"on@0.2_minus_off", "on@0.5_minus_off"}
 
     # a folder's results hold for its recipe: continuing with more steps is refused in one line, nothing touched
     with pytest.raises(SystemExit, match=r"run-off: measured with steps=2, asked steps=3: use another --output-dir"):
