@@ -13,7 +13,7 @@ from ppo_affine.checkpoint import load_trainer_state
 from ppo_affine.config import AnchorConfig, ConfigError, load_config
 from ppo_affine.distill.render import render_rollout
 from ppo_affine.testing.distill_cells import golden_cells, write_cells
-from test_train import deterministic, metrics, tiny_args
+from test_train import deterministic, metrics, straight_and_resumed, tiny_args
 
 
 def episode(game: str, replies: list[str]) -> dict:
@@ -174,13 +174,10 @@ def anchor_args(tiny_model_dir, out, loop_files, *extra):
 
 @pytest.mark.slow
 def test_the_anchor_in_the_cells_step_logs_each_env_and_resumes_exactly(tiny_model_dir, tmp_path, loop_files):
-    straight, split = tmp_path / "straight", tmp_path / "split"
     only = ("--set", "distill.only=true", "--set", "checkpointing.save_every=2", "--set", "ppo.learning_rate=0.01")
-    assert train_ppo.main(anchor_args(tiny_model_dir, straight, loop_files, "--max-steps", "4", *only)) == 0
-    assert train_ppo.main(anchor_args(tiny_model_dir, split, loop_files, "--max-steps", "2", *only)) == 0
-    assert train_ppo.main(anchor_args(tiny_model_dir, split, loop_files, "--max-steps", "4", "--resume", "latest",
-                                      *only)) == 0
-    a, b = metrics(straight / "t"), metrics(split / "t")
+    straight, split = straight_and_resumed(lambda out, *more: anchor_args(tiny_model_dir, out, loop_files, *more),
+                                           tmp_path, *only)
+    a, b = metrics(straight), metrics(split)
     assert [deterministic(r) for r in a] == [deterministic(r) for r in b]  # the same draws, the same numbers
     for record in a:  # liars_dice: 3 anchored, 2 held out (ceil(0.4 * 5)); trace: 1 and 1
         assert record["anchor/liars_dice/tokens"] > 0 and record["anchor/trace/tokens"] > 0
@@ -188,7 +185,7 @@ def test_the_anchor_in_the_cells_step_logs_each_env_and_resumes_exactly(tiny_mod
     assert a[0]["anchor/liars_dice/kl"] == 0 and a[-1]["anchor/liars_dice/kl"] > 0  # the adapter moved
     assert [sorted(k for k in r if k.endswith("held_out_kl")) for r in a] == \
         [[], ["anchor/liars_dice/held_out_kl", "anchor/trace/held_out_kl"]] * 2  # at the checkpoints
-    state = load_trainer_state(straight / "t" / "checkpoints" / "checkpoint-4")
+    state = load_trainer_state(straight / "checkpoints" / "checkpoint-4")
     assert state["anchor"]["draws"]
 
 

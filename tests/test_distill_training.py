@@ -7,7 +7,7 @@ import pytest
 import train_ppo
 from ppo_affine.checkpoint import load_trainer_state
 from ppo_affine.testing.distill_cells import golden_cells, write_cells
-from test_train import deterministic, metrics, tiny_args
+from test_train import deterministic, metrics, straight_and_resumed, tiny_args
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +30,10 @@ def cell_args(tiny_model_dir, out, cell_folders, *extra):
 
 @pytest.mark.slow
 def test_the_offline_mode_trains_on_cells_alone_and_resumes_exactly(tiny_model_dir, tmp_path, cell_folders):
-    straight, split = tmp_path / "straight", tmp_path / "split"
     only = ("--set", "distill.only=true", "--set", "distill.kl_coef=0.1", "--set", "checkpointing.save_every=2")
-    assert train_ppo.main(cell_args(tiny_model_dir, straight, cell_folders, "--max-steps", "4", *only)) == 0
-    assert train_ppo.main(cell_args(tiny_model_dir, split, cell_folders, "--max-steps", "2", *only)) == 0
-    assert train_ppo.main(cell_args(tiny_model_dir, split, cell_folders, "--max-steps", "4", "--resume", "latest",
-                                    *only)) == 0
-    a, b = metrics(straight / "t"), metrics(split / "t")
+    straight, split = straight_and_resumed(lambda out, *more: cell_args(tiny_model_dir, out, cell_folders, *more),
+                                           tmp_path, *only)
+    a, b = metrics(straight), metrics(split)
     assert [r["step"] for r in a] == [1, 2, 3, 4]
     assert [deterministic(r) for r in a] == [deterministic(r) for r in b]  # the same cells drawn, the same numbers
     for record in a:
@@ -45,7 +42,7 @@ def test_the_offline_mode_trains_on_cells_alone_and_resumes_exactly(tiny_model_d
     assert [("distill/held_out_score" in r) for r in a] == [False, True, False, True]  # at the checkpoints
     assert a[0]["distill/kl_per_token"] == 0 and a[-1]["distill/kl_per_token"] > 0  # the adapter moved off its reference
     assert any(r["distill/grad_norm"] > 1e-3 for r in a)
-    state = load_trainer_state(straight / "t" / "checkpoints" / "checkpoint-4")
+    state = load_trainer_state(straight / "checkpoints" / "checkpoint-4")
     assert state["distill"]["draws"]
 
 

@@ -92,14 +92,22 @@ def test_cut_off_episodes_are_neither_trained_on_nor_counted_by_the_curriculum(t
     assert ("policy/loss" in record) == (cut_off < 4)
 
 
+def straight_and_resumed(args_for, tmp_path, *extra) -> tuple[Path, Path]:
+    """One run made twice: four steps straight, and two steps then two more by `--resume latest`; their run folders
+    (straight, split). `args_for(output_dir, *more)` gives a run's arguments; `extra` goes to every call (with
+    checkpointing.save_every=2 the straight run saves where the split one stopped)."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert train_ppo.main(args_for(straight, "--max-steps", "4", *extra)) == 0
+    assert train_ppo.main(args_for(split, "--max-steps", "2", *extra)) == 0
+    assert train_ppo.main(args_for(split, "--max-steps", "4", "--resume", "latest", *extra)) == 0
+    return straight / "t", split / "t"
+
+
 @pytest.mark.slow
 def test_resume_latest_reproduces_the_straight_run(tiny_model_dir, tmp_path):
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    assert train_ppo.main(tiny_args(tiny_model_dir, straight, "--max-steps", "4", "--set",
-                                    "checkpointing.save_every=2")) == 0
-    assert train_ppo.main(tiny_args(tiny_model_dir, split, "--max-steps", "2")) == 0
-    assert train_ppo.main(tiny_args(tiny_model_dir, split, "--max-steps", "4", "--resume", "latest")) == 0
-    a, b = metrics(straight / "t"), metrics(split / "t")
+    straight, split = straight_and_resumed(lambda out, *more: tiny_args(tiny_model_dir, out, *more), tmp_path,
+                                           "--set", "checkpointing.save_every=2")
+    a, b = metrics(straight), metrics(split)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     if TEST_DEVICE != "cpu":
         # CUDA kernels do not repeat their rounding (an H100 run differed from itself at step 1: memory-efficient
@@ -110,7 +118,7 @@ def test_resume_latest_reproduces_the_straight_run(tiny_model_dir, tmp_path):
         return
     assert [deterministic(r) for r in a] == [deterministic(r) for r in b]
     adapter = "checkpoints/checkpoint-4/adapter/adapter_model.safetensors"
-    wa, wb = load_file(str(straight / "t" / adapter)), load_file(str(split / "t" / adapter))
+    wa, wb = load_file(str(straight / adapter)), load_file(str(split / adapter))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
