@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ppo_affine.config import ConfigError
+from ppo_affine.decode_caches import free_memory_bytes
 from ppo_affine.run_log import SAMPLES_FILE
 
 HELD_OUT_EVERY = 2  # one episode in two judges the rounding
@@ -115,22 +116,11 @@ def moment_bytes(layers: dict[str, object]) -> int:
     return total
 
 
-def available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def check_moment_memory(layers: dict[str, object]) -> None:
     """A ConfigError before the model loads when the two sets of moments (calibration and held out) would not fit
     in half the memory free now (routed experts adapted on a large MoE: one [in, in] per expert and layer)."""
-    needed, free = 2 * moment_bytes(layers), available_bytes()
-    if free is not None and needed > free // 2:
+    needed, free = 2 * moment_bytes(layers), free_memory_bytes(torch.device("cpu"))  # the sums live on the host
+    if needed > free // 2:
         raise ConfigError(f"error feedback's input second moments would hold {needed / 2**30:.1f} GB (calibration and "
                           f"held out, float32, {len(layers)} adapted weights), more than half the {free / 2**30:.1f} "
                           "GB free: pass --rounding nearest (or merge on a host with more memory).")

@@ -85,9 +85,9 @@ def test_moments_that_would_not_fit_in_half_the_free_memory_are_refused_before_t
 
     layers = {"q": SimpleNamespace(in_features=32), "down": SimpleNamespace(in_features=64)}
     assert calibration.moment_bytes(layers) == 32 * 32 * 4 + 64 * 64 * 4  # 20 480 bytes of float32 sums
-    monkeypatch.setattr(calibration, "available_bytes", lambda: 81920)  # half: 40 960 = two sets, fits
+    monkeypatch.setattr(calibration, "free_memory_bytes", lambda device: 81920)  # half: 40 960 = two sets, fits
     calibration.check_moment_memory(layers)
-    monkeypatch.setattr(calibration, "available_bytes", lambda: 81918)
+    monkeypatch.setattr(calibration, "free_memory_bytes", lambda device: 81918)
     with pytest.raises(ConfigError, match=r"would hold 0.0 GB .* 2 adapted weights.*pass --rounding nearest"):
         calibration.check_moment_memory(layers)
 
