@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from ppo_affine.calibration import CALIBRATION_TOKENS
 from ppo_affine.config import load_config
 from ppo_affine.model_files import load_tokenizer, model_source
 from ppo_affine.prompts import PromptBuilder
@@ -113,7 +114,8 @@ def main() -> None:
     parser.add_argument("--adapters", default="checkpoint",
                         help="with --episodes: 'checkpoint' (its own adapter) and/or 'random' (random factors of "
                              "--update RMS), comma-separated (default checkpoint)")
-    parser.add_argument("--calibration-tokens", type=int, default=32768, help="with --episodes: merge.py's cap")
+    parser.add_argument("--calibration-tokens", type=int, default=CALIBRATION_TOKENS,
+                        help="with --episodes: merge.py's cap")
     parser.add_argument("--variants", default="nearest,stochastic,error-feedback,error-feedback+act-order",
                         help="with --episodes: the roundings measured (error feedback's +act-order: the columns by "
                              "input energy, largest first)")

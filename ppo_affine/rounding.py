@@ -67,16 +67,22 @@ def output_kept_share(update: torch.Tensor, stored_error: torch.Tensor,
     expert weight [experts, out, in] takes one second moment per expert ([experts, in, in]) and sums its experts."""
     def energy(matrix: torch.Tensor) -> float:
         if second_moment is not None and second_moment.dim() == 3:
-            return sum(float(((m.double() @ s.double()) * m.double()).sum()) for m, s in zip(matrix, second_moment))
-        matrix = matrix.double().reshape(-1, matrix.shape[-1])
-        if second_moment is None:
-            return float(matrix.pow(2).sum())
-        return float(((matrix @ second_moment.double()) * matrix).sum())
+            return sum(_output_energy(m, s) for m, s in zip(matrix, second_moment))
+        return _output_energy(matrix, second_moment)
 
     total = energy(update)
     if total == 0.0:
         return 1.0
     return 1.0 - energy(stored_error) / total
+
+
+def _output_energy(matrix: torch.Tensor, second_moment: torch.Tensor | None) -> float:
+    """E|x·matrixᵀ|² over inputs of second moment `second_moment` (None: the identity)."""
+    matrix = matrix.double().reshape(-1, matrix.shape[-1])
+    if second_moment is None:
+        return float(matrix.pow(2).sum())
+    return float(((matrix @ second_moment.double()) * matrix).sum())
+
 
 def store(method: str, merged: torch.Tensor, dtype: torch.dtype, moment: torch.Tensor | None = None,
           generator: torch.Generator | None = None, as_linear: bool = True) -> torch.Tensor:
