@@ -58,7 +58,7 @@ from ppo_affine.envs.games import is_playable
 from ppo_affine.envs.tasks import (AVAILABLE_GAMES, game_name_of, game_task_id, paired_seed,
                                    trace_level_range, validator_seed)
 from ppo_affine.model_files import served_folder
-from ppo_affine.adapter_probe import check_evaluated_adapter
+from ppo_affine.adapter_probe import serve_evaluated_adapter
 from ppo_affine.model_files import load_adapter_model
 from ppo_affine.generation import VLLMError, VLLMGenerator, eos_token_ids
 from ppo_affine.local_generation import LocalGenerator
@@ -69,7 +69,6 @@ from ppo_affine.run_log import console, report_failure, rollout_progress, setup_
 from ppo_affine.config import Config, ConfigError, EnvSpec
 from ppo_affine.file_writes import WriteFailed, probe_writable, writing
 from ppo_affine.vllm_server import VLLMServerError, owned_server
-from ppo_affine.seeds import derive_seed
 from utils import add_config_arguments, config_for_adapter, program_parser
 
 log = logging.getLogger("evaluate")
@@ -243,9 +242,7 @@ def model_runs(config: Config, adapter_dir: Path | None, compare_base: bool, pol
 
         @contextlib.asynccontextmanager
         async def as_adapter():
-            if gen_cfg.check_adapter:  # before any episode: an engine that drops adapters would score the base
-                await check_evaluated_adapter(config, generator, adapter_dir)
-            await generator.load_adapter(adapter_dir, f"eval-{derive_seed(adapter_dir.resolve()):08x}")
+            await serve_evaluated_adapter(config, generator, adapter_dir)  # probed before any episode
             yield
 
         @contextlib.asynccontextmanager

@@ -7,7 +7,8 @@ the next-token log-probs by PROBE_SHIFT nats) into the server, samples a few tok
 server's log-probs of them with the local model's (`VLLMGenerator.check_adapter_applied`: a VLLMError naming the
 likely upstream bug where they are the base model's). train_ppo.py runs it with its policy before the first sample;
 evaluate.py (and its --env-evaluate path) before the first episode of an adapter it evaluates through a server, on
-the adapter loaded locally for it (the base model loaded once on run.device, freed after).
+the adapter loaded locally for it (the base model loaded once on run.device, freed after), as it loads the adapter
+into the server (`serve_evaluated_adapter`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from ppo_affine.file_writes import writing
 from ppo_affine.generation import PROBE_TEXT
+from ppo_affine.seeds import derive_seed
 
 
 async def check_engine_applies_adapters(policy, generator, folder: Path):
@@ -59,3 +61,12 @@ async def check_evaluated_adapter(config, generator, adapter_dir: Path):
         del policy, model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+async def serve_evaluated_adapter(config, generator, adapter_dir: Path) -> str:
+    """An evaluated adapter loaded into the server behind `generator` under a name of its own folder, probed first
+    where generation.check_adapter asks (an engine that drops adapters would have the base scored under the
+    adapter's name); the name requests give to play it."""
+    if config.train.generation.check_adapter:
+        await check_evaluated_adapter(config, generator, adapter_dir)
+    return await generator.load_adapter(adapter_dir, f"eval-{derive_seed(Path(adapter_dir).resolve()):08x}")

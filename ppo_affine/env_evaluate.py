@@ -29,12 +29,11 @@ import httpx
 from ppo_affine.envs.tasks import Task
 from ppo_affine.envs.affinetes_env import AffinetesEnv, RemoteCallError
 from ppo_affine.envs.tasks import game_name_of
-from ppo_affine.adapter_probe import check_evaluated_adapter
+from ppo_affine.adapter_probe import serve_evaluated_adapter
 from ppo_affine.generation import VLLMError, VLLMGenerator
 from ppo_affine.model_files import served_folder
 from ppo_affine.run_log import rollout_progress
 from ppo_affine.config import Config, ConfigError
-from ppo_affine.seeds import derive_seed
 
 log = logging.getLogger("evaluate")
 
@@ -202,9 +201,7 @@ async def evaluate_through_env(config: Config, tasks: list[Task], adapter_dir: P
         labels = ["adapter", "base"] if adapter_dir and compare_base else ["adapter"] if adapter_dir else ["base"]
         for label in labels:
             if label == "adapter":
-                if cfg.generation.check_adapter:  # an engine that drops adapters would be scored as the adapter
-                    await check_evaluated_adapter(config, generator, adapter_dir)
-                model = await generator.load_adapter(adapter_dir, f"eval-{derive_seed(adapter_dir.resolve()):08x}")
+                model = await serve_evaluated_adapter(config, generator, adapter_dir)  # probed before any episode
             else:
                 model = cfg.model.name_or_path
             served_names[label] = model
